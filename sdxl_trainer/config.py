@@ -1,0 +1,133 @@
+"""Typed configuration: one dataclass per script, read from defaults < a TOML file < command-line flags.
+
+Every field carries its help text (units, what 0 / None mean) in `field(metadata={"help": ...})`;
+the command-line parser is generated from the dataclass, so flags and config keys cannot drift apart.
+Unknown keys in the TOML file are errors, as are required fields left unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+ConfigT = TypeVar("ConfigT")
+REQUIRED = dataclasses.MISSING
+
+
+def option(default: Any = REQUIRED, help: str = "", **kwargs: Any) -> Any:
+    """A config field with its help text. Leave `default` out for a required field."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help}, **kwargs)
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+
+
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return annotation, False
+
+
+def _add_argument(parser: argparse.ArgumentParser, field: dataclasses.Field, annotation: Any) -> None:
+    base, _ = _unwrap_optional(annotation)
+    default = field.default if field.default is not REQUIRED else None
+    if field.default_factory is not REQUIRED:  # type: ignore[misc]
+        default = field.default_factory()  # type: ignore[misc]
+    help_text = field.metadata.get("help", "")
+    help_text += " (required)" if field.default is REQUIRED and field.default_factory is REQUIRED else f" (default: {default})"  # type: ignore[misc]
+    kwargs: dict[str, Any] = {"help": help_text, "default": argparse.SUPPRESS}
+    if base is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(base) is Literal:
+        kwargs["choices"] = typing.get_args(base)
+        kwargs["type"] = type(typing.get_args(base)[0])
+    elif typing.get_origin(base) is list:
+        kwargs["nargs"] = "+"
+        kwargs["type"] = typing.get_args(base)[0]
+    else:
+        kwargs["type"] = base
+    parser.add_argument(f"--{field.name}", **kwargs)
+
+
+def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
+    """Convert a TOML value to the field's type, or explain the mismatch."""
+    base, optional = _unwrap_optional(annotation)
+    if value is None and optional:
+        return None
+    if typing.get_origin(base) is Literal:
+        if value not in typing.get_args(base):
+            raise ValueError(f"{source}: {name} = {value!r} is not one of {typing.get_args(base)}")
+        return value
+    if typing.get_origin(base) is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{source}: {name} must be a list")
+        item_type = typing.get_args(base)[0]
+        return [item_type(item) for item in value]
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is Path and isinstance(value, str):
+        return Path(value)
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        raise ValueError(f"{source}: {name} = {value!r} should be of type {getattr(base, '__name__', base)}")
+    return value
+
+
+def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, description: str = "") -> ConfigT:
+    """Build `config_class` from defaults, then `--config FILE.toml`, then command-line flags."""
+    hints = typing.get_type_hints(config_class)
+    fields = dataclasses.fields(config_class)  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=None, help="TOML file with any of the options below; flags override it")
+    for field in fields:
+        _add_argument(parser, field, hints[field.name])
+    cli = vars(parser.parse_args(argv))
+
+    values: dict[str, Any] = {}
+    config_path = cli.pop("config")
+    if config_path is not None:
+        with open(config_path, "rb") as handle:
+            from_file = tomllib.load(handle)
+        known = {field.name for field in fields}
+        unknown = sorted(set(from_file) - known)
+        if unknown:
+            parser.error(f"{config_path}: unknown keys {unknown}; see --help for the valid names")
+        try:
+            values.update({key: _coerce(value, hints[key], key, str(config_path)) for key, value in from_file.items()})
+        except ValueError as error:
+            parser.error(str(error))
+    values.update(cli)
+    missing = [f"--{field.name}" for field in fields if field.name not in values and field.default is REQUIRED and field.default_factory is REQUIRED]  # type: ignore[misc]
+    if missing:
+        parser.error(f"missing required options: {', '.join(missing)}")
+    config = config_class(**values)
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        problems = validate()
+        if problems:
+            parser.error("invalid configuration:\n  " + "\n  ".join(problems))
+    return config
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return {key: _plain(value) for key, value in dataclasses.asdict(config).items()}
+
+
+def write_resolved_config(config: Any, path: Path) -> None:
+    """Save the fully resolved config (JSON) so a run can be understood and repeated later."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config_to_dict(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")

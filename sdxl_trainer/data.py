@@ -1,0 +1,136 @@
+"""Training data from one or more caches: the dataset of cached items and the bucketed epoch plan.
+
+Epoch plan (the same on every rank, from the seed alone):
+  - per bucket: the items carried over from the previous epoch come first, then the bucket's other items
+    in a seeded random order; the stream is cut into global batches of train_batch_size x world_size;
+  - the rest of each bucket (too few for a global batch) is carried over to the next epoch;
+  - all global batches are shuffled together; whole optimizer updates need gradient_accumulation_steps
+    of them, and the batches that would make an incomplete last update are carried over too;
+  - rank r takes items [r * train_batch_size, (r + 1) * train_batch_size) of each global batch.
+So within an epoch every item is used at most once, every batch comes from one bucket, and an item left
+out of an epoch is used first thing in the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import Dataset
+
+from .cache import CacheReader, load_manifest
+
+# Rows of a global batch plan are item indices into the dataset.
+GlobalBatch = np.ndarray
+
+
+class CachedDataset(Dataset):
+    """All items of the given caches. Item i's tensors are read from its shard on access."""
+
+    def __init__(self, cache_dirs: list[Path]):
+        self.cache_dirs = list(cache_dirs)
+        tables = []
+        for cache_index, cache_dir in enumerate(self.cache_dirs):
+            table = load_manifest(cache_dir)
+            tables.append(table.append_column("cache_index", pa.array(np.full(len(table), cache_index, dtype=np.int32))))
+        table = pa.concat_tables(tables) if tables else pa.table({})
+        self.num_items = len(table)
+        column = lambda name: table.column(name).to_numpy()  # noqa: E731
+        self.cache_index = column("cache_index")
+        self.shard = table.column("shard").to_pylist()
+        self.index_in_shard = column("index_in_shard")
+        self.captions = table.column("caption").to_pylist()
+        self.image_paths = table.column("image_path").to_pylist()
+        self.bucket_sizes = np.stack([column("bucket_width"), column("bucket_height")], axis=1)
+        # SDXL add_time_ids: original (h, w), crop (top, left), target (h, w).
+        self.time_ids = np.stack(
+            [column(name) for name in ("original_height", "original_width", "crop_top", "crop_left", "bucket_height", "bucket_width")],
+            axis=1,
+        ).astype(np.float32)
+        self._readers: dict[int, CacheReader] = {}
+
+    def __len__(self) -> int:
+        return self.num_items
+
+    def bucket_ids(self) -> np.ndarray:
+        """One integer per item naming its bucket (equal sizes = equal id)."""
+        return self.bucket_sizes[:, 0].astype(np.int64) * 100_000 + self.bucket_sizes[:, 1]
+
+    def _reader(self, cache_index: int) -> CacheReader:
+        # Opened lazily, so each DataLoader worker process gets its own file handles.
+        if cache_index not in self._readers:
+            self._readers[cache_index] = CacheReader(self.cache_dirs[cache_index])
+        return self._readers[cache_index]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tensors = self._reader(int(self.cache_index[index])).read(self.shard[index], int(self.index_in_shard[index]))
+        tensors["time_ids"] = torch.from_numpy(self.time_ids[index])
+        tensors["item_index"] = torch.tensor(index, dtype=torch.int64)
+        return tensors
+
+
+@dataclass
+class EpochPlan:
+    batches: list[GlobalBatch]  # global batches in training order, each of global_batch_size items
+    carried_out: np.ndarray  # items left for the next epoch
+
+
+class EpochPlanner:
+    """Deterministic bucketed epoch plans; see the module docstring for the rules."""
+
+    def __init__(self, bucket_ids: np.ndarray, trainable: np.ndarray, global_batch_size: int, accumulation_steps: int, seed: int):
+        self.global_batch_size = global_batch_size
+        self.accumulation_steps = accumulation_steps
+        self.seed = seed
+        self.bucket_of = bucket_ids
+        self.items_by_bucket = {int(bucket): np.sort(trainable[bucket_ids[trainable] == bucket]) for bucket in np.unique(bucket_ids[trainable])}
+
+    def plan(self, epoch: int, carried_in: np.ndarray) -> EpochPlan:
+        rng = np.random.default_rng([self.seed, epoch])
+        batches: list[GlobalBatch] = []
+        leftovers: list[np.ndarray] = []
+        for bucket, items in self.items_by_bucket.items():
+            carried_here = carried_in[self.bucket_of[carried_in] == bucket] if len(carried_in) else carried_in
+            fresh = np.setdiff1d(items, carried_here, assume_unique=True)
+            stream = np.concatenate([carried_here, rng.permutation(fresh)]).astype(np.int64)
+            full = len(stream) // self.global_batch_size * self.global_batch_size
+            batches.extend(stream[:full].reshape(-1, self.global_batch_size))
+            leftovers.append(stream[full:])
+        order = rng.permutation(len(batches))
+        batches = [batches[i] for i in order]
+        incomplete_update = len(batches) % self.accumulation_steps
+        if incomplete_update:
+            leftovers = [*batches[-incomplete_update:], *leftovers]
+            batches = batches[:-incomplete_update]
+        carried_out = np.concatenate(leftovers).astype(np.int64) if leftovers else np.zeros(0, dtype=np.int64)
+        return EpochPlan(batches, carried_out)
+
+    def plans(self, num_epochs: int) -> list[EpochPlan]:
+        carried = np.zeros(0, dtype=np.int64)
+        plans = []
+        for epoch in range(num_epochs):
+            plans.append(self.plan(epoch, carried))
+            carried = plans[-1].carried_out
+        return plans
+
+
+def small_buckets(bucket_sizes: np.ndarray, bucket_ids: np.ndarray, items: np.ndarray, global_batch_size: int) -> dict[str, int]:
+    """Buckets (as "WxH") holding fewer items than one global batch: they can never form a batch."""
+    ids, counts = np.unique(bucket_ids[items], return_counts=True)
+    result = {}
+    for bucket, count in zip(ids, counts):
+        if count < global_batch_size:
+            width, height = bucket_sizes[items[bucket_ids[items] == bucket][0]]
+            result[f"{width}x{height}"] = int(count)
+    return result
+
+
+def rank_slice(batch: GlobalBatch, rank: int, per_rank_batch: int) -> list[int]:
+    return batch[rank * per_rank_batch : (rank + 1) * per_rank_batch].tolist()
+
+
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}

@@ -1,0 +1,32 @@
+"""Writing the trained model out as a diffusers pipeline folder."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from diffusers import StableDiffusionXLPipeline
+
+SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def save_pipeline(unet_state_dict: dict[str, torch.Tensor], base_model: str, output_dir: Path, save_precision: str) -> Path:
+    """Save base_model's pipeline with the trained UNet weights into output_dir (rank 0 only).
+
+    Written to a temporary sibling folder and renamed, so an interrupted export never leaves a folder
+    that looks complete; an older export at output_dir is replaced only once the new one is whole."""
+    pipeline = StableDiffusionXLPipeline.from_pretrained(base_model, torch_dtype=SAVE_DTYPES[save_precision])
+    pipeline.unet.load_state_dict(unet_state_dict, strict=True)  # copies (and casts) into the base weights
+    tmp_dir = output_dir.with_name(f".{output_dir.name}.tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    pipeline.save_pretrained(tmp_dir)
+    if output_dir.exists():
+        old_dir = output_dir.with_name(f".{output_dir.name}.old")
+        shutil.rmtree(old_dir, ignore_errors=True)
+        output_dir.rename(old_dir)
+        tmp_dir.rename(output_dir)
+        shutil.rmtree(old_dir)
+    else:
+        tmp_dir.rename(output_dir)
+    return output_dir

@@ -1,0 +1,114 @@
+"""Finding image + caption pairs in a data folder and preparing each into a bucket-sized image."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .buckets import CropPlan, micro_conditioning, plan_crop
+from .cache import sha256_bytes
+from .images import IMAGE_EXTENSIONS, UnreadableImage, decode_image, resize_and_crop, to_model_input
+
+
+@dataclass(frozen=True)
+class SourcePair:
+    image_path: Path
+    relative_path: str  # image path relative to the data folder, '/'-separated: the item's identity
+
+
+@dataclass
+class PreparedItem:
+    source: SourcePair
+    image_sha256: str
+    caption: str
+    plan: CropPlan
+    original_width: int
+    original_height: int
+    pixels: torch.Tensor  # (3, bucket height, bucket width) in [-1, 1]
+
+    def manifest_row(self) -> dict:
+        time_ids = micro_conditioning(self.original_width, self.original_height, self.plan)
+        return {
+            "image_path": self.source.relative_path,
+            "image_sha256": self.image_sha256,
+            "caption": self.caption,
+            "bucket_width": self.plan.bucket.width,
+            "bucket_height": self.plan.bucket.height,
+            "original_width": time_ids[1],
+            "original_height": time_ids[0],
+            "crop_top": time_ids[2],
+            "crop_left": time_ids[3],
+            "upscaled": False,
+        }
+
+
+class SkippedItem(Exception):
+    """An item that cannot be cached; str() is the reason, for the per-run error log."""
+
+    def __init__(self, source: SourcePair, reason: str, category: str):
+        super().__init__(reason)
+        self.source = source
+        self.category = category  # short key for the end-of-run counts
+
+
+def scan_images(data_dir: Path) -> list[SourcePair]:
+    """Every image under data_dir (recursively, hidden folders skipped), sorted for a stable order."""
+    pairs = []
+    for path in sorted(data_dir.rglob("*")):
+        relative = path.relative_to(data_dir)
+        if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file() and not any(part.startswith(".") for part in relative.parts):
+            pairs.append(SourcePair(path, relative.as_posix()))
+    return pairs
+
+
+def worker_of(relative_path: str, num_workers: int) -> int:
+    """Which of num_workers caches this item: a stable hash of its path, the same on every machine."""
+    digest = hashlib.sha1(relative_path.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") % num_workers
+
+
+def read_caption(source: SourcePair) -> str:
+    caption_path = source.image_path.with_suffix(".txt")
+    if not caption_path.is_file():
+        raise SkippedItem(source, f"no caption file {caption_path.name} next to the image: add one", "missing caption")
+    try:
+        caption = caption_path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise SkippedItem(source, f"caption {caption_path.name} is not UTF-8 ({error}): re-save it as UTF-8", "caption not UTF-8") from error
+    caption = " ".join(caption.split())
+    if not caption:
+        raise SkippedItem(source, f"caption {caption_path.name} is empty: write a caption", "empty caption")
+    return caption
+
+
+def read_source(source: SourcePair) -> tuple[bytes, str, str]:
+    """(image bytes, their SHA-256, caption): what decides whether a cached item is still valid."""
+    caption = read_caption(source)
+    try:
+        data = source.image_path.read_bytes()
+    except OSError as error:
+        raise SkippedItem(source, f"cannot read the file ({error})", "unreadable image") from error
+    if not data:
+        raise SkippedItem(source, "the file is empty (0 bytes)", "unreadable image")
+    return data, sha256_bytes(data), caption
+
+
+def prepare_item(source: SourcePair, data: bytes, image_sha256: str, caption: str, min_resolution: int, max_resolution: int) -> PreparedItem:
+    """Decode, choose the bucket, resize and crop. Raises SkippedItem with the reason."""
+    try:
+        image = decode_image(data)
+    except UnreadableImage as error:
+        raise SkippedItem(source, str(error), "unreadable image") from error
+    width, height = image.size
+    plan = plan_crop(width, height, min_resolution, max_resolution)
+    if plan is None:
+        raise SkippedItem(
+            source,
+            f"{width}x{height} px is too small for the smallest bucket of --min_resolution {min_resolution}",
+            "too small",
+        )
+    pixels = to_model_input(resize_and_crop(image, plan))
+    return PreparedItem(source, image_sha256, caption, plan, width, height, pixels)

@@ -1,0 +1,171 @@
+"""Build a random-initialised SDXL pipeline in small sizes (tests, quickstart) or the full-size SDXL UNet.
+
+The tiny pipeline has SDXL's architecture: a UNet with text_time conditioning, CLIPTextModel +
+CLIPTextModelWithProjection (penultimate hidden states concatenated, pooled output from the second),
+an AutoencoderKL with 8x downsampling, two CLIP tokenizers with CLIP's real BPE vocabulary, and SDXL's
+scheduler config. It is saved with `save_pretrained`, so it loads through exactly the code that loads
+`stabilityai/stable-diffusion-xl-base-1.0`. Nothing is downloaded: the BPE merges ship with open_clip.
+
+Run: python -m sdxl_trainer.tiny_model OUTPUT_DIR [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+TEXT_MAX_LENGTH = 77
+
+# stabilityai/stable-diffusion-xl-base-1.0 unet/config.json (the published architecture).
+SDXL_UNET_CONFIG = dict(
+    sample_size=128,
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    block_out_channels=(320, 640, 1280),
+    layers_per_block=2,
+    transformer_layers_per_block=(1, 2, 10),
+    attention_head_dim=(5, 10, 20),
+    cross_attention_dim=2048,
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=256,
+    projection_class_embeddings_input_dim=2816,
+    norm_num_groups=32,
+)
+
+# The same architecture with every width and depth cut down. Text width 32 + 32 = 64 cross-attention
+# channels; pooled projection 32 + 6 time ids x 8 = 80 wide additional embedding.
+TINY_TEXT_WIDTH = 32
+TINY_TIME_EMBED_DIM = 8
+TINY_UNET_CONFIG = dict(
+    sample_size=32,
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    block_out_channels=(32, 64),
+    layers_per_block=1,
+    transformer_layers_per_block=(1, 1),
+    attention_head_dim=(2, 4),
+    cross_attention_dim=2 * TINY_TEXT_WIDTH,
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=TINY_TIME_EMBED_DIM,
+    projection_class_embeddings_input_dim=TINY_TEXT_WIDTH + 6 * TINY_TIME_EMBED_DIM,
+    norm_num_groups=16,
+)
+
+TINY_VAE_CONFIG = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(16, 16, 32, 32),
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=16,
+    sample_size=256,
+    scaling_factor=0.13025,  # SDXL's
+)
+
+# stabilityai/stable-diffusion-xl-base-1.0 scheduler/scheduler_config.json
+SDXL_SCHEDULER_CONFIG = dict(
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    num_train_timesteps=1000,
+    prediction_type="epsilon",
+    steps_offset=1,
+    timestep_spacing="leading",
+    interpolation_type="linear",
+    use_karras_sigmas=False,
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """CLIP's reversible byte -> printable-character map (the alphabet of its byte-level BPE)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    characters = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            characters.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, characters)))
+
+
+def clip_bpe_vocabulary() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """CLIP's vocabulary and BPE merges, derived from the BPE file that open_clip ships."""
+    import open_clip
+
+    bpe_path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
+    merge_lines = gzip.open(bpe_path, "rt", encoding="utf-8").read().split("\n")[1 : 49152 - 256 - 2 + 1]
+    merges = [tuple(line.split()) for line in merge_lines]
+    alphabet = list(_bytes_to_unicode().values())
+    tokens = alphabet + [character + "</w>" for character in alphabet] + ["".join(merge) for merge in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return {token: index for index, token in enumerate(tokens)}, merges
+
+
+def build_tiny_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
+    torch.manual_seed(seed)
+    vocab, merges = clip_bpe_vocabulary()
+    # SDXL pads tokenizer 1 with <|endoftext|> and tokenizer 2 (OpenCLIP bigG's) with "!".
+    tokenizer, tokenizer_2 = (
+        CLIPTokenizer(vocab=vocab, merges=merges, pad_token=pad_token, model_max_length=TEXT_MAX_LENGTH)
+        for pad_token in ("<|endoftext|>", "!")
+    )
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=TINY_TEXT_WIDTH,
+        intermediate_size=4 * TINY_TEXT_WIDTH,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=TEXT_MAX_LENGTH,
+        projection_dim=TINY_TEXT_WIDTH,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    text_encoder = CLIPTextModel(CLIPTextConfig(**text_config, hidden_act="quick_gelu"))
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text_config, hidden_act="gelu"))
+    return StableDiffusionXLPipeline(
+        vae=AutoencoderKL(**TINY_VAE_CONFIG),
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2,
+        unet=UNet2DConditionModel(**TINY_UNET_CONFIG),
+        scheduler=EulerDiscreteScheduler(**SDXL_SCHEDULER_CONFIG),
+    )
+
+
+def save_tiny_pipeline(output_dir: Path, seed: int = 0) -> Path:
+    build_tiny_pipeline(seed).save_pretrained(output_dir)
+    return output_dir
+
+
+def build_full_size_unet() -> UNet2DConditionModel:
+    """The full-size SDXL UNet (2.57 B parameters) with random weights, for benchmarks without downloads."""
+    return UNet2DConditionModel(**SDXL_UNET_CONFIG)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output_dir", type=Path, help="folder to write the diffusers pipeline into")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    args = parser.parse_args()
+    save_tiny_pipeline(args.output_dir, args.seed)
+    print(f"Tiny SDXL pipeline written to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()
