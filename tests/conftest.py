@@ -1,0 +1,64 @@
+"""Shared fixtures: the tiny SDXL pipeline and a cache of sample_dataset/ made with it (built once per run)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_DATASET = REPO_ROOT / "sample_dataset"
+# The quickstart's resolution range: small enough for CPU tests, wide enough for several buckets.
+MIN_RESOLUTION, MAX_RESOLUTION = 256, 512
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline_dir(tmp_path_factory) -> Path:
+    from sdxl_trainer.tiny_model import save_tiny_pipeline
+
+    return save_tiny_pipeline(tmp_path_factory.mktemp("tiny") / "tiny_sdxl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def sample_cache_dir(tmp_path_factory, tiny_pipeline_dir) -> Path:
+    import sdxl_process_data_dir
+
+    cache_dir = tmp_path_factory.mktemp("cache") / "sample_cache"
+    exit_code = sdxl_process_data_dir.main(
+        [
+            "--data_dir", str(SAMPLE_DATASET),
+            "--cache_dir", str(cache_dir),
+            "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+            "--min_resolution", str(MIN_RESOLUTION),
+            "--max_resolution", str(MAX_RESOLUTION),
+        ]
+    )
+    assert exit_code == 0
+    return cache_dir
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_processes(num_processes: int, script: Path, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `script` on num_processes CPU processes (gloo) with torchrun, as train.sh does."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc_per_node", str(num_processes),
+        "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()),
+        str(script), *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO_ROOT))
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{script.name} failed on {num_processes} processes:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    return result
