@@ -1,6 +1,6 @@
 """Full fine-tuning of the SDXL UNet from a latent cache, sharded with PyTorch FSDP2 over every process.
 
-Launch with train.sh (accelerate launch / torchrun, one process per GPU; 2 CPU processes without a GPU).
+Launch with train.sh (torchrun, one process per GPU; 2 CPU processes without a GPU), or accelerate launch.
 Reads caches written by sdxl_process_data_dir.py, so only the UNet is loaded: no VAE, no text encoders.
 Reads top to bottom: configuration, set-up (world, data, model, optimizer), the training loop, export.
 """
