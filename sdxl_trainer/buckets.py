@@ -2,8 +2,8 @@
 
 Bucket table (version below): for every resolution category R from 256 to 2048 px in steps of 64, the
 buckets are the (width, height) pairs with both sides multiples of 64, width x height <= R x R, and an
-aspect ratio between 1:2 and 2:1. For each width the largest allowed height is kept, so every bucket is
-as close to R x R pixels as 64-px steps allow.
+aspect ratio between 1:2 and 2:1. For each landscape width the largest allowed height is kept (so every
+bucket is as close to R x R pixels as 64-px steps allow), and portrait buckets mirror landscape ones.
 
 An image goes to the largest category (up to the maximum resolution) whose nearest-aspect bucket fits
 inside it, so images are only ever scaled down: scale to cover the bucket, then centre crop.
@@ -57,15 +57,19 @@ def validate_resolution(resolution: int, flag: str) -> None:
 
 @lru_cache(maxsize=None)
 def buckets_for_category(category: int) -> tuple[Bucket, ...]:
-    """All buckets of resolution category `category`, sorted by aspect ratio (tall to wide)."""
+    """All buckets of resolution category `category`, sorted by aspect ratio (tall to wide).
+
+    Landscape buckets (width >= height) take, for each width, the largest height the area allows;
+    portrait buckets are their transposes, so both orientations get the same choice of shapes."""
     validate_resolution(category, "category")
     area = category * category
-    buckets = []
-    for width in range(SIDE_MULTIPLE, int(category * MAX_ASPECT) + 1, SIDE_MULTIPLE):
+    landscape = set()
+    for width in range(category, int(category * MAX_ASPECT) + 1, SIDE_MULTIPLE):
         height = (area // width) // SIDE_MULTIPLE * SIDE_MULTIPLE
-        if height >= SIDE_MULTIPLE and 1 / MAX_ASPECT <= width / height <= MAX_ASPECT:
-            buckets.append(Bucket(width, height))
-    return tuple(sorted(buckets, key=lambda b: b.aspect))
+        if height >= SIDE_MULTIPLE and width / height <= MAX_ASPECT:
+            landscape.add(Bucket(width, height))
+    buckets = landscape | {Bucket(bucket.height, bucket.width) for bucket in landscape}
+    return tuple(sorted(buckets, key=lambda b: (b.aspect, b.width)))
 
 
 def categories(min_resolution: int, max_resolution: int) -> list[int]:

@@ -69,6 +69,10 @@ def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
         if not isinstance(value, list):
             raise ValueError(f"{source}: {name} must be a list")
         item_type = typing.get_args(base)[0]
+        accepted = str if item_type is Path else item_type
+        wrong = [item for item in value if not isinstance(item, accepted) or isinstance(item, bool)]
+        if wrong:
+            raise ValueError(f"{source}: {name} items must be of type {accepted.__name__}, got {wrong!r}")
         return [item_type(item) for item in value]
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -92,8 +96,11 @@ def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, des
     values: dict[str, Any] = {}
     config_path = cli.pop("config")
     if config_path is not None:
-        with open(config_path, "rb") as handle:
-            from_file = tomllib.load(handle)
+        try:
+            with open(config_path, "rb") as handle:
+                from_file = tomllib.load(handle)
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            parser.error(f"cannot read --config {config_path}: {error}")
         known = {field.name for field in fields}
         unknown = sorted(set(from_file) - known)
         if unknown:

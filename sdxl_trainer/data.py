@@ -101,6 +101,12 @@ class EpochPlanner:
             leftovers.append(stream[full:])
         order = rng.permutation(len(batches))
         batches = [batches[i] for i in order]
+        # Batches holding carried-over items go first, so an incomplete last update never holds them
+        # back a second time.
+        holds_carried = [bool(np.isin(batch, carried_in).any()) for batch in batches]
+        batches = [batch for batch, carried in zip(batches, holds_carried) if carried] + [
+            batch for batch, carried in zip(batches, holds_carried) if not carried
+        ]
         incomplete_update = len(batches) % self.accumulation_steps
         if incomplete_update:
             leftovers = [*batches[-incomplete_update:], *leftovers]

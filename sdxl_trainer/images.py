@@ -7,7 +7,7 @@ import warnings
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .buckets import CropPlan
 
@@ -37,15 +37,17 @@ def decode_image(data: bytes) -> Image.Image:
             image.load()
     except UnreadableImage:
         raise
+    except UnidentifiedImageError as error:
+        raise UnreadableImage("not an image in a format Pillow can read (wrong extension, or not an image at all)") from error
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         raise UnreadableImage(f"not a readable image ({type(error).__name__}: {error})") from error
 
     image = ImageOps.exif_transpose(image)
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        # 16-bit grayscale: Pillow's "L" conversion clips, so scale to 8 bits explicitly.
+        # 16-bit grayscale: Pillow's "L" conversion clips instead of scaling, so scale the full 16-bit
+        # range to 8 bits explicitly (the range is a property of the format, not of this image's pixels).
         array = np.asarray(image, dtype=np.float32)
-        peak = 65535.0 if array.max() > 255 else 255.0
-        image = Image.fromarray(np.clip(array / peak * 255.0 + 0.5, 0, 255).astype(np.uint8), "L")
+        image = Image.fromarray(np.clip(array / 65535.0 * 255.0 + 0.5, 0, 255).astype(np.uint8), "L")
     has_alpha = image.mode in ("RGBA", "LA", "PA") or (image.mode in ("P", "L", "RGB") and "transparency" in image.info)
     if has_alpha:
         rgba = image.convert("RGBA")

@@ -150,11 +150,6 @@ def test_toml_type_mismatch(tmp_path, capsys, line, expected):
     assert expected in err
 
 
-@pytest.mark.xfail(
-    reason="BUG: _coerce converts list items with item_type(item) unchecked, so a TOML list of numbers for a "
-    "list[Path] field crashes with a raw TypeError instead of an argparse error",
-    strict=True,
-)
 def test_toml_list_with_wrong_item_type_is_an_argparse_error(tmp_path, capsys):
     err = parse_error(capsys, ["--config", str(toml_file(tmp_path, 'data_dir = "d"\nextra_dirs = [1, 2]\n'))])
     assert "extra_dirs" in err

@@ -1,0 +1,228 @@
+"""The bucketed epoch plan (EpochPlanner), per-rank slices of a global batch, small-bucket warnings, and the
+cached dataset's per-item micro-conditioning."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from sdxl_trainer.cache import CachedItem, ShardWriter
+from sdxl_trainer.data import CachedDataset, EpochPlanner, collate, rank_slice, small_buckets
+
+# --- helpers ----------------------------------------------------------------------------------------------
+
+
+def bucket_ids_for(counts: list[int]) -> np.ndarray:
+    """Items 0..N-1 laid out bucket after bucket: counts [7, 5, 2] -> seven 0s, five 1s, two 2s (shuffled order
+    would do too; contiguous keeps the expectations readable)."""
+    return np.repeat(np.arange(len(counts)), counts).astype(np.int64)
+
+
+def planner(counts: list[int], global_batch: int = 2, accumulation: int = 1, seed: int = 0, trainable=None) -> EpochPlanner:
+    ids = bucket_ids_for(counts)
+    items = np.arange(len(ids)) if trainable is None else np.asarray(trainable)
+    return EpochPlanner(ids, items, global_batch, accumulation, seed)
+
+
+def used_items(plan) -> list[int]:
+    return [int(item) for batch in plan.batches for item in batch]
+
+
+CASES = [
+    pytest.param([7, 5, 2], 2, 1, id="7-5-2_gb2_acc1"),
+    pytest.param([7, 5, 2], 2, 2, id="7-5-2_gb2_acc2"),
+    pytest.param([7, 5, 4], 2, 2, id="7-5-4_gb2_acc2"),  # 7 batches: one is held back for whole updates
+    pytest.param([9, 6, 3], 3, 2, id="9-6-3_gb3_acc2"),
+    pytest.param([11, 4], 4, 3, id="11-4_gb4_acc3"),
+]
+
+
+# --- EpochPlanner -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("counts,global_batch,accumulation", CASES)
+def test_plan_invariants(counts, global_batch, accumulation):
+    ids = bucket_ids_for(counts)
+    every_item = set(range(len(ids)))
+    for seed in range(5):
+        plans = planner(counts, global_batch, accumulation, seed).plans(6)
+        for plan in plans:
+            assert plan.batches, "these datasets always make at least one update"
+            for batch in plan.batches:
+                assert batch.shape == (global_batch,)
+                assert len(set(ids[batch].tolist())) == 1, "a batch mixes buckets"
+            assert len(plan.batches) % accumulation == 0, "only whole optimizer updates"
+            used = used_items(plan)
+            assert len(used) == len(set(used)), "an item appears twice in one epoch"
+            carried = plan.carried_out.tolist()
+            # Used + carried out = every trainable item, each exactly once.
+            assert sorted(used + carried) == sorted(every_item)
+            assert plan.carried_out.dtype == np.int64
+
+
+def test_buckets_need_not_be_contiguous():
+    ids = np.array([2, 0, 1, 0, 2, 1, 0, 0, 1, 2, 0, 1], dtype=np.int64)
+    for seed in range(5):
+        plans = EpochPlanner(ids, np.arange(len(ids)), 2, 1, seed).plans(3)
+        for plan in plans:
+            assert all(len(set(ids[batch].tolist())) == 1 for batch in plan.batches)
+            assert sorted(used_items(plan) + plan.carried_out.tolist()) == list(range(len(ids)))
+
+
+def test_hand_checked_counts():
+    # Buckets 7, 5, 2 with global batch 2: 3 + 2 + 1 = 6 batches, items 6 (from bucket 0) and one of bucket 1 left.
+    plan = planner([7, 5, 2]).plan(0, np.zeros(0, dtype=np.int64))
+    assert len(plan.batches) == 6
+    assert Counter(int(bucket_ids_for([7, 5, 2])[b[0]]) for b in plan.batches) == {0: 3, 1: 2, 2: 1}
+    assert len(plan.carried_out) == 2
+    assert sorted(bucket_ids_for([7, 5, 2])[plan.carried_out].tolist()) == [0, 1]
+
+
+def test_incomplete_update_is_carried_over():
+    # Buckets 7, 5, 4 with global batch 2 make 7 batches; accumulation 2 keeps 6 and carries one batch's items.
+    plan = planner([7, 5, 4], accumulation=2).plan(0, np.zeros(0, dtype=np.int64))
+    assert len(plan.batches) == 6
+    assert len(plan.carried_out) == 2 + 1 + 1  # the held-back batch + one leftover from each odd bucket
+
+
+@pytest.mark.parametrize(
+    "counts,global_batch,accumulation",
+    [([7, 5, 2], 2, 1), ([9, 6, 5], 4, 1), ([13, 8, 5], 3, 1), ([7, 5, 2], 2, 2)],  # the last: 6 batches, none held back
+)
+def test_carried_items_are_used_in_the_next_epoch(counts, global_batch, accumulation):
+    # When only bucket remainders are carried (every bucket here holds at least one global batch), they lead
+    # their bucket's stream next epoch, so each is used exactly once there.
+    for seed in range(5):
+        plans = planner(counts, global_batch, accumulation, seed).plans(5)
+        for previous, current in zip(plans, plans[1:]):
+            used = Counter(used_items(current))
+            assert all(used[int(item)] == 1 for item in previous.carried_out), (seed, previous.carried_out, used)
+
+
+def test_carried_items_are_used_in_the_next_epoch_with_accumulation():
+    for seed in range(10):
+        plans = planner([7, 5, 4], 2, 2, seed).plans(5)
+        for previous, current in zip(plans, plans[1:]):
+            used = set(used_items(current))
+            assert set(previous.carried_out.tolist()) <= used, (seed, previous.carried_out)
+
+
+def test_same_seed_same_plan_other_seed_other_order():
+    def flat(plans):
+        return [[batch.tolist() for batch in plan.batches] + [plan.carried_out.tolist()] for plan in plans]
+
+    assert flat(planner([7, 5, 2], seed=11).plans(4)) == flat(planner([7, 5, 2], seed=11).plans(4))
+    assert flat(planner([7, 5, 2], seed=11).plans(4)) != flat(planner([7, 5, 2], seed=12).plans(4))
+
+
+def test_epochs_differ():
+    first, second = planner([7, 5, 2], seed=3).plans(2)
+    assert [b.tolist() for b in first.batches] != [b.tolist() for b in second.batches]
+
+
+def test_plan_is_a_function_of_seed_epoch_and_carried_items():
+    # Any rank (or a resumed run) can rebuild epoch e from the seed and the carried items alone.
+    p = planner([7, 5, 2], seed=5)
+    plans = p.plans(3)
+    again = p.plan(2, plans[1].carried_out)
+    assert [b.tolist() for b in again.batches] == [b.tolist() for b in plans[2].batches]
+    assert again.carried_out.tolist() == plans[2].carried_out.tolist()
+
+
+def test_only_trainable_items_are_planned():
+    ids = bucket_ids_for([7, 5, 2])
+    trainable = np.array([0, 1, 2, 3, 7, 8, 9, 12, 13])  # items 4, 5, 6, 10, 11 excluded
+    plans = planner([7, 5, 2], trainable=trainable).plans(3)
+    for plan in plans:
+        used = used_items(plan)
+        assert sorted(used + plan.carried_out.tolist()) == trainable.tolist()
+        assert all(len(set(ids[batch].tolist())) == 1 for batch in plan.batches)
+
+
+def test_bucket_smaller_than_global_batch_is_always_carried():
+    # Bucket 2 holds 1 item, global batch 2: it can never form a batch.
+    plans = planner([4, 1], global_batch=2).plans(3)
+    for plan in plans:
+        assert 4 not in used_items(plan)
+        assert 4 in plan.carried_out.tolist()
+
+
+def test_no_items_no_batches():
+    plan = EpochPlanner(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 2, 1, 0).plan(0, np.zeros(0, dtype=np.int64))
+    assert plan.batches == [] and plan.carried_out.tolist() == []
+
+
+# --- rank_slice and small_buckets -------------------------------------------------------------------------
+
+
+def test_rank_slice():
+    batch = np.array([10, 11, 12, 13])
+    assert rank_slice(batch, 0, 2) == [10, 11]
+    assert rank_slice(batch, 1, 2) == [12, 13]
+    assert all(type(item) is int for item in rank_slice(batch, 0, 2))
+    assert [rank_slice(batch, rank, 1) for rank in range(4)] == [[10], [11], [12], [13]]
+
+
+def test_rank_slices_partition_every_planned_batch():
+    for plan in planner([9, 6, 3], global_batch=4).plans(2):
+        for batch in plan.batches:
+            assert rank_slice(batch, 0, 2) + rank_slice(batch, 1, 2) == batch.tolist()
+
+
+def test_small_buckets():
+    # Item sizes (width, height): three 1024x1024, one 832x1216, two 1216x832.
+    sizes = np.array([[1024, 1024], [832, 1216], [1024, 1024], [1216, 832], [1024, 1024], [1216, 832]])
+    ids = sizes[:, 0].astype(np.int64) * 100_000 + sizes[:, 1]
+    items = np.arange(len(sizes))
+    assert small_buckets(sizes, ids, items, 3) == {"832x1216": 1, "1216x832": 2}
+    assert small_buckets(sizes, ids, items, 2) == {"832x1216": 1}
+    assert small_buckets(sizes, ids, items, 1) == {}
+    # Only the given items count.
+    assert small_buckets(sizes, ids, np.array([0, 2, 3]), 2) == {"1216x832": 1}
+
+
+# --- CachedDataset ----------------------------------------------------------------------------------------
+
+
+def test_cached_dataset_time_ids_and_bucket_ids(tmp_path):
+    def item(path, width, height, original, crop, seed):
+        generator = torch.Generator().manual_seed(seed)
+        return CachedItem(
+            latents=torch.randn(4, height // 8, width // 8, generator=generator),
+            prompt_embeds=torch.randn(77, 16, generator=generator),
+            pooled_prompt_embeds=torch.randn(8, generator=generator),
+            row={
+                "image_path": path,
+                "image_sha256": "0" * 64,
+                "caption": f"caption of {path}",
+                "bucket_width": width,
+                "bucket_height": height,
+                "original_width": original[0],
+                "original_height": original[1],
+                "crop_top": crop[0],
+                "crop_left": crop[1],
+                "upscaled": False,
+            },
+        )
+
+    first = [item("a.png", 96, 64, (300, 200), (0, 16), 0), item("b.png", 64, 96, (200, 300), (16, 0), 1)]
+    ShardWriter(tmp_path / "c1", "w0").write(first)
+    ShardWriter(tmp_path / "c2", "w0").write([item("c.png", 96, 64, (960, 640), (0, 0), 2)])
+
+    dataset = CachedDataset([tmp_path / "c1", tmp_path / "c2"])
+    assert len(dataset) == 3
+    assert dataset.image_paths == ["a.png", "b.png", "c.png"]
+    # add_time_ids order: original (h, w), crop (top, left), target (h, w).
+    assert dataset.time_ids.tolist() == [[200, 300, 0, 16, 64, 96], [300, 200, 16, 0, 96, 64], [640, 960, 0, 0, 64, 96]]
+    ids = dataset.bucket_ids()
+    assert ids[0] == ids[2] != ids[1]
+
+    sample = dataset[2]
+    assert torch.equal(sample["latents"], torch.randn(4, 8, 12, generator=torch.Generator().manual_seed(2)).half())
+    assert sample["time_ids"].tolist() == [640, 960, 0, 0, 64, 96]
+    assert sample["item_index"].item() == 2
+    batch = collate([dataset[0], dataset[2]])
+    assert batch["latents"].shape == (2, 4, 8, 12) and batch["time_ids"].shape == (2, 6)
