@@ -7,6 +7,7 @@ Reads top to bottom: configuration, set-up (world, data, model, optimizer), the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from diffusers import DDPMScheduler, UNet2DConditionModel
@@ -107,7 +109,7 @@ def check_caches(config: TrainConfig) -> list[str]:
             problems.append(str(error))
             continue
         wanted = dict(min_resolution=config.min_resolution, max_resolution=config.max_resolution, bucket_table_version=BUCKET_TABLE_VERSION)
-        differences = settings_differences(info, type(info)(**{**info.__dict__, **wanted}), tuple(wanted))
+        differences = settings_differences(info, dataclasses.replace(info, **wanted), tuple(wanted))
         if differences:
             problems.append(f"{cache_dir} does not match this run ({'; '.join(differences)}): re-cache or change the flags")
     return problems
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("Cannot start training:\n  " + "\n  ".join(problems))
     dataset = CachedDataset(config.cached_dataset_dirs)
     global_batch_size = config.train_batch_size * world.world_size
-    all_items = torch.arange(len(dataset)).numpy()
+    all_items = np.arange(len(dataset))
     too_small = small_buckets(dataset.bucket_sizes, dataset.bucket_ids(), all_items, global_batch_size)
     if world.is_main and too_small:
         print(

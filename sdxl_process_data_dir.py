@@ -17,6 +17,7 @@ and --shard_index; see sdxl_process_data_dir.sh.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import Counter, defaultdict
@@ -39,7 +40,7 @@ from sdxl_trainer.cache import (
     write_empty_prompt,
 )
 from sdxl_trainer.config import option, parse_config
-from sdxl_trainer.encoding import load_encoders, model_fingerprint
+from sdxl_trainer.encoding import Encoders, load_encoders, model_fingerprint
 from sdxl_trainer.sources import PreparedItem, SkippedItem, prepare_item, read_source, scan_images, worker_of
 from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
 
@@ -88,8 +89,6 @@ def resolve_device(name: str) -> torch.device:
     if name != "auto":
         return torch.device(name)
     if torch.cuda.is_available():
-        import os
-
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -120,7 +119,7 @@ class ErrorLog:
             self.path.unlink()
 
 
-def encode_chunk(encoders, prepared: list[PreparedItem], batch_size: int) -> list[CachedItem]:
+def encode_chunk(encoders: Encoders, prepared: list[PreparedItem], batch_size: int) -> list[CachedItem]:
     """Encode images grouped by bucket (one VAE call needs one size) and captions in batches."""
     by_bucket: dict[tuple[int, int], list[PreparedItem]] = defaultdict(list)
     for item in prepared:

@@ -38,7 +38,10 @@ class CachedDataset(Dataset):
             tables.append(table.append_column("cache_index", pa.array(np.full(len(table), cache_index, dtype=np.int32))))
         table = pa.concat_tables(tables) if tables else pa.table({})
         self.num_items = len(table)
-        column = lambda name: table.column(name).to_numpy()  # noqa: E731
+
+        def column(name: str) -> np.ndarray:
+            return table.column(name).to_numpy()
+
         self.cache_index = column("cache_index")
         self.shard = table.column("shard").to_pylist()
         self.index_in_shard = column("index_in_shard")
