@@ -156,13 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     dataset = CachedDataset(config.cached_dataset_dirs)
     global_batch_size = config.train_batch_size * world.world_size
     all_items = np.arange(len(dataset))
-    too_small = small_buckets(dataset.bucket_sizes, dataset.bucket_ids(), all_items, global_batch_size)
+    bucket_ids = dataset.bucket_ids()
+    too_small = small_buckets(dataset.bucket_sizes, bucket_ids, all_items, global_batch_size)
     if world.is_main and too_small:
         print(
             f"Warning: {sum(too_small.values())} items in buckets smaller than one global batch of {global_batch_size} "
             f"will not be trained on: {too_small}. Lower --train_batch_size or add images of those shapes to use them."
         )
-    planner = EpochPlanner(dataset.bucket_ids(), all_items, global_batch_size, config.gradient_accumulation_steps, seed)
+    planner = EpochPlanner(bucket_ids, all_items, global_batch_size, config.gradient_accumulation_steps, seed)
     plans = planner.plans(config.num_train_epochs)
     total_updates = sum(len(plan.batches) for plan in plans) // config.gradient_accumulation_steps
     if total_updates == 0:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from sdxl_trainer.parallel import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATASET = REPO_ROOT / "sample_dataset"
@@ -41,12 +42,6 @@ def sample_cache_dir(tmp_path_factory, tiny_pipeline_dir) -> Path:
     )
     assert exit_code == 0
     return cache_dir
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_processes(num_processes: int, script: Path, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:

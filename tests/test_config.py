@@ -222,20 +222,19 @@ def cache_config_class():
     return CacheConfig
 
 
-def test_train_config_help(train_config_class, capsys):
+@pytest.mark.parametrize(
+    "config_fixture,expected_flags",
+    [
+        ("train_config_class", ("--cached_dataset_dirs", "--conditional_dropout_percent")),
+        ("cache_config_class", ("--data_dir", "--cache_dir")),
+    ],
+)
+def test_script_config_help(config_fixture, expected_flags, request, capsys):
     with pytest.raises(SystemExit) as info:
-        parse_config(train_config_class, ["--help"])
+        parse_config(request.getfixturevalue(config_fixture), ["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    assert "--cached_dataset_dirs" in out and "--conditional_dropout_percent" in out
-
-
-def test_cache_config_help(cache_config_class, capsys):
-    with pytest.raises(SystemExit) as info:
-        parse_config(cache_config_class, ["--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    assert "--data_dir" in out and "--cache_dir" in out
+    assert all(flag in out for flag in expected_flags)
 
 
 def test_train_config_defaults(train_config_class):
