@@ -19,7 +19,7 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-from diffusers import DDPMScheduler, UNet2DConditionModel
+from diffusers import UNet2DConditionModel
 from diffusers.optimization import get_polynomial_decay_schedule_with_warmup, get_scheduler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader
@@ -27,13 +27,17 @@ from tqdm import tqdm
 
 from sdxl_trainer.buckets import BUCKET_TABLE_VERSION, categories
 from sdxl_trainer.cache import CacheError, read_cache_info, read_empty_prompt, settings_differences
+from sdxl_trainer.checkpoint import save_training_state
 from sdxl_trainer.config import option, parse_config, write_resolved_config
 from sdxl_trainer.data import CachedDataset, EpochPlanner, collate, rank_slice, small_buckets
-from sdxl_trainer.diffusion import NoiseSettings, training_loss
+from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
+from sdxl_trainer.ema import ShardedEMA
+from sdxl_trainer.encoding import model_fingerprint
 from sdxl_trainer.export import save_pipeline
 from sdxl_trainer.monitor import MetricsWriter, Throughput, gather_floats, peak_memory_gib
 from sdxl_trainer.optimizers import build_optimizer
 from sdxl_trainer.parallel import full_state_dict_on_rank0, init_distributed, shard_unet, shutdown_distributed
+from sdxl_trainer.train_step import TrainStep
 
 LR_SCHEDULERS = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
 
@@ -58,21 +62,43 @@ class TrainConfig:
     lr_num_cycles: int = option(1, help="hard restarts for cosine_with_restarts")
     polynomial_lr_end: float = option(1e-7, help="final learning rate of the polynomial schedule")
     polynomial_power: float = option(1.0, help="power of the polynomial schedule (1 = linear decay)")
-    optimizer: Literal["adamw8bit", "adamw"] = option("adamw8bit", help="adamw8bit = torchao 8-bit AdamW (works on FSDP2 shards); adamw = torch AdamW, fp32 state")
-    adam_beta1: float = option(0.9, help="AdamW beta1")
-    adam_beta2: float = option(0.999, help="AdamW beta2")
+    optimizer: Literal["adamw8bit", "adamw", "adafactor", "lion"] = option(
+        "adamw8bit",
+        help="adamw8bit = torchao 8-bit AdamW (2 bytes of state per weight); adamw = fp32 AdamW (8 bytes); "
+        "adafactor = factored second moments, no momentum (least memory); lion = sign updates, one fp32 momentum "
+        "(4 bytes; use a 3-10x lower --learning_rate)",
+    )
+    adam_beta1: float = option(0.9, help="beta1 of AdamW and Lion")
+    adam_beta2: float = option(0.999, help="beta2 of AdamW and Lion (Lion's usual value is 0.99)")
     adam_epsilon: float = option(1e-8, help="AdamW epsilon")
-    weight_decay: float = option(1e-2, help="AdamW decoupled weight decay")
+    weight_decay: float = option(1e-2, help="decoupled weight decay of every optimizer")
     max_grad_norm: float = option(1.0, help="clip the global gradient norm to this; 0 = no clipping (the norm is still logged)")
+    max_consecutive_skipped_updates: int = option(
+        10, help="stop (after saving state) when this many updates in a row have a NaN/inf loss or gradient and are skipped"
+    )
+    use_ema: bool = option(False, help="keep an exponential moving average of the UNet weights; the export then holds the EMA weights")
+    ema_decay: float = option(0.9999, help="EMA decay per update (warmed up as min(decay, (1+n)/(10+n)))")
+    ema_on_cpu: bool = option(False, help="keep each rank's EMA shard in CPU memory instead of GPU memory")
     conditional_dropout_percent: float = option(0.1, help="share (0-1) of samples trained with the empty caption, for classifier-free guidance")
+    prediction_type: Literal["epsilon", "v_prediction"] = option("epsilon", help="training target; SDXL base predicts epsilon")
+    zero_terminal_snr: bool = option(
+        False, help="rescale the noise schedule to zero SNR at the last timestep (needs --prediction_type v_prediction)"
+    )
+    min_snr_gamma: float = option(0.0, help="Min-SNR loss weighting gamma (5 is the paper's value); 0 = off")
+    noise_offset: float = option(0.0, help="std of a per-channel offset added to the noise (0.03-0.1 helps very dark/bright images); 0 = off")
+    min_timestep: int = option(0, help="smallest training timestep drawn (inclusive)")
+    max_timestep: int = option(1000, help="training timesteps are drawn below this (exclusive); SDXL has 1000")
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
         "auto", help="UNet compute precision over fp32 master weights: auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, about 5x slower)"
     )
     gradient_checkpointing: bool = option(True, help="recompute activations in backward: much less memory, about 30%% more compute")
     reshard_after_forward: bool = option(True, help="FSDP FULL_SHARD (True, least memory) or SHARD_GRAD_OP (False, faster, more memory)")
+    compile_unet: bool = option(False, help="torch.compile each transformer and ResNet block (regional): faster steps after a compile of minutes")
+    allow_tf32: bool = option(True, help="TF32 matmuls and convolutions for fp32 work on Ampere and newer GPUs")
     set_seed: int | None = option(None, help="seed for data order, noise and dropout; None = a random seed, recorded in the run's config.json")
     dataloader_num_workers: int = option(2, help="background processes reading cache shards per rank; 0 = read in the training process")
     save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the exported diffusers pipeline")
+    save_diffusers: bool = option(True, help="export the trained pipeline to OUTPUT_DIR/PROJECT_NAME/pipeline at the end")
 
     def validate(self) -> list[str]:
         problems = []
@@ -88,6 +114,16 @@ class TrainConfig:
                 problems.append(f"--{name} is a share between 0 and 1 (0.1 = 10%), got {getattr(self, name)}")
         if self.max_grad_norm < 0:
             problems.append("--max_grad_norm must be >= 0 (0 turns clipping off)")
+        if self.max_consecutive_skipped_updates < 1:
+            problems.append("--max_consecutive_skipped_updates must be at least 1")
+        if not 0 < self.ema_decay < 1:
+            problems.append(f"--ema_decay must be between 0 and 1 (typically 0.999-0.9999), got {self.ema_decay}")
+        if self.min_snr_gamma < 0 or self.noise_offset < 0:
+            problems.append("--min_snr_gamma and --noise_offset must be >= 0 (0 turns them off)")
+        if not 0 <= self.min_timestep < self.max_timestep <= 1000:
+            problems.append(f"need 0 <= --min_timestep < --max_timestep <= 1000, got {self.min_timestep} and {self.max_timestep}")
+        if self.zero_terminal_snr and self.prediction_type != "v_prediction":
+            problems.append("--zero_terminal_snr needs --prediction_type v_prediction (epsilon cannot be predicted at zero SNR)")
         return problems
 
 
@@ -100,7 +136,9 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def check_caches(config: TrainConfig) -> list[str]:
-    """Every cache must exist and match the trainer's resolution range and bucket table."""
+    """Every cache must exist and match the trainer's model family, resolution range and bucket table.
+    The model is compared by the fingerprint of its VAE and text-encoder configs (read from config files
+    only), not by its path, so a moved or re-downloaded model still matches."""
     problems = []
     for cache_dir in config.cached_dataset_dirs:
         try:
@@ -108,10 +146,18 @@ def check_caches(config: TrainConfig) -> list[str]:
         except CacheError as error:
             problems.append(str(error))
             continue
-        wanted = dict(min_resolution=config.min_resolution, max_resolution=config.max_resolution, bucket_table_version=BUCKET_TABLE_VERSION)
+        wanted = dict(
+            min_resolution=config.min_resolution,
+            max_resolution=config.max_resolution,
+            bucket_table_version=BUCKET_TABLE_VERSION,
+            model_fingerprint=model_fingerprint(config.pretrained_model_name_or_path),
+        )
         differences = settings_differences(info, dataclasses.replace(info, **wanted), tuple(wanted))
         if differences:
-            problems.append(f"{cache_dir} does not match this run ({'; '.join(differences)}): re-cache or change the flags")
+            problems.append(
+                f"{cache_dir} was made with other settings ({'; '.join(differences)}): re-cache it with this model and "
+                "resolution range, or train with the cache's settings"
+            )
     return problems
 
 
@@ -181,26 +227,49 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     # ---- model, optimizer, schedules -------------------------------------------------------------
+    if world.device.type == "cuda" and config.allow_tf32:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    # Only the UNet is loaded: latents and caption embeddings come from the cache. Diffusers' default
+    # attention processor is PyTorch SDPA (flash / memory-efficient kernels where the GPU has them).
     unet = UNet2DConditionModel.from_pretrained(config.pretrained_model_name_or_path, subfolder="unet", torch_dtype=torch.float32)
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.to(world.device).train()
-    shard_unet(unet, world.mesh, None if compute_dtype == torch.float32 else compute_dtype, config.reshard_after_forward)
-    noise_scheduler = DDPMScheduler.from_pretrained(config.pretrained_model_name_or_path, subfolder="scheduler")
-    noise_settings = NoiseSettings(conditional_dropout_percent=config.conditional_dropout_percent)
+    param_dtype = None if compute_dtype == torch.float32 else compute_dtype
+    shard_unet(unet, world.mesh, param_dtype, config.reshard_after_forward, compile_blocks=config.compile_unet)
+    noise_scheduler = build_noise_scheduler(config.pretrained_model_name_or_path, config.prediction_type, config.zero_terminal_snr)
+    noise_settings = NoiseSettings(
+        conditional_dropout_percent=config.conditional_dropout_percent,
+        noise_offset=config.noise_offset,
+        min_snr_gamma=config.min_snr_gamma,
+        min_timestep=config.min_timestep,
+        max_timestep=config.max_timestep,
+    )
     optimizer = build_optimizer(
         config.optimizer, unet.parameters(), config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
     )
     lr_scheduler = build_lr_scheduler(config, optimizer, total_updates)
-    # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
-    scaler = ShardedGradScaler() if compute_dtype == torch.float16 else None
+    ema = ShardedEMA(unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
+    train_step = TrainStep(
+        unet,
+        optimizer,
+        lr_scheduler,
+        noise_scheduler,
+        noise_settings,
+        empty_prompt,
+        seed,
+        config.max_grad_norm,
+        # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
+        scaler=ShardedGradScaler() if compute_dtype == torch.float16 else None,
+        ema=ema,
+    )
     metrics = MetricsWriter(log_dir, enabled=world.is_main)
     throughput = Throughput()
     progress = tqdm(total=total_updates, desc="training", unit="update", disable=not world.is_main, dynamic_ncols=True)
 
     # ---- training loop ---------------------------------------------------------------------------
     update = 0
-    skipped_updates = 0
     for epoch, plan in enumerate(plans):
         loader = DataLoader(
             dataset,
@@ -213,61 +282,67 @@ def main(argv: list[str] | None = None) -> int:
         epoch_losses = []
         for _ in range(len(plan.batches) // config.gradient_accumulation_steps):
             throughput.start()
-            loss_sum = torch.zeros((), device=world.device)
-            for micro in range(config.gradient_accumulation_steps):
-                batch = {key: value.to(world.device, non_blocking=True) for key, value in next(batches).items()}
-                unet.set_requires_gradient_sync(micro == config.gradient_accumulation_steps - 1)
-                loss = training_loss(unet, batch, noise_scheduler, empty_prompt, seed, epoch, noise_settings)
-                loss = loss / config.gradient_accumulation_steps
-                (scaler.scale(loss) if scaler else loss).backward()
-                loss_sum += loss.detach()
-            if scaler:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            grad_norm = torch.nn.utils.clip_grad_norm_(unet.parameters(), config.max_grad_norm or float("inf"))
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            if scaler:
-                scale_before = scaler.get_scale()
-                scaler.step(optimizer)
-                scaler.update()
-                stepped = scaler.get_scale() >= scale_before
-            else:
-                optimizer.step()
-                stepped = True
-            optimizer.zero_grad(set_to_none=True)
-            if stepped:
-                lr_scheduler.step()  # the schedule counts real updates only
-            else:
-                skipped_updates += 1
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            microbatches = [
+                {key: value.to(world.device, non_blocking=True) for key, value in next(batches).items()}
+                for _ in range(config.gradient_accumulation_steps)
+            ]
+            throughput.data_ready()
+            result = train_step(microbatches, epoch)
             throughput.stop(global_batch_size * config.gradient_accumulation_steps)
             update += 1
+            if not result.stepped:
+                if world.is_main:
+                    tqdm.write(f"Warning: update {update} skipped: loss {result.loss}, gradient norm {result.grad_norm} (NaN/inf).")
+                if train_step.consecutive_skipped_updates >= config.max_consecutive_skipped_updates:
+                    trainer_state = {
+                        "update": update,
+                        "epoch": epoch,
+                        "lr_scheduler": lr_scheduler.state_dict(),
+                        "skipped_updates": train_step.skipped_updates,
+                    }
+                    state_dir = save_training_state(run_dir / "checkpoints" / f"update_{update:08d}", unet, optimizer, ema, trainer_state)
+                    metrics.close()
+                    raise SystemExit(
+                        f"Stopped at update {update}: the last {train_step.consecutive_skipped_updates} updates all had a NaN/inf "
+                        f"loss or gradient. State saved to {state_dir}. Lower --learning_rate, use --mixed_precision bf16 "
+                        f"instead of fp16, or check the cache with sdxl_process_data_dir.py --verify."
+                    )
+            else:
+                epoch_losses.append(result.loss)
 
-            loss_value = loss_sum.item()
-            epoch_losses.append(loss_value)
             memory = gather_floats(peak_memory_gib(world.device), world.device)
             metrics.scalars(
                 {
-                    "train/loss": loss_value,
+                    "train/loss": result.loss,
                     "train/lr": lr_scheduler.get_last_lr()[0],
-                    "train/grad_norm": grad_norm.item(),
-                    "train/skipped_updates": skipped_updates,
+                    "train/grad_norm": result.grad_norm,
+                    "train/skipped_updates": train_step.skipped_updates,
                     "perf/images_per_s": throughput.images_per_second,
+                    "perf/data_wait_share": throughput.data_wait_share,
                     **{f"perf/peak_memory_gib/rank{rank}": value for rank, value in enumerate(memory)},
                 },
                 update,
             )
-            progress.set_postfix(epoch=epoch, loss=f"{loss_value:.4f}", img_s=f"{throughput.images_per_second:.2f}")
+            progress.set_postfix(epoch=epoch, loss=f"{result.loss:.4f}", img_s=f"{throughput.images_per_second:.2f}")
             progress.update()
         if epoch_losses:
             metrics.scalars({"train/epoch_loss": sum(epoch_losses) / len(epoch_losses)}, epoch + 1)
     progress.close()
 
     # ---- export ----------------------------------------------------------------------------------
-    state_dict = full_state_dict_on_rank0(unet)
+    if config.save_diffusers:
+        state_dict = ema.full_state_dict_on_rank0(world.is_main) if ema is not None else full_state_dict_on_rank0(unet)
+        if world.is_main:
+            started = time.perf_counter()
+            scheduler_overrides = {"prediction_type": config.prediction_type}
+            if config.zero_terminal_snr:
+                scheduler_overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+            pipeline_dir = save_pipeline(
+                state_dict, config.pretrained_model_name_or_path, run_dir / "pipeline", config.save_precision, scheduler_overrides
+            )
+            weights = "EMA weights" if ema is not None else "weights"
+            print(f"Saved the trained pipeline ({weights}, {config.save_precision}) to {pipeline_dir} in {time.perf_counter() - started:.1f} s.")
     if world.is_main:
-        started = time.perf_counter()
-        pipeline_dir = save_pipeline(state_dict, config.pretrained_model_name_or_path, run_dir / "pipeline", config.save_precision)
-        print(f"Saved the trained pipeline ({config.save_precision}) to {pipeline_dir} in {time.perf_counter() - started:.1f} s.")
         print(f"TensorBoard logs: {log_dir}   (view with: tensorboard --logdir {log_dir})")
     metrics.close()
     shutdown_distributed()

@@ -1,4 +1,4 @@
-"""The denoising objective: per-sample noise, timesteps and caption dropout, and the UNet loss.
+"""The denoising objective: per-sample noise, timesteps and caption dropout, the prediction target and the loss.
 
 Every random draw for a sample comes from a generator seeded by (run seed, epoch, item index), not from
 the rank's global RNG. So a sample gets the same noise whichever rank or microbatch it lands in, which
@@ -8,15 +8,30 @@ makes runs on 1 and N processes comparable step by step, and resumed runs identi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from diffusers import DDPMScheduler
+
+PredictionType = Literal["epsilon", "v_prediction"]
 
 
 @dataclass(frozen=True)
 class NoiseSettings:
     conditional_dropout_percent: float  # share of samples (0-1) trained with the empty caption
+    noise_offset: float = 0.0  # std of a per-channel constant added to the noise (0 = off)
+    min_snr_gamma: float = 0.0  # Min-SNR loss weighting (Hang et al. 2023); 0 = off
+    min_timestep: int = 0  # timesteps are drawn uniformly from [min_timestep, max_timestep)
+    max_timestep: int = 1000
+
+
+def build_noise_scheduler(base_model: str, prediction_type: PredictionType, zero_terminal_snr: bool) -> DDPMScheduler:
+    """The base model's training noise schedule, optionally rescaled to zero terminal SNR
+    (Lin et al. 2024, "Common Diffusion Noise Schedules and Sample Steps are Flawed"), which needs
+    v-prediction because epsilon is undefined at SNR 0."""
+    return DDPMScheduler.from_pretrained(
+        base_model, subfolder="scheduler", prediction_type=prediction_type, rescale_betas_zero_snr=zero_terminal_snr
+    )
 
 
 def sample_seed(run_seed: int, epoch: int, item_index: int) -> int:
@@ -24,18 +39,51 @@ def sample_seed(run_seed: int, epoch: int, item_index: int) -> int:
     return ((run_seed * 1_000_003 + epoch) * 2_147_483_647 + item_index) % (2**63 - 1)
 
 
-def draw_sample_randomness(
-    latents: torch.Tensor, item_indices: torch.Tensor, run_seed: int, epoch: int, num_train_timesteps: int, dropout: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Noise like `latents`, timesteps (B,) and a caption-dropout mask (B,), drawn per sample on the CPU."""
+@dataclass
+class SampleRandomness:
+    noise: torch.Tensor  # like the latents
+    timesteps: torch.Tensor  # (B,) int64
+    drop_caption: torch.Tensor  # (B,) bool
+
+
+def draw_sample_randomness(latents: torch.Tensor, item_indices: torch.Tensor, run_seed: int, epoch: int, settings: NoiseSettings) -> SampleRandomness:
+    """Noise, timestep and caption dropout of each sample, drawn on the CPU from the sample's own generator."""
     noises, timesteps, drop = [], [], []
+    channels = latents.shape[1]
     for item_index in item_indices.tolist():
         generator = torch.Generator().manual_seed(sample_seed(run_seed, epoch, item_index))
-        noises.append(torch.randn(latents.shape[1:], generator=generator))
-        timesteps.append(torch.randint(0, num_train_timesteps, (1,), generator=generator))
-        drop.append(torch.rand(1, generator=generator) < dropout)
+        noise = torch.randn(latents.shape[1:], generator=generator)
+        timesteps.append(torch.randint(settings.min_timestep, settings.max_timestep, (1,), generator=generator))
+        drop.append(torch.rand(1, generator=generator) < settings.conditional_dropout_percent)
+        if settings.noise_offset:
+            # A shift of each channel's mean lets the model learn very dark or bright images (Guttenberg 2023).
+            noise = noise + settings.noise_offset * torch.randn(channels, 1, 1, generator=generator)
+        noises.append(noise)
     device = latents.device
-    return torch.stack(noises).to(device), torch.cat(timesteps).to(device), torch.cat(drop).to(device)
+    return SampleRandomness(torch.stack(noises).to(device), torch.cat(timesteps).to(device), torch.cat(drop).to(device))
+
+
+def signal_to_noise(noise_scheduler: DDPMScheduler, timesteps: torch.Tensor) -> torch.Tensor:
+    alphas_cumprod = noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps].double()
+    return (alphas_cumprod / (1 - alphas_cumprod)).float()
+
+
+def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: PredictionType) -> torch.Tensor:
+    """Per-sample loss weights min(SNR, gamma) / SNR for epsilon, min(SNR, gamma) / (SNR + 1) for v.
+    The v form stays finite at SNR 0 (zero terminal SNR)."""
+    clipped = torch.clamp(snr, max=gamma)
+    return clipped / (snr + 1) if prediction_type == "v_prediction" else clipped / snr
+
+
+def condition_on_captions(
+    batch: dict[str, torch.Tensor], drop_caption: torch.Tensor, empty_prompt: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Caption embeddings and pooled embeddings, with the empty caption's in place of dropped samples'
+    (classifier-free guidance training)."""
+    empty_embeds, empty_pooled = (tensor.to(batch["prompt_embeds"].device) for tensor in empty_prompt)
+    prompt_embeds = torch.where(drop_caption[:, None, None], empty_embeds, batch["prompt_embeds"]).float()
+    pooled = torch.where(drop_caption[:, None], empty_pooled, batch["pooled_prompt_embeds"]).float()
+    return prompt_embeds, pooled
 
 
 def training_loss(
@@ -47,20 +95,23 @@ def training_loss(
     epoch: int,
     settings: NoiseSettings,
 ) -> torch.Tensor:
-    """Mean epsilon-prediction MSE of one microbatch (fp32)."""
+    """Mean (optionally Min-SNR-weighted) MSE of one microbatch against the scheduler's target (fp32)."""
     latents = batch["latents"].float()
-    noise, timesteps, drop = draw_sample_randomness(
-        latents, batch["item_index"], run_seed, epoch, noise_scheduler.config.num_train_timesteps, settings.conditional_dropout_percent
-    )
-    # Classifier-free guidance training: some samples see the empty caption instead of theirs.
-    empty_embeds, empty_pooled = empty_prompt
-    prompt_embeds = torch.where(drop[:, None, None], empty_embeds.to(latents.device), batch["prompt_embeds"]).float()
-    pooled = torch.where(drop[:, None], empty_pooled.to(latents.device), batch["pooled_prompt_embeds"]).float()
-    noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+    randomness = draw_sample_randomness(latents, batch["item_index"], run_seed, epoch, settings)
+    prompt_embeds, pooled = condition_on_captions(batch, randomness.drop_caption, empty_prompt)
+    noisy_latents = noise_scheduler.add_noise(latents, randomness.noise, randomness.timesteps)
     prediction = unet(
         noisy_latents,
-        timesteps,
+        randomness.timesteps,
         encoder_hidden_states=prompt_embeds,
         added_cond_kwargs={"text_embeds": pooled, "time_ids": batch["time_ids"].float()},
     ).sample
-    return F.mse_loss(prediction.float(), noise, reduction="mean")
+    prediction_type = noise_scheduler.config.prediction_type
+    if prediction_type == "v_prediction":
+        target = noise_scheduler.get_velocity(latents, randomness.noise, randomness.timesteps)
+    else:
+        target = randomness.noise
+    per_sample = (prediction.float() - target).square().mean(dim=(1, 2, 3))
+    if settings.min_snr_gamma:
+        per_sample = per_sample * min_snr_weights(signal_to_noise(noise_scheduler, randomness.timesteps), settings.min_snr_gamma, prediction_type)
+    return per_sample.mean()

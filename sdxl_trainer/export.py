@@ -11,13 +11,20 @@ from diffusers import StableDiffusionXLPipeline
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def save_pipeline(unet_state_dict: dict[str, torch.Tensor], base_model: str, output_dir: Path, save_precision: str) -> Path:
+def save_pipeline(
+    unet_state_dict: dict[str, torch.Tensor], base_model: str, output_dir: Path, save_precision: str, scheduler_overrides: dict | None = None
+) -> Path:
     """Save base_model's pipeline with the trained UNet weights into output_dir (rank 0 only).
+
+    scheduler_overrides change the sampling scheduler's config where training changed the model's
+    objective (v-prediction, zero terminal SNR), so the exported pipeline samples correctly as it is.
 
     Written to a temporary sibling folder and renamed, so an interrupted export never leaves a folder
     that looks complete; an older export at output_dir is replaced only once the new one is whole."""
     pipeline = StableDiffusionXLPipeline.from_pretrained(base_model, torch_dtype=SAVE_DTYPES[save_precision])
     pipeline.unet.load_state_dict(unet_state_dict, strict=True)  # copies (and casts) into the base weights
+    if scheduler_overrides:
+        pipeline.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config, **scheduler_overrides)
     tmp_dir = output_dir.with_name(f".{output_dir.name}.tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     pipeline.save_pretrained(tmp_dir)

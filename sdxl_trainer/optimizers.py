@@ -1,22 +1,118 @@
-"""Optimizers that work on FSDP2's DTensor parameters and save through torch.distributed.checkpoint.
+"""Optimizers that step FSDP2's DTensor shards and save through torch.distributed.checkpoint.
 
-8-bit AdamW comes from torchao, not bitsandbytes: bitsandbytes' kernels have no DTensor sharding rule
-(`NotImplementedError: ... optimizer_update_32bit ... does not have a sharding strategy registered`),
-while torchao's AdamW8bit steps DTensor shards directly and its state is saved by DCP (DESIGN.md §2).
+Which implementation, and why (each was tried on 2 gloo ranks with FSDP2 parameters):
+- adamw8bit: torchao's AdamW8bit. bitsandbytes' kernels have no DTensor sharding rule
+  (`NotImplementedError: ... optimizer_update_32bit ... does not have a sharding strategy registered`),
+  while torchao steps DTensor shards directly and DCP saves its quantized state (DESIGN.md §2).
+- adamw: torch.optim.AdamW, fp32 state.
+- adafactor: our own, below. torch.optim.Adafactor fails on DTensors (an in-place pow_ on a partial
+  norm) and transformers' Adafactor mixes plain tensors into DTensor ops.
+- lion: our own, below. The only 8-bit Lion (bitsandbytes) has the same missing DTensor rule as its
+  AdamW8bit; Lion keeps one momentum buffer, already half of AdamW's fp32 state.
+Both are written with out-of-place DTensor ops where a reduction crosses ranks, so a sharded step
+equals the unsharded one.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
-OPTIMIZERS = ("adamw8bit", "adamw")
+OPTIMIZERS = ("adamw8bit", "adamw", "adafactor", "lion")
+
+
+def _replicated(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor made whole on every rank (reductions over the sharded dim come out partial); plain tensors pass."""
+    if isinstance(tensor, DTensor):
+        return tensor.redistribute(placements=[Replicate()] * tensor.device_mesh.ndim)
+    return tensor
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the update is the sign of an
+    interpolation of momentum and gradient, so every weight moves by exactly lr. Use a 3-10x smaller
+    learning rate and a 3-10x larger weight decay than with AdamW."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(param)
+                exp_avg = state["exp_avg"]
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.add_(torch.sign(exp_avg.lerp(param.grad, 1 - beta1)), alpha=-group["lr"])
+                exp_avg.lerp_(param.grad, 1 - beta2)
+
+
+class Adafactor(torch.optim.Optimizer):
+    """Adafactor (Shazeer & Stern 2018) with an explicit learning rate, no first moment and update clipping:
+    the settings kohya sd-scripts users pass to transformers' Adafactor (relative_step=False,
+    scale_parameter=False, warmup_init=False). Second moments of a weight with 2 or more dims are factored
+    over (dim 0, all other dims flattened), so a conv kernel keeps one row and one column statistic."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        lr: float,
+        decay_rate: float = -0.8,
+        eps: float = 1e-30,
+        clip_threshold: float = 1.0,
+        weight_decay: float = 0.0,
+    ):
+        super().__init__(params, dict(lr=lr, decay_rate=decay_rate, eps=eps, clip_threshold=clip_threshold, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = param.grad.float()
+                state = self.state[param]
+                factored = param.ndim >= 2
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    if factored:
+                        flat = grad.flatten(1)
+                        state["exp_avg_sq_row"] = torch.zeros_like(flat.sum(1))
+                        state["exp_avg_sq_col"] = _replicated(torch.zeros_like(flat.sum(0)))
+                    else:
+                        state["exp_avg_sq"] = torch.zeros_like(grad)
+                state["step"] += 1
+                weight_of_new = state["step"].item() ** group["decay_rate"]  # 1 - beta2 of this step
+                squared = grad * grad + group["eps"]
+                if factored:
+                    flat = squared.flatten(1)
+                    row = state["exp_avg_sq_row"].lerp(flat.mean(1), weight_of_new)
+                    col = _replicated(state["exp_avg_sq_col"].lerp(_replicated(flat.mean(0)), weight_of_new))
+                    state["exp_avg_sq_row"], state["exp_avg_sq_col"] = row, col
+                    row_factor = (row / _replicated(row.mean())).rsqrt()
+                    update = (grad.flatten(1) * row_factor[:, None] * col.rsqrt()[None, :]).view_as(grad)
+                else:
+                    state["exp_avg_sq"] = state["exp_avg_sq"].lerp(squared, weight_of_new)
+                    update = grad * state["exp_avg_sq"].rsqrt()
+                rms = _replicated(update.norm()) / math.sqrt(update.numel())
+                update = update / (rms / group["clip_threshold"]).clamp(min=1.0)
+                if group["weight_decay"]:
+                    param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.sub_(update.to(param.dtype) * group["lr"])
 
 
 def build_optimizer(
     name: str, parameters: Iterable[torch.nn.Parameter], learning_rate: float, weight_decay: float, betas: tuple[float, float], eps: float
 ) -> torch.optim.Optimizer:
+    """betas and eps apply to the AdamW variants; Lion uses betas; Adafactor uses neither."""
     parameters = list(parameters)
     if name == "adamw8bit":
         from torchao.optim import AdamW8bit
@@ -24,4 +120,28 @@ def build_optimizer(
         return AdamW8bit(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
     if name == "adamw":
         return torch.optim.AdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
+    if name == "adafactor":
+        return Adafactor(parameters, lr=learning_rate, weight_decay=weight_decay)
+    if name == "lion":
+        return Lion(parameters, lr=learning_rate, betas=betas, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}: choose one of {OPTIMIZERS}")
+
+
+def local_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank stores (its shards; torchao's 8-bit state counted as stored)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                total += _stored_bytes(local)
+    return total
+
+
+def _stored_bytes(tensor: torch.Tensor) -> int:
+    # torchao's quantized state is a tensor subclass whose real storage is its inner tensors (codes + scales).
+    inner_names = getattr(tensor, "__tensor_flatten__", None)
+    if inner_names is not None and type(tensor) is not torch.Tensor:
+        names, _ = tensor.__tensor_flatten__()
+        return sum(_stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -43,6 +45,7 @@ def init_distributed() -> World:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, world_size, local_rank = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    use_rank_own_compile_cache(rank, world_size)
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -56,6 +59,19 @@ def init_distributed() -> World:
     return World(rank, world_size, local_rank, device, mesh)
 
 
+def use_rank_own_compile_cache(rank: int, world_size: int) -> None:
+    """Give each rank its own torch.compile (inductor) cache folder.
+
+    The cache key of a graph over DTensors holds the global shape but not the rank's local one, so with
+    an uneven shard (33 rows on 2 ranks: 17 and 16) a rank can load the kernel another rank compiled and
+    fail with "expected size 17==16" (seen with torchao's compiled AdamW8bit step; the same family as
+    pytorch issues 188332 and 188390). Keyed by world size too, as it changes every shard's shape."""
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    own = f"rank{rank}_of_{world_size}"
+    if Path(base).name != own:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(base) / own)
+
+
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -63,7 +79,7 @@ def shutdown_distributed() -> None:
 
 
 def shard_unet(
-    unet: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool = True
+    unet: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool = True, compile_blocks: bool = False
 ) -> FSDPModule:
     """Apply FSDP2 to the UNet in place; parameters stay fp32 (the sharded master copy).
 
@@ -75,11 +91,19 @@ def shard_unet(
       False keeps them gathered between forward and backward (SHARD_GRAD_OP: faster, more memory).
     - Precision: compute in param_dtype (bf16/fp16) with fp32 gradient reduction, over fp32 shards.
       No autocast in the loop. The frozen VAE and text encoders never reach here: training reads the cache.
+    - compile_blocks: regional torch.compile of each transformer block and each ResNet block, before
+      sharding (as torchtitan does), so FSDP's hooks stay outside the compiled graphs. The blocks repeat,
+      so each kind compiles once per shape; other bucket shapes recompile with dynamic sizes.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     from diffusers.models.attention import BasicTransformerBlock
+    from diffusers.models.resnet import ResnetBlock2D
 
+    if compile_blocks:
+        for module in unet.modules():
+            if isinstance(module, (BasicTransformerBlock, ResnetBlock2D)):
+                module.compile()
     for module in unet.modules():
         if isinstance(module, BasicTransformerBlock):
             fully_shard(module, **kwargs)

@@ -1,0 +1,73 @@
+"""Exponential moving average of the UNet weights, kept as shards like the weights themselves.
+
+Each rank averages only its own shard of every parameter (FSDP2 parameters are DTensors; their local
+shards are plain tensors), so the EMA costs 1/N of an fp32 UNet per rank, on the GPU or, with
+on_cpu=True, in CPU memory (each update then copies the rank's shard to the CPU). For checkpoints and
+export the shards are wrapped back into DTensors with the parameters' layout, so DCP can reshard them and
+the full EMA UNet can be gathered one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ShardedEMA:
+    def __init__(self, model: nn.Module, decay: float, on_cpu: bool):
+        self.decay = decay
+        self.updates = 0
+        self.names = [name for name, _ in model.named_parameters()]
+        self.parameters = [parameter for _, parameter in model.named_parameters()]
+        device = torch.device("cpu") if on_cpu else None
+        self.shadow = [_local(parameter).detach().to(device=device, dtype=torch.float32, copy=True) for parameter in self.parameters]
+
+    def current_decay(self) -> float:
+        """Warm-up: (1 + n) / (10 + n) caps the decay early on, so the average is not dominated by the
+        untrained starting weights for thousands of updates (the schedule diffusers' EMAModel uses)."""
+        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        weight_of_new = 1 - self.current_decay()
+        current = [_local(parameter).detach().to(shadow.device, torch.float32) for parameter, shadow in zip(self.parameters, self.shadow)]
+        torch._foreach_lerp_(self.shadow, current, weight_of_new)
+        self.updates += 1
+
+    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> EMA weights as a DTensor laid out like the parameter (for DCP and gathering).
+        With on_cpu the DTensors sit on the CPU; gather them with a CPU-capable backend."""
+        state = {}
+        for name, parameter, shadow in zip(self.names, self.parameters, self.shadow):
+            if isinstance(parameter, DTensor):
+                state[name] = DTensor.from_local(
+                    shadow, parameter.device_mesh, parameter.placements, shape=parameter.shape, stride=parameter.stride(), run_check=False
+                )
+            else:
+                state[name] = shadow
+        return state
+
+    def load_sharded_state_dict(self, state: dict[str, torch.Tensor], updates: int) -> None:
+        for name, shadow in zip(self.names, self.shadow):
+            shadow.copy_(_local(state[name]))
+        self.updates = updates
+
+    def full_state_dict_on_rank0(self, is_main: bool) -> dict[str, torch.Tensor]:
+        """The full EMA UNet in CPU memory of rank 0 ({} elsewhere), gathered one tensor at a time."""
+        full = {}
+        for name, parameter, shadow in zip(self.names, self.parameters, self.shadow):
+            if isinstance(parameter, DTensor):
+                sharded = DTensor.from_local(
+                    shadow.to(_local(parameter).device), parameter.device_mesh, parameter.placements, shape=parameter.shape, stride=parameter.stride(), run_check=False
+                )
+                gathered = sharded.full_tensor()
+            else:
+                gathered = shadow
+            if is_main:
+                full[name] = gathered.cpu()
+        return full

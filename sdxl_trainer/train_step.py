@@ -1,0 +1,92 @@
+"""One optimizer update: microbatches with gradient sync on the last one only, clipping of the true
+gradients, a finite-ness check agreed by every rank, the optimizer step, the LR schedule and the EMA.
+
+An update whose loss or gradient norm is NaN/inf is skipped as a whole (no optimizer step, no schedule
+step, no EMA update), counted, and reported; with fp16 the gradient scaler also lowers its scale. The
+trainer stops (after saving state) when too many updates in a row are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from diffusers import DDPMScheduler
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from .diffusion import NoiseSettings, training_loss
+from .ema import ShardedEMA
+
+
+@dataclass
+class UpdateResult:
+    loss: float  # mean loss over every sample of the update, all ranks
+    grad_norm: float  # global norm of the true (unscaled) gradients, before clipping
+    stepped: bool  # False when the update was skipped for a NaN/inf loss or gradient
+
+
+class TrainStep:
+    def __init__(
+        self,
+        unet: FSDPModule,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+        noise_scheduler: DDPMScheduler,
+        noise_settings: NoiseSettings,
+        empty_prompt: tuple[torch.Tensor, torch.Tensor],
+        run_seed: int,
+        max_grad_norm: float,
+        scaler: ShardedGradScaler | None = None,
+        ema: ShardedEMA | None = None,
+    ):
+        self.unet = unet
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.noise_scheduler = noise_scheduler
+        self.noise_settings = noise_settings
+        self.empty_prompt = empty_prompt
+        self.run_seed = run_seed
+        self.max_grad_norm = max_grad_norm
+        self.scaler = scaler
+        self.ema = ema
+        self.skipped_updates = 0
+        self.consecutive_skipped_updates = 0
+
+    def __call__(self, microbatches: list[dict[str, torch.Tensor]], epoch: int) -> UpdateResult:
+        device = microbatches[0]["latents"].device
+        loss_sum = torch.zeros((), device=device)
+        for index, batch in enumerate(microbatches):
+            # FSDP2 reduce-scatters gradients only when this is True; before that they accumulate unsharded.
+            self.unet.set_requires_gradient_sync(index == len(microbatches) - 1)
+            loss = training_loss(self.unet, batch, self.noise_scheduler, self.empty_prompt, self.run_seed, epoch, self.noise_settings)
+            loss = loss / len(microbatches)  # the mean over the update's samples, normalised once
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += loss.detach()
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip and check the true gradients, not the scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.unet.parameters(), self.max_grad_norm or math.inf)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
+        # Both values are global (all-reduced), so every rank takes the same decision.
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
+        if finite:
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+        if self.scaler:
+            self.scaler.update()  # lowers the scale after an overflow
+        self.optimizer.zero_grad(set_to_none=True)
+        if finite:
+            self.lr_scheduler.step()  # the schedule counts real updates only
+            if self.ema is not None:
+                self.ema.update()
+            self.consecutive_skipped_updates = 0
+        else:
+            self.skipped_updates += 1
+            self.consecutive_skipped_updates += 1
+        return UpdateResult(loss_value, grad_norm_value, finite)

@@ -1,0 +1,90 @@
+"""Run under torchrun (2 CPU processes) by test_train_step_distributed.py. Writes rank{N}.json with:
+- per optimizer: the largest difference between "2 updates straight" and "1 update, save, restore into a
+  fresh model and optimizer, 1 update", and the bytes of parameters and optimizer state this rank holds;
+- reduce-scatter counts of one update with 1 and with 2 microbatches;
+- the share of the EMA this rank holds."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from diffusers import UNet2DConditionModel
+
+from sdxl_trainer.checkpoint import load_training_state, save_training_state
+from sdxl_trainer.ema import ShardedEMA
+from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer, local_optimizer_state_bytes
+from sdxl_trainer.parallel import init_distributed, local_parameter_bytes, shard_unet, shutdown_distributed
+from unet_batches import make_train_step, synthetic_batch
+
+LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4}
+
+
+def sharded_unet(pipeline_dir: Path, world) -> UNet2DConditionModel:
+    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
+    shard_unet(unet, world.mesh, param_dtype=None)
+    return unet
+
+
+def rank_batch(unet, world, update: int) -> list[dict[str, torch.Tensor]]:
+    # 2 items per rank per update, different on each rank and each update
+    return [synthetic_batch(unet, [100 * update + 2 * world.rank, 100 * update + 2 * world.rank + 1], seed=update)]
+
+
+def full_weights(unet) -> dict[str, torch.Tensor]:
+    return {name: parameter.full_tensor().clone() for name, parameter in unet.named_parameters()}
+
+
+def optimizer_round_trip(name: str, pipeline_dir: Path, checkpoint_dir: Path, world) -> dict:
+    def fresh():
+        unet = sharded_unet(pipeline_dir, world)
+        optimizer = build_optimizer(name, unet.parameters(), LEARNING_RATES[name], 1e-2, (0.9, 0.99), 1e-8)
+        return unet, optimizer, make_train_step(unet, optimizer, pipeline_dir)
+
+    unet, optimizer, step = fresh()
+    first = step(rank_batch(unet, world, 0), epoch=0)
+    save_training_state(checkpoint_dir, unet, optimizer, None, {"update": 1})
+    step(rank_batch(unet, world, 1), epoch=0)
+    straight = full_weights(unet)
+    report = {"local_param_bytes": local_parameter_bytes(unet), "local_state_bytes": local_optimizer_state_bytes(optimizer)}
+
+    unet, optimizer, step = fresh()
+    trainer_state = load_training_state(checkpoint_dir, unet, optimizer, None)
+    step(rank_batch(unet, world, 1), epoch=0)
+    resumed = full_weights(unet)
+    report["max_difference"] = max((straight[key] - resumed[key]).abs().max().item() for key in straight)
+    report["first_loss"] = first.loss
+    report["restored_update"] = trainer_state["update"]
+    return report
+
+
+def reduce_scatters_per_update(pipeline_dir: Path, world, microbatches: int) -> int:
+    unet = sharded_unet(pipeline_dir, world)
+    optimizer = torch.optim.SGD(unet.parameters(), lr=0.0)
+    step = make_train_step(unet, optimizer, pipeline_dir)
+    batches = [synthetic_batch(unet, [10 * micro + world.rank], seed=1) for micro in range(microbatches)]
+    with torch.profiler.profile() as profile:
+        step(batches, epoch=0)
+    return sum(event.name == "c10d::_reduce_scatter_base_" for event in profile.events())
+
+
+def main(pipeline_dir: str, output_dir: str) -> None:
+    world = init_distributed()
+    pipeline, output = Path(pipeline_dir), Path(output_dir)
+    report: dict = {"optimizers": {}}
+    for name in OPTIMIZERS:
+        report["optimizers"][name] = optimizer_round_trip(name, pipeline, output / f"checkpoint_{name}", world)
+    report["reduce_scatters"] = {count: reduce_scatters_per_update(pipeline, world, count) for count in (1, 2)}
+    unet = sharded_unet(pipeline, world)
+    ema = ShardedEMA(unet, decay=0.9, on_cpu=True)
+    report["ema_local_bytes"] = sum(shadow.numel() * shadow.element_size() for shadow in ema.shadow)
+    report["param_local_bytes"] = local_parameter_bytes(unet)
+    (output / f"rank{world.rank}.json").write_text(json.dumps(report))
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(*sys.argv[1:])

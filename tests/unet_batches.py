@@ -1,0 +1,56 @@
+"""Synthetic training batches shaped for a given SDXL UNet, and the pieces of a TrainStep around it,
+for tests that exercise the update without a cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import UNet2DConditionModel
+
+from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
+from sdxl_trainer.train_step import TrainStep
+
+TEXT_LENGTH = 77
+
+
+def pooled_dim(unet: UNet2DConditionModel) -> int:
+    config = unet.config
+    return config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+
+
+def synthetic_batch(unet: UNet2DConditionModel, item_indices: list[int], seed: int, height: int = 32, width: int = 24) -> dict[str, torch.Tensor]:
+    """Latents, caption embeddings and SDXL time ids for the given items; every value depends on (seed, item)."""
+    rows = []
+    for item in item_indices:
+        generator = torch.Generator().manual_seed(seed * 10_000 + item)
+        rows.append(
+            {
+                "latents": torch.randn(unet.config.in_channels, height, width, generator=generator),
+                "prompt_embeds": torch.randn(TEXT_LENGTH, unet.config.cross_attention_dim, generator=generator),
+                "pooled_prompt_embeds": torch.randn(pooled_dim(unet), generator=generator),
+                # original (h, w), crop (top, left), target (h, w): different for every item
+                "time_ids": torch.tensor([height * 8 + item, width * 8 + 2 * item, item, 3 * item, height * 8, width * 8], dtype=torch.float32),
+                "item_index": torch.tensor(item),
+            }
+        )
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+def empty_prompt_for(unet: UNet2DConditionModel) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.full((TEXT_LENGTH, unet.config.cross_attention_dim), 0.5), torch.full((pooled_dim(unet),), -0.5)
+
+
+def make_train_step(unet, optimizer, pipeline_dir: Path, settings: NoiseSettings | None = None, max_grad_norm: float = 1.0, ema=None, prediction_type="epsilon") -> TrainStep:
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
+    return TrainStep(
+        unet,
+        optimizer,
+        lr_scheduler,
+        build_noise_scheduler(str(pipeline_dir), prediction_type, zero_terminal_snr=False),
+        settings or NoiseSettings(conditional_dropout_percent=0.0),
+        empty_prompt_for(unet),
+        run_seed=3,
+        max_grad_norm=max_grad_norm,
+        ema=ema,
+    )
