@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         seed,
         config.max_grad_norm,
         # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
-        scaler=ShardedGradScaler() if compute_dtype == torch.float16 else None,
+        scaler=ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None,
         ema=ema,
     )
     metrics = MetricsWriter(log_dir, enabled=world.is_main)

@@ -1,0 +1,337 @@
+"""The update and the objective on the tiny UNet, in this process (a 1-process gloo group, FSDP2-sharded
+like in training): micro-conditioning, caption dropout, accumulation, clipping, NaN/inf skipping, the
+prediction targets, Min-SNR, noise offset, timestep range, zero terminal SNR, EMA and regional compile."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from sdxl_trainer.cache import load_manifest
+from sdxl_trainer.config import parse_config
+from sdxl_trainer.data import CachedDataset, collate
+from sdxl_trainer.diffusion import (
+    NoiseSettings,
+    build_noise_scheduler,
+    draw_sample_randomness,
+    min_snr_weights,
+    signal_to_noise,
+    training_loss,
+)
+from sdxl_trainer.ema import ShardedEMA
+from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed
+from unet_batches import empty_prompt_for, make_train_step, synthetic_batch
+
+DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHINDUCTOR_CACHE_DIR")
+
+
+@pytest.fixture(scope="module")
+def world():
+    saved = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}
+    world = init_distributed()
+    yield world
+    shutdown_distributed()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def sharded_unet(pipeline_dir, world, compile_blocks: bool = False, param_dtype: torch.dtype | None = None):
+    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
+    shard_unet(unet, world.mesh, param_dtype=param_dtype, compile_blocks=compile_blocks)
+    return unet
+
+
+def weights(unet) -> dict[str, torch.Tensor]:
+    return {name: parameter.full_tensor().clone() for name, parameter in unet.named_parameters()}
+
+
+def largest_difference(first: dict, second: dict) -> float:
+    return max((first[key] - second[key]).abs().max().item() for key in first)
+
+
+class ZeroUNet(torch.nn.Module):
+    """Predicts 0 everywhere, so the loss is the mean square of the target."""
+
+    def forward(self, sample, timestep, encoder_hidden_states, added_cond_kwargs):
+        return type("Output", (), {"sample": torch.zeros_like(sample)})
+
+
+# --- what reaches the UNet ------------------------------------------------------------------------------
+
+
+def captured_unet_inputs(unet, run):
+    """Run `run()` and return what the UNet got: time ids (as its add_time_proj sees them), caption
+    embeddings and pooled embeddings."""
+    seen = {}
+
+    def on_time_ids(module, args):
+        seen["time_ids"] = args[0].detach().clone()
+
+    def on_forward(module, args, kwargs):
+        seen["encoder_hidden_states"] = kwargs["encoder_hidden_states"].detach().clone()
+        seen["text_embeds"] = kwargs["added_cond_kwargs"]["text_embeds"].detach().clone()
+
+    handles = [unet.add_time_proj.register_forward_pre_hook(on_time_ids), unet.register_forward_pre_hook(on_forward, with_kwargs=True)]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 5])
+def test_micro_conditioning_of_every_sample_reaches_the_unet(world, tiny_pipeline_dir, sample_cache_dir, batch_size):
+    dataset = CachedDataset([sample_cache_dir])
+    bucket_ids = dataset.bucket_ids()
+    largest_bucket = np.bincount(np.unique(bucket_ids, return_inverse=True)[1]).argmax()
+    items = np.flatnonzero(np.unique(bucket_ids, return_inverse=True)[1] == largest_bucket)[:batch_size]
+    assert len(items) == batch_size
+    batch = collate([dataset[int(item)] for item in items])
+    unet = sharded_unet(tiny_pipeline_dir, world)
+    noise_scheduler = build_noise_scheduler(str(tiny_pipeline_dir), "epsilon", zero_terminal_snr=False)
+    seen = captured_unet_inputs(
+        unet, lambda: training_loss(unet, batch, noise_scheduler, empty_prompt_for(unet), 1, 0, NoiseSettings(0.0))
+    )
+    manifest = load_manifest(sample_cache_dir)
+    columns = ("original_height", "original_width", "crop_top", "crop_left", "bucket_height", "bucket_width")
+    expected = np.stack([manifest.column(name).to_numpy()[items] for name in columns], axis=1).astype(np.float32)
+    assert seen["time_ids"].shape == (batch_size * 6,)
+    assert torch.equal(seen["time_ids"].view(batch_size, 6), torch.from_numpy(expected))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5, 1.0])
+def test_conditional_dropout_swaps_in_the_empty_prompt_and_its_pooled_embedding(world, tiny_pipeline_dir, dropout):
+    unet = sharded_unet(tiny_pipeline_dir, world)
+    items = list(range(8))
+    batch = synthetic_batch(unet, items, seed=5)
+    empty_embeds, empty_pooled = empty_prompt_for(unet)
+    noise_scheduler = build_noise_scheduler(str(tiny_pipeline_dir), "epsilon", zero_terminal_snr=False)
+    settings = NoiseSettings(conditional_dropout_percent=dropout)
+    seen = captured_unet_inputs(unet, lambda: training_loss(unet, batch, noise_scheduler, (empty_embeds, empty_pooled), 1, 0, settings))
+    dropped = draw_sample_randomness(batch["latents"], batch["item_index"], 1, 0, settings).drop_caption
+    assert dropped.sum().item() == {0.0: 0, 1.0: 8}.get(dropout, dropped.sum().item())
+    if dropout == 0.5:
+        assert 0 < dropped.sum().item() < 8, "this seed should drop some captions and keep others"
+    for row in range(8):
+        if dropped[row]:
+            assert torch.equal(seen["encoder_hidden_states"][row], empty_embeds)
+            assert torch.equal(seen["text_embeds"][row], empty_pooled)
+        else:
+            assert torch.equal(seen["encoder_hidden_states"][row], batch["prompt_embeds"][row])
+            assert torch.equal(seen["text_embeds"][row], batch["pooled_prompt_embeds"][row])
+
+
+# --- the update -----------------------------------------------------------------------------------------
+
+
+def test_accumulated_microbatches_equal_one_large_batch(world, tiny_pipeline_dir):
+    """SGD at lr 1 moves the weights by exactly the (clipped) gradient, so equal weights mean equal
+    gradients. (Adam's first step is about lr * sign(gradient), which turns fp32 rounding of near-zero
+    gradients into lr-sized differences, so it cannot show this.)"""
+    results = {}
+    for name, split in (("one batch of 4", [[0, 1, 2, 3]]), ("2 microbatches of 2", [[0, 1], [2, 3]])):
+        unet = sharded_unet(tiny_pipeline_dir, world)
+        optimizer = torch.optim.SGD(unet.parameters(), lr=1.0)
+        step = make_train_step(unet, optimizer, tiny_pipeline_dir, NoiseSettings(0.5))
+        template = synthetic_batch(unet, [0, 1, 2, 3], seed=2)
+        result = step([{key: value[items] for key, value in template.items()} for items in split], epoch=0)
+        results[name] = (weights(unet), result)
+    (one, one_result), (two, two_result) = results.values()
+    assert abs(one_result.loss - two_result.loss) < 1e-6
+    assert abs(one_result.grad_norm - two_result.grad_norm) < 1e-5 * one_result.grad_norm
+    assert largest_difference(one, two) < 1e-6
+
+
+@pytest.mark.parametrize("loss_scale", [None, 1024.0])
+def test_clipping_bounds_the_true_gradient(world, tiny_pipeline_dir, loss_scale):
+    """With plain SGD at lr 1, the weights move by exactly the clipped gradient: its norm must be
+    max_grad_norm, also when the loss is scaled (the scaler unscales before clipping)."""
+    unet = sharded_unet(tiny_pipeline_dir, world)
+    before = weights(unet)
+    optimizer = torch.optim.SGD(unet.parameters(), lr=1.0)
+    step = make_train_step(unet, optimizer, tiny_pipeline_dir, max_grad_norm=1e-3)
+    if loss_scale:
+        step.scaler = ShardedGradScaler("cpu", init_scale=loss_scale)
+    result = step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0)
+    after = weights(unet)
+    moved = torch.sqrt(sum(((after[key] - before[key]) ** 2).sum() for key in before)).item()
+    assert result.stepped and result.grad_norm > 1e-2  # the true norm, far above the clip
+    assert moved == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_nonfinite_update_is_skipped_without_touching_weights_state_or_schedule(world, tiny_pipeline_dir):
+    unet = sharded_unet(tiny_pipeline_dir, world)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-3)
+    ema = ShardedEMA(unet, decay=0.9, on_cpu=False)
+    step = make_train_step(unet, optimizer, tiny_pipeline_dir, ema=ema)
+    before = weights(unet)
+    poisoned = synthetic_batch(unet, [0, 1], seed=4)
+    poisoned["latents"][1, 0, 0, 0] = float("nan")
+    result = step([poisoned], epoch=0)
+    assert not result.stepped and np.isnan(result.loss)
+    assert largest_difference(before, weights(unet)) == 0.0
+    assert optimizer.state == {} or all(not state for state in optimizer.state.values())
+    assert step.lr_scheduler.last_epoch == 0 and ema.updates == 0
+    assert (step.skipped_updates, step.consecutive_skipped_updates) == (1, 1)
+    assert all(parameter.grad is None for parameter in unet.parameters())  # nothing left to leak into the next update
+
+    assert step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0).stepped
+    assert largest_difference(before, weights(unet)) > 0
+    assert step.lr_scheduler.last_epoch == 1 and ema.updates == 1
+    assert (step.skipped_updates, step.consecutive_skipped_updates) == (1, 0)
+
+
+def test_fp16_scaler_overflow_lowers_the_scale_and_does_not_advance_the_schedule(world, tiny_pipeline_dir):
+    unet = sharded_unet(tiny_pipeline_dir, world, param_dtype=torch.float16)
+    before = weights(unet)
+    optimizer = torch.optim.SGD(unet.parameters(), lr=1e-3)
+    step = make_train_step(unet, optimizer, tiny_pipeline_dir)
+    step.scaler = ShardedGradScaler("cpu", init_scale=2.0**40)  # fp16 backward overflows at 65504
+    result = step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0)
+    assert not result.stepped and np.isfinite(result.loss)
+    assert step.scaler.get_scale() == 2.0**39
+    assert step.lr_scheduler.last_epoch == 0
+    assert largest_difference(before, weights(unet)) == 0.0
+    step.scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
+    assert step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0).stepped
+    assert step.lr_scheduler.last_epoch == 1
+
+
+# --- the objective --------------------------------------------------------------------------------------
+
+
+def test_epsilon_and_v_prediction_targets(tiny_pipeline_dir):
+    latents = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    batch = {
+        "latents": latents,
+        "item_index": torch.tensor([4, 5, 6]),
+        "prompt_embeds": torch.zeros(3, 77, 32),
+        "pooled_prompt_embeds": torch.zeros(3, 32),
+        "time_ids": torch.zeros(3, 6),
+    }
+    empty = (torch.zeros(77, 32), torch.zeros(32))
+    settings = NoiseSettings(0.0)
+    randomness = draw_sample_randomness(latents, batch["item_index"], 9, 2, settings)
+    for prediction_type in ("epsilon", "v_prediction"):
+        scheduler = build_noise_scheduler(str(tiny_pipeline_dir), prediction_type, zero_terminal_snr=False)
+        alpha_bar = scheduler.alphas_cumprod[randomness.timesteps].view(-1, 1, 1, 1)
+        if prediction_type == "epsilon":
+            target = randomness.noise
+        else:  # v = sqrt(alpha_bar) * noise - sqrt(1 - alpha_bar) * x0
+            target = alpha_bar.sqrt() * randomness.noise - (1 - alpha_bar).sqrt() * latents
+        loss = training_loss(ZeroUNet(), batch, scheduler, empty, 9, 2, settings)
+        assert loss.item() == pytest.approx(target.square().mean().item(), rel=1e-5)
+
+        gamma = 5.0
+        weighted = training_loss(ZeroUNet(), batch, scheduler, empty, 9, 2, NoiseSettings(0.0, min_snr_gamma=gamma))
+        snr = alpha_bar.flatten() / (1 - alpha_bar.flatten())
+        weight = torch.clamp(snr, max=gamma) / (snr + 1 if prediction_type == "v_prediction" else snr)
+        expected = (target.square().mean(dim=(1, 2, 3)) * weight).mean()
+        assert weighted.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_min_snr_weights_by_hand():
+    snr = torch.tensor([0.5, 5.0, 20.0])
+    assert torch.allclose(min_snr_weights(snr, 5.0, "epsilon"), torch.tensor([1.0, 1.0, 0.25]))
+    assert torch.allclose(min_snr_weights(snr, 5.0, "v_prediction"), torch.tensor([0.5 / 1.5, 5 / 6, 5 / 21]))
+
+
+def test_zero_terminal_snr_schedule_and_finite_v_weights(tiny_pipeline_dir):
+    scheduler = build_noise_scheduler(str(tiny_pipeline_dir), "v_prediction", zero_terminal_snr=True)
+    plain = build_noise_scheduler(str(tiny_pipeline_dir), "v_prediction", zero_terminal_snr=False)
+    assert scheduler.alphas_cumprod[-1].item() < 1e-6 < plain.alphas_cumprod[-1].item()
+    snr = signal_to_noise(scheduler, torch.tensor([0, 500, 999]))
+    assert snr[-1].item() < 1e-6
+    assert torch.isfinite(min_snr_weights(snr, 5.0, "v_prediction")).all()
+
+
+def test_noise_offset_shifts_each_channel_by_a_per_sample_constant():
+    latents = torch.zeros(4, 4, 16, 16)
+    items = torch.tensor([0, 1, 2, 3])
+    plain = draw_sample_randomness(latents, items, 1, 0, NoiseSettings(0.0))
+    offset = draw_sample_randomness(latents, items, 1, 0, NoiseSettings(0.0, noise_offset=0.1))
+    shift = offset.noise - plain.noise
+    per_channel = shift.mean(dim=(2, 3), keepdim=True)
+    assert torch.allclose(shift, per_channel.expand_as(shift), atol=1e-6)  # constant over each channel
+    assert 0 < per_channel.abs().mean().item() < 0.5
+    assert torch.equal(offset.timesteps, plain.timesteps) and torch.equal(offset.drop_caption, plain.drop_caption)
+    again = draw_sample_randomness(latents, items, 1, 0, NoiseSettings(0.0, noise_offset=0.1))
+    assert torch.equal(offset.noise, again.noise)
+
+
+def test_timesteps_stay_in_the_requested_range():
+    latents = torch.zeros(200, 4, 2, 2)
+    drawn = draw_sample_randomness(latents, torch.arange(200), 1, 0, NoiseSettings(0.0, min_timestep=200, max_timestep=300)).timesteps
+    assert drawn.min().item() >= 200 and drawn.max().item() < 300
+    assert len(torch.unique(drawn)) > 50
+
+
+# --- EMA and compile ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("on_cpu", [False, True])
+def test_ema_follows_the_warmed_up_decay_and_gathers_in_full(world, tiny_pipeline_dir, on_cpu):
+    unet = sharded_unet(tiny_pipeline_dir, world)
+    start = weights(unet)
+    ema = ShardedEMA(unet, decay=0.5, on_cpu=on_cpu)
+    optimizer = torch.optim.SGD(unet.parameters(), lr=0.1)
+    step = make_train_step(unet, optimizer, tiny_pipeline_dir, ema=ema)
+    expected = dict(start)
+    for update in range(3):
+        step([synthetic_batch(unet, [update], seed=6)], epoch=0)
+        decay = min(0.5, (1 + update) / (10 + update))  # 0.1, 0.18..., 0.25
+        current = weights(unet)
+        expected = {key: decay * expected[key] + (1 - decay) * current[key] for key in expected}
+    gathered = ema.full_state_dict_on_rank0(is_main=True)
+    assert gathered.keys() == expected.keys()
+    assert largest_difference(gathered, expected) < 1e-6
+    assert largest_difference(gathered, weights(unet)) > 1e-5  # an average, not the live weights
+    assert all(shadow.device.type == "cpu" for shadow in ema.shadow)
+
+
+def test_regional_compile_gives_the_eager_loss(world, tiny_pipeline_dir):
+    batch = synthetic_batch(UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet"), [0, 1], seed=8)
+    losses = []
+    for compile_blocks in (False, True):
+        unet = sharded_unet(tiny_pipeline_dir, world, compile_blocks=compile_blocks)
+        optimizer = torch.optim.SGD(unet.parameters(), lr=1e-2)
+        step = make_train_step(unet, optimizer, tiny_pipeline_dir)
+        losses.append([step([batch], epoch=0).loss for _ in range(2)])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    assert losses[0][1] != losses[0][0]  # the second update saw the first one's weights
+
+
+# --- configuration --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--zero_terminal_snr"], "--zero_terminal_snr needs --prediction_type v_prediction"),
+        (["--min_timestep", "500", "--max_timestep", "400"], "need 0 <= --min_timestep < --max_timestep <= 1000"),
+        (["--ema_decay", "1.5"], "--ema_decay must be between 0 and 1"),
+        (["--max_consecutive_skipped_updates", "0"], "--max_consecutive_skipped_updates must be at least 1"),
+    ],
+)
+def test_train_config_rejects_inconsistent_objective_options(flags, message, capsys):
+    from sdxl_FSDP_train import TrainConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--cached_dataset_dirs", "c", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_train_config_accepts_v_prediction_with_zero_terminal_snr():
+    from sdxl_FSDP_train import TrainConfig
+
+    config = parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--prediction_type", "v_prediction", "--zero_terminal_snr", "--optimizer", "lion"])
+    assert (config.prediction_type, config.zero_terminal_snr, config.optimizer) == ("v_prediction", True, "lion")
