@@ -184,6 +184,23 @@ def agree_on_seed(seed: int | None, device: torch.device) -> int:
     return int(chosen.item())
 
 
+def stop_after_saving_state(run_dir: Path, update: int, epoch: int, train_step: TrainStep) -> None:
+    """Updates keep coming out NaN/inf: save the state for a look (or a resume with other settings) and stop."""
+    trainer_state = {
+        "update": update,
+        "epoch": epoch,
+        "lr_scheduler": train_step.lr_scheduler.state_dict(),
+        "skipped_updates": train_step.skipped_updates,
+    }
+    checkpoint_dir = run_dir / "checkpoints" / f"update_{update:08d}"
+    save_training_state(checkpoint_dir, train_step.unet, train_step.optimizer, train_step.ema, trainer_state)
+    raise SystemExit(
+        f"Stopped at update {update}: the last {train_step.consecutive_skipped_updates} updates all had a NaN/inf loss or "
+        f"gradient. State saved to {checkpoint_dir}. Lower --learning_rate, use --mixed_precision bf16 instead of fp16, "
+        "or check the cache with sdxl_process_data_dir.py --verify."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     # ---- configuration -------------------------------------------------------------------------
     config = parse_config(TrainConfig, argv, description=__doc__)
@@ -290,31 +307,11 @@ def main(argv: list[str] | None = None) -> int:
             result = train_step(microbatches, epoch)
             throughput.stop(global_batch_size * config.gradient_accumulation_steps)
             update += 1
-            if not result.stepped:
-                if world.is_main:
-                    tqdm.write(f"Warning: update {update} skipped: loss {result.loss}, gradient norm {result.grad_norm} (NaN/inf).")
-                if train_step.consecutive_skipped_updates >= config.max_consecutive_skipped_updates:
-                    trainer_state = {
-                        "update": update,
-                        "epoch": epoch,
-                        "lr_scheduler": lr_scheduler.state_dict(),
-                        "skipped_updates": train_step.skipped_updates,
-                    }
-                    state_dir = save_training_state(run_dir / "checkpoints" / f"update_{update:08d}", unet, optimizer, ema, trainer_state)
-                    metrics.close()
-                    raise SystemExit(
-                        f"Stopped at update {update}: the last {train_step.consecutive_skipped_updates} updates all had a NaN/inf "
-                        f"loss or gradient. State saved to {state_dir}. Lower --learning_rate, use --mixed_precision bf16 "
-                        f"instead of fp16, or check the cache with sdxl_process_data_dir.py --verify."
-                    )
-            else:
-                epoch_losses.append(result.loss)
-
             memory = gather_floats(peak_memory_gib(world.device), world.device)
             metrics.scalars(
                 {
                     "train/loss": result.loss,
-                    "train/lr": lr_scheduler.get_last_lr()[0],
+                    "train/lr": result.learning_rate,
                     "train/grad_norm": result.grad_norm,
                     "train/skipped_updates": train_step.skipped_updates,
                     "perf/images_per_s": throughput.images_per_second,
@@ -325,6 +322,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             progress.set_postfix(epoch=epoch, loss=f"{result.loss:.4f}", img_s=f"{throughput.images_per_second:.2f}")
             progress.update()
+            if result.stepped:
+                epoch_losses.append(result.loss)
+            else:
+                if world.is_main:
+                    tqdm.write(f"Warning: update {update} skipped: loss {result.loss}, gradient norm {result.grad_norm} (NaN/inf).")
+                if train_step.consecutive_skipped_updates >= config.max_consecutive_skipped_updates:
+                    metrics.close()
+                    stop_after_saving_state(run_dir, update, epoch, train_step)
         if epoch_losses:
             metrics.scalars({"train/epoch_loss": sum(epoch_losses) / len(epoch_losses)}, epoch + 1)
     progress.close()

@@ -26,6 +26,7 @@ class UpdateResult:
     loss: float  # mean loss over every sample of the update, all ranks
     grad_norm: float  # global norm of the true (unscaled) gradients, before clipping
     stepped: bool  # False when the update was skipped for a NaN/inf loss or gradient
+    learning_rate: float  # the learning rate this update used (or would have used, if skipped)
 
 
 class TrainStep:
@@ -73,6 +74,7 @@ class TrainStep:
         loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
         # Both values are global (all-reduced), so every rank takes the same decision.
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
+        learning_rate = self.optimizer.param_groups[0]["lr"]
         if finite:
             if self.scaler:
                 self.scaler.step(self.optimizer)
@@ -89,4 +91,4 @@ class TrainStep:
         else:
             self.skipped_updates += 1
             self.consecutive_skipped_updates += 1
-        return UpdateResult(loss_value, grad_norm_value, finite)
+        return UpdateResult(loss_value, grad_norm_value, finite, learning_rate)

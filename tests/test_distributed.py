@@ -1,13 +1,19 @@
-"""FSDP2 on 2 CPU processes (gloo): each rank holds half the UNet, and training gives the same weights
-as 1 process on the same data (same global batch, same seed) within fp32 tolerance."""
+"""The trainer on 2 CPU processes (gloo): each rank holds half the UNet; training gives the same weights
+and the same learning rate at every update as 1 process on the same data (same global batch, same seed);
+a run whose updates keep going NaN stops with state saved, and training never loads the VAE or the text
+encoders."""
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, run_processes
 
@@ -24,11 +30,18 @@ def test_each_rank_holds_half_of_the_unet(tmp_path, tiny_pipeline_dir):
     print(f"per-rank parameter share: {shares}")
 
 
+def scalars(run_dir: Path, tag: str) -> list[float]:
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)]
+
+
 def _train(num_processes: int, per_rank_batch: int, cache_dir: Path, pipeline_dir: Path, output_dir: Path) -> dict[str, torch.Tensor]:
     run_processes(
         num_processes,
         REPO_ROOT / "sdxl_FSDP_train.py",
         [
+            "--learning_rate_scheduler", "cosine", "--percent_lr_warm_up_steps", "0.25",
             "--cached_dataset_dirs", str(cache_dir),
             "--pretrained_model_name_or_path", str(pipeline_dir),
             "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
@@ -46,13 +59,64 @@ def _train(num_processes: int, per_rank_batch: int, cache_dir: Path, pipeline_di
     return load_file(output_dir / "run" / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors")
 
 
-def test_two_processes_train_like_one(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+@pytest.fixture(scope="module")
+def runs_on_one_and_two_processes(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> dict[int, Path]:
+    output_dir = tmp_path_factory.mktemp("one_vs_two")
+    _train(1, 2, sample_cache_dir, tiny_pipeline_dir, output_dir / "one")
+    _train(2, 1, sample_cache_dir, tiny_pipeline_dir, output_dir / "two")
+    return {1: output_dir / "one" / "run", 2: output_dir / "two" / "run"}
+
+
+def test_two_processes_train_like_one(runs_on_one_and_two_processes, tiny_pipeline_dir):
     base = load_file(tiny_pipeline_dir / "unet" / "diffusion_pytorch_model.safetensors")
-    one = _train(1, 2, sample_cache_dir, tiny_pipeline_dir, tmp_path / "one")
-    two = _train(2, 1, sample_cache_dir, tiny_pipeline_dir, tmp_path / "two")
+    one, two = (load_file(run / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors") for run in runs_on_one_and_two_processes.values())
     assert one.keys() == two.keys() == base.keys()
     moved = max((one[key] - base[key]).abs().max().item() for key in base)
     differs = max((one[key] - two[key]).abs().max().item() for key in base)
     print(f"largest weight change from training: {moved:.3e}; largest 1-vs-2-process difference: {differs:.3e}")
     assert moved > 1e-4  # training really changed the weights (several updates at lr 1e-4)
     assert differs < 1e-5, f"1 and 2 processes diverged by {differs}"
+
+
+def test_learning_rate_depends_only_on_updates(runs_on_one_and_two_processes):
+    one, two = (scalars(run, "train/lr") for run in runs_on_one_and_two_processes.values())
+    assert one == two
+    total = len(one)
+    warmup = math.ceil(0.25 * total)
+    assert total >= 4 and warmup >= 2
+    # Linear warmup from 0 over the first `warmup` updates, the peak at update `warmup`, then cosine decay.
+    assert one[:warmup + 1] == pytest.approx([1e-4 * update / warmup for update in range(warmup + 1)], rel=1e-5)
+    assert all(later < earlier for earlier, later in zip(one[warmup:], one[warmup + 1:]))
+
+
+def test_updates_that_keep_failing_stop_the_run_after_saving_state(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    """A learning rate of 1e30 blows the weights up after one update. The copied pipeline has no VAE or
+    text-encoder weights at all (only their config files): training from a cache must not need them."""
+    unet_only = tmp_path / "unet_only"
+    shutil.copytree(tiny_pipeline_dir, unet_only)
+    for folder in ("vae", "text_encoder", "text_encoder_2"):
+        for weights in (unet_only / folder).glob("*.safetensors"):
+            weights.unlink()
+    result = run_processes(
+        2,
+        REPO_ROOT / "sdxl_FSDP_train.py",
+        [
+            "--cached_dataset_dirs", str(sample_cache_dir),
+            "--pretrained_model_name_or_path", str(unet_only),
+            "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
+            "--optimizer", "adamw", "--learning_rate", "1e30", "--learning_rate_scheduler", "constant",
+            "--mixed_precision", "fp32", "--dataloader_num_workers", "0", "--set_seed", "1",
+            "--max_consecutive_skipped_updates", "2", "--no-save_diffusers",
+            "--output_dir", str(tmp_path), "--project_name", "run",
+        ],
+        expect_success=False,
+    )
+    assert result.returncode != 0
+    assert "Stopped at update 3: the last 2 updates all had a NaN/inf loss or gradient" in result.stderr
+    assert "Lower --learning_rate" in result.stderr
+    checkpoint = tmp_path / "run" / "checkpoints" / "update_00000003"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert (state["update"], state["skipped_updates"]) == (3, 2)
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
+    assert scalars(tmp_path / "run", "train/skipped_updates") == [0, 1, 2]
+    assert not (tmp_path / "run" / "pipeline").exists()
