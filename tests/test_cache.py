@@ -323,12 +323,14 @@ def test_empty_prompt_round_trip(tmp_path):
     assert torch.equal(read_pooled, pooled.half())
 
 
-def test_empty_prompt_overwrite_and_missing(tmp_path):
+def test_empty_prompt_written_once_and_missing(tmp_path):
     with pytest.raises(CacheError, match="sdxl_process_data_dir.py"):
         read_empty_prompt(tmp_path)
     write_empty_prompt(tmp_path, torch.zeros(77, 64), torch.zeros(32))
+    # A second worker (same settings, so same tensors) does not rewrite the file the first one made.
     write_empty_prompt(tmp_path, torch.ones(77, 64), torch.ones(32))
-    assert torch.equal(read_empty_prompt(tmp_path)[0], torch.ones(77, 64, dtype=torch.float16))
+    assert torch.equal(read_empty_prompt(tmp_path)[0], torch.zeros(77, 64, dtype=torch.float16))
+    assert [p.name for p in tmp_path.iterdir()] == [cache.EMPTY_PROMPT_FILE]
 
 
 def test_paths_in_cache_are_relative(tmp_path):
