@@ -205,6 +205,18 @@ class ShardWriter:
         (cache_dir / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
         existing = [int(p.stem.rsplit("-", 1)[1]) for p in (cache_dir / MANIFEST_DIR).glob(f"{worker_name}-*.parquet")]
         self.next_seq = max(existing, default=-1) + 1
+        self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """Delete what a killed run of this same worker left unfinished: temporary files and shards without a
+        manifest part. Only this worker writes files with its name, so nothing of another worker is touched."""
+        committed = {p.stem for p in (self.cache_dir / MANIFEST_DIR).glob(f"{self.worker_name}-*.parquet")}
+        for folder in (self.cache_dir / SHARD_DIR, self.cache_dir / MANIFEST_DIR):
+            for path in folder.glob(f".{self.worker_name}-*.tmp"):
+                path.unlink(missing_ok=True)
+        for path in (self.cache_dir / SHARD_DIR).glob(f"{self.worker_name}-*.safetensors"):
+            if path.stem not in committed:
+                path.unlink(missing_ok=True)
 
     def write(self, items: list[CachedItem]) -> Path:
         """Write `items` as one shard + manifest part; returns the manifest part's path.
