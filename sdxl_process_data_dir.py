@@ -48,6 +48,7 @@ from sdxl_trainer.cache import (
     CachedItem,
     ShardWriter,
     merge_parts,
+    part_files,
     quarantine,
     read_manifest_parts,
     sha256_file,
@@ -288,7 +289,7 @@ def valid_cached_items(cache_dir: Path, my_paths: set[str], num_threads: int, wo
     parts, damaged_parts = read_manifest_parts(cache_dir)
     for path, reason in damaged_parts.items():
         print(f"[{worker_name}] repair: {MANIFEST_DIR}/{path.name} is {reason}; its items will be re-encoded")
-        quarantine_part_file(cache_dir, path)
+        quarantine(cache_dir, path)
     wanted = pa.array(sorted(my_paths), pa.string())
     mine = [(part, table) for part, table in parts if pc.any(pc.is_in(table.column("image_path"), value_set=wanted)).as_py()]
     started = time.perf_counter()
@@ -300,21 +301,11 @@ def valid_cached_items(cache_dir: Path, my_paths: set[str], num_threads: int, wo
             intact.append((part, table))
         else:
             print(f"[{worker_name}] repair: {SHARD_DIR}/{part.shard} is damaged ({problem}); its {part.num_rows} items will be re-encoded")
-            quarantine(cache_dir, part)
+            quarantine(cache_dir, *part_files(cache_dir, part))
     if mine:
         print(f"[{worker_name}] checked {len(mine)} shards against their checksums in {time.perf_counter() - started:.1f} s")
     manifest = merge_parts(intact)
     return dict(zip(manifest.column("image_path").to_pylist(), zip(manifest.column("image_sha256").to_pylist(), manifest.column("caption").to_pylist())))
-
-
-def quarantine_part_file(cache_dir: Path, path: Path) -> None:
-    """An unreadable manifest part names no shard we can trust: move just the part aside."""
-    damaged_dir = cache_dir / "damaged"
-    damaged_dir.mkdir(exist_ok=True)
-    try:
-        os.replace(path, damaged_dir / path.name)
-    except FileNotFoundError:
-        pass  # another worker moved it first
 
 
 class WriteFailed(Exception):

@@ -414,16 +414,21 @@ def verify_cache(cache_dir: Path) -> tuple[int, dict[str, list[str]]]:
     return checked, problems
 
 
-def quarantine(cache_dir: Path, part: ManifestPart) -> None:
-    """Move a damaged shard and its manifest part into damaged/, so its rows no longer count and its items
-    get re-encoded. Another worker may have moved them already: that is fine."""
+def quarantine(cache_dir: Path, *paths: Path) -> None:
+    """Move damaged files (a shard and its manifest part, or an unreadable part) into damaged/, so their rows
+    no longer count and their items get re-encoded. Another worker may have moved them already: fine."""
     damaged_dir = cache_dir / DAMAGED_DIR
     damaged_dir.mkdir(exist_ok=True)
-    for path in (part.path, cache_dir / SHARD_DIR / part.shard):
+    for path in paths:
         try:
             os.replace(path, damaged_dir / path.name)
         except FileNotFoundError:
             pass
+
+
+def part_files(cache_dir: Path, part: ManifestPart) -> tuple[Path, Path]:
+    """The manifest part and the shard it commits."""
+    return part.path, cache_dir / SHARD_DIR / part.shard
 
 
 class CacheReader:

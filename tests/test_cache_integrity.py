@@ -22,6 +22,7 @@ from sdxl_trainer.cache import (
     CacheReader,
     ShardWriter,
     load_manifest,
+    part_files,
     quarantine,
     read_cache_info,
     read_manifest_parts,
@@ -107,8 +108,8 @@ def test_shard_problem_size_only_and_full(tmp_path):
 def test_quarantine_drops_rows_and_keeps_the_files(tmp_path):
     small_cache(tmp_path, shards=2)
     parts, _ = read_manifest_parts(tmp_path)
-    quarantine(tmp_path, parts[0][0])
-    quarantine(tmp_path, parts[0][0])  # a second worker finding the same damage: no error
+    quarantine(tmp_path, *part_files(tmp_path, parts[0][0]))
+    quarantine(tmp_path, *part_files(tmp_path, parts[0][0]))  # a second worker finding the same damage: no error
     assert sorted(load_manifest(tmp_path).column("image_path").to_pylist()) == ["1-0.png", "1-1.png"]
     assert sorted(p.name for p in (tmp_path / DAMAGED_DIR).iterdir()) == ["w0-000000.parquet", "w0-000000.safetensors"]
     assert ShardWriter(tmp_path, "w0").next_seq == 2  # the damaged shard's name is not reused
