@@ -2,53 +2,73 @@
 
 For every image under --data_dir with a caption file of the same name (photo.jpg + photo.txt):
   1. read it upright (EXIF rotation), RGB, with transparency composited on white;
-  2. skip it if it is smaller than the smallest bucket of --min_resolution (nothing is ever upscaled here);
-  3. pick its aspect-ratio bucket (the largest resolution category up to --max_resolution that fits),
-     resize it to cover the bucket and centre-crop; record SDXL's micro-conditioning (original size,
-     crop top-left, target size);
-  4. encode the crop with the VAE and the caption with both text encoders;
+  2. skip it if it is smaller than the smallest bucket of --min_resolution;
+  3. pick its aspect-ratio bucket (the largest resolution category up to --max_resolution that fits); with
+     --upscale_to_resolution R, an image whose category is below R is first enlarged by an ESRGAN-family
+     network (optionally with GFPGAN face restoration) and bucketed in category R, while its original size
+     stays the pre-upscale size (SDXL micro-conditioning, so the model does not learn upscaling artefacts);
+  4. resize to cover the bucket and centre-crop; encode the crop with the VAE and the caption with both
+     text encoders;
   5. write shards of tensors (safetensors) + manifest parts (Parquet) into --cache_dir (see cache.py).
 
 Nothing is written into --data_dir. Re-running the same command skips items already cached with the same
-image bytes and caption, and caches new or changed ones. Skipped items are listed, one line each with the
-reason, in <cache_dir>/logs/. Several workers (one per GPU or machine) split the data with --num_shards
-and --shard_index; see sdxl_process_data_dir.sh.
+image bytes and caption, re-encodes new or changed ones and those of shards found damaged (checksums), and
+refuses a cache made with other settings. Skipped items are listed, one line each with the reason, in
+<cache_dir>/logs/. --verify checks a cache without changing it; --dry_run prints the bucket histogram
+without loading any model. Several workers (one per GPU or machine) split the data with --num_shards and
+--shard_index; sdxl_process_data_dir.sh starts them.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
+import threading
 import time
-from collections import Counter, defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter, defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Iterable, Iterator, Literal
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 from sdxl_trainer.buckets import BUCKET_TABLE_VERSION, categories
 from sdxl_trainer.cache import (
+    LOG_DIR,
+    MANIFEST_DIR,
+    SHARD_DIR,
+    CacheError,
     CacheSettings,
     CachedItem,
-    LOG_DIR,
     ShardWriter,
-    load_manifest,
+    merge_parts,
+    part_files,
+    quarantine,
+    read_manifest_parts,
+    sha256_file,
+    shard_problem,
+    verify_cache,
     write_cache_info,
     write_empty_prompt,
 )
 from sdxl_trainer.config import option, parse_config
 from sdxl_trainer.encoding import Encoders, load_encoders, model_fingerprint
-from sdxl_trainer.sources import PreparedItem, SkippedItem, prepare_item, read_source, scan_images, worker_of
+from sdxl_trainer.images import UnreadableImage, upright_size
+from sdxl_trainer.sources import PreparedItem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_source, scan_images, worker_of
 from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
+from sdxl_trainer.upscale import Upscaler, load_upscaler, weights_problems
 
 
 @dataclass
 class CacheConfig:
-    data_dir: Path = option(help="folder of images with captions in .txt files of the same name (searched recursively)")
     cache_dir: Path = option(help="folder to write the cache into; must not be inside --data_dir")
+    data_dir: Path | None = option(None, help="folder of images with captions in .txt files of the same name (searched recursively); required except with --verify")
     pretrained_model_name_or_path: str = option(
         "stabilityai/stable-diffusion-xl-base-1.0", help="SDXL pipeline (hub id or local diffusers folder) whose text encoders and VAE encode the data"
     )
@@ -57,31 +77,67 @@ class CacheConfig:
     )
     min_resolution: int = option(512, help="smallest bucket category in px (multiple of 64, 256-2048); smaller images are skipped")
     max_resolution: int = option(1024, help="largest bucket category in px (multiple of 64, 256-2048); larger images are scaled down")
+    upscale_to_resolution: int = option(
+        0, help="images whose bucket category is below this (px, a category above --min_resolution) are upscaled and bucketed in it; 0 = no upscaling"
+    )
+    upscaler_weights: Path | None = option(
+        None, help="local ESRGAN-family weight file (.pth/.safetensors), e.g. RealESRGAN_x4plus.pth or 4x_foolhardy_Remacri.pth; needed by --upscale_to_resolution"
+    )
+    upscale_use_GFPGAN: bool = option(False, help="restore faces in upscaled images with GFPGAN (needs --gfpgan_weights and --facexlib_weights_dir)")
+    gfpgan_weights: Path | None = option(None, help="local GFPGANv1.3.pth / GFPGANv1.4.pth, for --upscale_use_GFPGAN")
+    facexlib_weights_dir: Path | None = option(
+        None, help="folder holding facexlib's detection_Resnet50_Final.pth and parsing_parsenet.pth, for --upscale_use_GFPGAN"
+    )
+    upscale_tile_size: int = option(256, help="the upscaler runs on tiles of this many input px per side (bounds memory); 0 = whole image at once")
+    upscale_tile_padding: int = option(32, help="px of surrounding image each tile sees, so tiles join without seams")
+    save_upscale_samples: Path | None = option(None, help="folder (outside --data_dir) for before/after PNG pairs of upscaled images; None = none")
+    max_upscale_samples: int = option(32, help="before/after pairs written per worker into --save_upscale_samples; 0 = every upscaled image")
     batch_size: int = option(8, help="images per VAE / text-encoder call")
     items_per_shard: int = option(256, help="items per shard file; a shard is the unit that a killed run redoes")
     num_shards: int = option(1, help="number of workers splitting the dataset (all GPUs of all machines)")
     shard_index: int = option(0, help="which worker this is, 0 .. num_shards-1")
     device: str = option("auto", help="torch device for the encoders: auto = cuda:LOCAL_RANK if a GPU is present, else cpu")
     encode_dtype: Literal["auto", "fp32", "bf16", "fp16"] = option(
-        "auto", help="encoder precision: auto = bf16 on GPU, fp32 on CPU"
+        "auto", help="encoder (and upscaler) precision: auto = bf16 on GPU, fp32 on CPU"
     )
     num_io_threads: int = option(4, help="threads that read, decode and crop images while the encoders run")
+    dry_run: bool = option(False, help="only scan: print the bucket histogram and how many images would be skipped or upscaled; loads no model, writes nothing")
+    verify: bool = option(False, help="only check --cache_dir: every shard against its checksum and every manifest row against its shard; exit 1 if damaged")
 
     def validate(self) -> list[str]:
         problems = []
         try:
-            categories(self.min_resolution, self.max_resolution)
+            category_range = categories(self.min_resolution, self.max_resolution)
         except ValueError as error:
             problems.append(str(error))
-        if not self.data_dir.is_dir():
+            category_range = []
+        if self.verify:
+            return problems
+        if self.data_dir is None:
+            problems.append("--data_dir is required (except with --verify)")
+        elif not self.data_dir.is_dir():
             problems.append(f"--data_dir {self.data_dir} is not a folder")
-        elif self.cache_dir.resolve().is_relative_to(self.data_dir.resolve()):
-            problems.append(f"--cache_dir {self.cache_dir} is inside --data_dir: choose a folder outside the dataset")
+        else:
+            for flag, folder in (("--cache_dir", self.cache_dir), ("--save_upscale_samples", self.save_upscale_samples)):
+                if folder is not None and folder.resolve().is_relative_to(self.data_dir.resolve()):
+                    problems.append(f"{flag} {folder} is inside --data_dir: choose a folder outside the dataset")
+        if self.upscale_to_resolution and category_range and self.upscale_to_resolution not in category_range[1:]:
+            problems.append(
+                f"--upscale_to_resolution {self.upscale_to_resolution} must be a category above --min_resolution {self.min_resolution} "
+                f"and at most --max_resolution {self.max_resolution} (a multiple of 64), or 0 for no upscaling"
+            )
+        if not self.dry_run:
+            problems += weights_problems(
+                self.upscale_to_resolution, self.upscaler_weights, self.upscale_use_GFPGAN, self.gfpgan_weights, self.facexlib_weights_dir
+            )
         if not 0 <= self.shard_index < self.num_shards:
             problems.append(f"--shard_index {self.shard_index} must be in 0..{self.num_shards - 1} (--num_shards {self.num_shards})")
         for name in ("batch_size", "items_per_shard", "num_io_threads"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1")
+        for name in ("upscale_tile_size", "upscale_tile_padding", "max_upscale_samples"):
+            if getattr(self, name) < 0:
+                problems.append(f"--{name} must be 0 or more")
         return problems
 
 
@@ -119,6 +175,26 @@ class ErrorLog:
             self.path.unlink()
 
 
+class UpscaleSamples:
+    """Saves the first `limit` before/after pairs (0 = all) as PNGs named after the item's relative path."""
+
+    def __init__(self, folder: Path, limit: int):
+        self.folder = folder
+        self.limit = limit
+        self.saved = 0
+        self._lock = threading.Lock()
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, source: SourcePair, before: Image.Image, after: Image.Image) -> None:
+        with self._lock:
+            if self.limit and self.saved >= self.limit:
+                return
+            self.saved += 1
+        stem = Path(source.relative_path).with_suffix("").as_posix().replace("/", "__")
+        before.save(self.folder / f"{stem}.before.png")
+        after.save(self.folder / f"{stem}.after.png")
+
+
 def encode_chunk(encoders: Encoders, prepared: list[PreparedItem], batch_size: int) -> list[CachedItem]:
     """Encode images grouped by bucket (one VAE call needs one size) and captions in batches."""
     by_bucket: dict[tuple[int, int], list[PreparedItem]] = defaultdict(list)
@@ -135,20 +211,123 @@ def encode_chunk(encoders: Encoders, prepared: list[PreparedItem], batch_size: i
     return cached
 
 
+def bounded_map(pool: ThreadPoolExecutor, function: Callable, items: Iterable, window: int) -> Iterator:
+    """pool.map in order, with at most `window` items in flight: decoded images wait in memory only
+    as long as the encoders need, however many millions of items there are."""
+    pending: deque[Future] = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(function, item))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+def dry_run(config: CacheConfig, sources: list[SourcePair], worker_name: str) -> int:
+    """Bucket histogram and counts from image headers and captions only."""
+
+    def plan(source: SourcePair):
+        try:
+            data, _, _ = read_source(source)
+            try:
+                width, height = upright_size(data)
+            except UnreadableImage as error:
+                raise SkippedItem(source, str(error), "unreadable image") from error
+            crop, upscale_bucket = choose_bucket(source, width, height, config.min_resolution, config.max_resolution, config.upscale_to_resolution)
+            return upscale_bucket or crop.bucket, upscale_bucket is not None
+        except SkippedItem as skipped:
+            return skipped
+
+    histogram: Counter[str] = Counter()
+    skipped: Counter[str] = Counter()
+    upscaled = 0
+    with ThreadPoolExecutor(config.num_io_threads) as pool:
+        for result in tqdm(bounded_map(pool, plan, sources, 4 * config.num_io_threads), total=len(sources), desc=f"scanning [{worker_name}]", unit="img"):
+            if isinstance(result, SkippedItem):
+                skipped[result.category] += 1
+            else:
+                histogram[str(result[0])] += 1
+                upscaled += result[1]
+    print(f"[{worker_name}] dry run over {len(sources)} images in {config.data_dir}: nothing was loaded or written.")
+    print(f"{'bucket':>11}  items")
+    for bucket, count in sorted(histogram.items(), key=lambda entry: tuple(int(side) for side in entry[0].split("x"))):
+        print(f"{bucket:>11}  {count}")
+    print(f"would cache {sum(histogram.values())} (upscaled: {upscaled}); would skip {sum(skipped.values())}"
+          + (f" ({', '.join(f'{key}: {value}' for key, value in sorted(skipped.items()))})" if skipped else ""))
+    return 0
+
+
+def run_verify(cache_dir: Path) -> int:
+    try:
+        checked, problems = verify_cache(cache_dir)
+    except CacheError as error:
+        print(f"cannot verify: {error}")
+        return 1
+    for name, found in sorted(problems.items()):
+        for problem in found:
+            print(f"DAMAGED {name}: {problem}")
+    if problems:
+        print(
+            f"{len(problems)} damaged or missing file(s) in {cache_dir}; {checked} items in intact shards. Re-run the cache "
+            "command with the same flags: damaged shards are moved to damaged/ and their items re-encoded."
+        )
+        return 1
+    print(f"cache OK: {checked} items, every shard matches its checksum and every row its shard ({cache_dir})")
+    return 0
+
+
+def valid_cached_items(cache_dir: Path, my_paths: set[str], num_threads: int, worker_name: str) -> dict[str, tuple[str, str]]:
+    """image_path -> (image SHA-256, caption) of this worker's items in intact shards.
+
+    Shards holding any of this worker's items are checked against their checksums (each worker reads its
+    own part of the cache once); damaged ones and unreadable manifest parts are moved to damaged/, so
+    their items are re-encoded below."""
+    parts, damaged_parts = read_manifest_parts(cache_dir)
+    for path, reason in damaged_parts.items():
+        print(f"[{worker_name}] repair: {MANIFEST_DIR}/{path.name} is {reason}; its items will be re-encoded")
+        quarantine(cache_dir, path)
+    wanted = pa.array(sorted(my_paths), pa.string())
+    mine = [(part, table) for part, table in parts if pc.any(pc.is_in(table.column("image_path"), value_set=wanted)).as_py()]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(num_threads) as pool:
+        problems = list(pool.map(lambda entry: shard_problem(cache_dir, entry[0]), mine))
+    intact = []
+    for (part, table), problem in zip(mine, problems):
+        if problem is None:
+            intact.append((part, table))
+        else:
+            print(f"[{worker_name}] repair: {SHARD_DIR}/{part.shard} is damaged ({problem}); its {part.num_rows} items will be re-encoded")
+            quarantine(cache_dir, *part_files(cache_dir, part))
+    if mine:
+        print(f"[{worker_name}] checked {len(mine)} shards against their checksums in {time.perf_counter() - started:.1f} s")
+    manifest = merge_parts(intact)
+    return dict(zip(manifest.column("image_path").to_pylist(), zip(manifest.column("image_sha256").to_pylist(), manifest.column("caption").to_pylist())))
+
+
+class WriteFailed(Exception):
+    """Writing into the cache failed (full disk, permissions, ...); what was committed before stays valid."""
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(CacheConfig, argv, description=__doc__)
+    if config.verify:
+        return run_verify(config.cache_dir)
     worker_name = f"w{config.shard_index:04d}of{config.num_shards:04d}"
     started = time.perf_counter()
-
     sources = [s for s in scan_images(config.data_dir) if worker_of(s.relative_path, config.num_shards) == config.shard_index]
-    already_cached = {
-        row["image_path"]: (row["image_sha256"], row["caption"])
-        for row in load_manifest(config.cache_dir).select(["image_path", "image_sha256", "caption"]).to_pylist()
-    }
-    print(f"[{worker_name}] {len(sources)} images to check in {config.data_dir}; {len(already_cached)} items already in {config.cache_dir}")
+    if config.dry_run:
+        return dry_run(config, sources, worker_name)
+
+    already_cached = valid_cached_items(config.cache_dir, {s.relative_path for s in sources}, config.num_io_threads, worker_name)
+    print(f"[{worker_name}] {len(sources)} images to check in {config.data_dir}; {len(already_cached)} of them already in {config.cache_dir}")
 
     device = resolve_device(config.device)
-    encoders = load_encoders(config.pretrained_model_name_or_path, config.vae_name_or_path, device, resolve_dtype(config.encode_dtype, device))
+    dtype = resolve_dtype(config.encode_dtype, device)
+    encoders = load_encoders(config.pretrained_model_name_or_path, config.vae_name_or_path, device, dtype)
     settings = CacheSettings(
         pretrained_model_name_or_path=config.pretrained_model_name_or_path,
         vae_name_or_path=config.vae_name_or_path or config.pretrained_model_name_or_path,
@@ -158,51 +337,95 @@ def main(argv: list[str] | None = None) -> int:
         bucket_table_version=BUCKET_TABLE_VERSION,
         latent_scaling_factor=encoders.latent_scaling_factor,
         text_max_length=TEXT_MAX_LENGTH,
+        upscale_to_resolution=config.upscale_to_resolution or None,
+        upscaler_sha256=sha256_file(config.upscaler_weights) if config.upscale_to_resolution else None,
+        face_restorer_sha256=sha256_file(config.gfpgan_weights) if config.upscale_to_resolution and config.upscale_use_GFPGAN else None,
     )
-    write_cache_info(config.cache_dir, settings)
+    try:
+        write_cache_info(config.cache_dir, settings)
+    except CacheError as error:
+        print(f"[{worker_name}] refused: {error}")
+        return 2
     write_empty_prompt(config.cache_dir, *[tensor[0] for tensor in encoders.encode_captions([""])])
+    upscaler: Upscaler | None = None
+    if config.upscale_to_resolution:
+        upscaler = load_upscaler(
+            config.upscaler_weights,
+            config.gfpgan_weights if config.upscale_use_GFPGAN else None,
+            config.facexlib_weights_dir,
+            device,
+            dtype,
+            config.upscale_tile_size,
+            config.upscale_tile_padding,
+        )
+    samples = UpscaleSamples(config.save_upscale_samples, config.max_upscale_samples) if config.save_upscale_samples else None
 
     writer = ShardWriter(config.cache_dir, worker_name)
     errors = ErrorLog(config.cache_dir, worker_name)
     counts: Counter[str] = Counter()
 
-    def load(source):
+    def load(source: SourcePair) -> PreparedItem | SkippedItem | None:
         """Runs in the I/O threads: returns a PreparedItem, None (already cached) or a SkippedItem."""
         try:
             data, image_sha256, caption = read_source(source)
             if already_cached.get(source.relative_path) == (image_sha256, caption):
                 return None
-            return prepare_item(source, data, image_sha256, caption, config.min_resolution, config.max_resolution)
+            return prepare_item(
+                source, data, image_sha256, caption, config.min_resolution, config.max_resolution, config.upscale_to_resolution, upscaler, samples
+            )
         except SkippedItem as skipped:
             return skipped
 
-    progress = tqdm(total=len(sources), desc=f"caching [{worker_name}]", unit="img", dynamic_ncols=True)
-    pending: list[PreparedItem] = []
-    with ThreadPoolExecutor(config.num_io_threads) as pool:
-        for result in pool.map(load, sources):
-            progress.update()
-            if result is None:
-                counts["already cached"] += 1
-            elif isinstance(result, SkippedItem):
-                errors.skip(result)
-            else:
-                pending.append(result)
-            if len(pending) == config.items_per_shard:
-                writer.write(encode_chunk(encoders, pending, config.batch_size))
-                counts["cached"] += len(pending)
-                pending = []
-        if pending:
-            writer.write(encode_chunk(encoders, pending, config.batch_size))
-            counts["cached"] += len(pending)
-    progress.close()
-    errors.close()
+    def commit(items: list[PreparedItem]) -> None:
+        encoded = encode_chunk(encoders, items, config.batch_size)
+        try:
+            writer.write(encoded)
+        except OSError as error:
+            raise WriteFailed(error) from error
+        counts["cached"] += len(items)
+        counts["upscaled"] += sum(item.upscaled for item in items)
 
+    progress = tqdm(
+        total=len(sources), desc=f"caching [{worker_name}]", unit="img", position=int(os.environ.get("LOCAL_RANK", 0)), dynamic_ncols=True, mininterval=1.0
+    )
+    pending: list[PreparedItem] = []
+    exit_code = 0
+    try:
+        with ThreadPoolExecutor(config.num_io_threads) as pool:
+            # Enough decoded items in flight to fill a shard while the encoders work on the previous one.
+            for result in bounded_map(pool, load, sources, config.items_per_shard + 2 * config.num_io_threads):
+                progress.update()
+                if result is None:
+                    counts["already cached"] += 1
+                elif isinstance(result, SkippedItem):
+                    errors.skip(result)
+                else:
+                    pending.append(result)
+                if len(pending) == config.items_per_shard:
+                    commit(pending)
+                    pending = []
+            if pending:
+                commit(pending)
+    except WriteFailed as failure:
+        error = failure.__cause__
+        reason = "the disk is full" if error.errno == errno.ENOSPC else f"{error.strerror or error}"
+        print(
+            f"\n[{worker_name}] stopped: cannot write into {config.cache_dir} ({reason}: {error}). The {counts['cached']} items "
+            "committed in this run and everything cached before are kept; free space (or fix the folder) and re-run the same "
+            "command to cache the rest."
+        )
+        exit_code = 1
+    finally:
+        progress.close()
+        errors.close()
+
+    elapsed = time.perf_counter() - started
     summary = ", ".join(f"{key}: {value}" for key, value in counts.items()) or "nothing to do"
-    skipped = ", ".join(f"{key}: {value}" for key, value in sorted(errors.counts.items()))
-    print(f"[{worker_name}] done in {time.perf_counter() - started:.1f} s. {summary}.")
-    if skipped:
+    print(f"[{worker_name}] {'stopped' if exit_code else 'done'} after {elapsed:.1f} s ({counts['cached'] / elapsed:.2f} items/s). {summary}.")
+    if errors.counts:
+        skipped = ", ".join(f"{key}: {value}" for key, value in sorted(errors.counts.items()))
         print(f"[{worker_name}] skipped {sum(errors.counts.values())} ({skipped}); details in {errors.path}")
-    return 0
+    return exit_code
 
 
 if __name__ == "__main__":

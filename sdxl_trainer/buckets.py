@@ -6,7 +6,9 @@ aspect ratio between 1:2 and 2:1. For each landscape width the largest allowed h
 bucket is as close to R x R pixels as 64-px steps allow), and portrait buckets mirror landscape ones.
 
 An image goes to the largest category (up to the maximum resolution) whose nearest-aspect bucket fits
-inside it, so images are only ever scaled down: scale to cover the bucket, then centre crop.
+inside it, so images are only ever scaled down: scale to cover the bucket, then centre crop. With
+upscaling on, an image whose category is below the upscale resolution R is first enlarged by a network
+and then cropped into the nearest-aspect bucket of category R (`upscale_target`).
 """
 
 from __future__ import annotations
@@ -97,6 +99,14 @@ def plan_crop(width: int, height: int, min_resolution: int, max_resolution: int)
         if bucket.width <= width and bucket.height <= height:
             return crop_into(width, height, bucket, category)
     return None
+
+
+def upscale_target(width: int, height: int, plan: CropPlan, upscale_to_resolution: int) -> Bucket | None:
+    """The bucket of category `upscale_to_resolution` that a width x height image must be upscaled into
+    before cropping, or None (upscaling off, or the image already reaches that category)."""
+    if not upscale_to_resolution or plan.category >= upscale_to_resolution:
+        return None
+    return nearest_aspect_bucket(width, height, upscale_to_resolution)
 
 
 def crop_into(width: int, height: int, bucket: Bucket, category: int) -> CropPlan:

@@ -7,11 +7,14 @@ Layout of a cache folder (every path inside is relative, so the folder can be mo
     shards/<worker>-<seq>.safetensors     tensors of up to --items_per_shard items
     manifest/<worker>-<seq>.parquet       one row per item of the shard of the same name
     logs/                        one error log per worker run
+    damaged/                     shards (and their manifest parts) a re-run found damaged, kept for inspection
 
 Each worker (one per GPU, or per machine) writes only files named after itself, so several writers
-never touch the same file. A shard is written to a temporary name and renamed; its manifest part is
-written (also atomically) only afterwards and records the shard's SHA-256, so a manifest part is the
-commit record: a shard without one is an unfinished write and is ignored. Readers merge all parts.
+never touch the same file; cache_info.json and empty_prompt.safetensors are created once, by whichever
+worker comes first (an exclusive create), and only read by the others. A shard is written to a temporary
+name and renamed; its manifest part is written (also atomically) only afterwards and records the shard's
+SHA-256 and size, so a manifest part is the commit record: a shard without one is an unfinished write and
+is ignored. Readers merge all parts.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import json
 import os
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -36,6 +41,10 @@ EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
 SHARD_DIR = "shards"
 MANIFEST_DIR = "manifest"
 LOG_DIR = "logs"
+DAMAGED_DIR = "damaged"
+TENSOR_KEYS = ("latents", "prompt_embeds", "pooled_prompt_embeds")
+LATENT_DOWNSCALE = 8  # VAE: latent side = image side / 8
+VERIFY_COMMAND = "python sdxl_process_data_dir.py --verify --cache_dir {cache_dir}"
 # Stored precision of latents and embeddings: half the disk of fp32, and what the UNet consumes anyway.
 STORAGE_DTYPE = torch.float16
 
@@ -69,6 +78,11 @@ class CacheSettings:
     bucket_table_version: int
     latent_scaling_factor: float  # cached latents are VAE means multiplied by this
     text_max_length: int
+    # Upscaling (None / 0 = off): the target category and the weights' content hashes, so a cache made with
+    # another upscaler or face restorer is told apart even when the file has the same name.
+    upscale_to_resolution: int | None = None
+    upscaler_sha256: str | None = None
+    face_restorer_sha256: str | None = None
     format_version: int = CACHE_FORMAT_VERSION
 
 
@@ -99,22 +113,35 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
+def _create_once(tmp_path: Path, final_path: Path) -> bool:
+    """Publish tmp_path as final_path unless final_path exists (atomic, also on NFS: a hard link fails
+    if the name is taken). Returns whether this call created it; the temporary file is removed either way."""
+    try:
+        with open(tmp_path, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.link(tmp_path, final_path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp_path.unlink(missing_ok=True)
+
+
 def write_cache_info(cache_dir: Path, settings: CacheSettings) -> None:
-    """Record the settings, or check them against an existing cache's."""
+    """Record the settings, or check them against an existing cache's (refusing to mix settings)."""
     path = cache_dir / CACHE_INFO_FILE
-    if path.exists():
-        existing = read_cache_info(cache_dir)
-        differences = settings_differences(existing, settings)
-        if differences:
-            raise CacheError(
-                f"{cache_dir} was made with other settings ({'; '.join(differences)}). "
-                "Choose a new --cache_dir, or delete this one to rebuild it."
-            )
-        return
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(path)
-    tmp.write_text(json.dumps(asdict(settings), indent=2) + "\n", encoding="utf-8")
-    _atomic_replace(tmp, path)
+    if not path.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_name(path)
+        tmp.write_text(json.dumps(asdict(settings), indent=2) + "\n", encoding="utf-8")
+        if _create_once(tmp, path):
+            return
+    differences = settings_differences(read_cache_info(cache_dir), settings)
+    if differences:
+        raise CacheError(
+            f"{cache_dir} was made with other settings ({'; '.join(differences)}). Its items would not match "
+            "the new ones, so nothing was written: choose a new --cache_dir, or delete this one to rebuild it."
+        )
 
 
 def read_cache_info(cache_dir: Path) -> CacheSettings:
@@ -135,8 +162,10 @@ def settings_differences(cached: CacheSettings, wanted: CacheSettings, fields: t
 
 
 def write_empty_prompt(cache_dir: Path, prompt_embeds: torch.Tensor, pooled_prompt_embeds: torch.Tensor) -> None:
-    """Every worker computes the same tensors, so concurrent writers racing on the rename is harmless."""
+    """Written once: every worker computes the same tensors (same settings), so the first one keeps them."""
     path = cache_dir / EMPTY_PROMPT_FILE
+    if path.exists():
+        return
     tmp = _tmp_name(path)
     save_file(
         {
@@ -145,7 +174,7 @@ def write_empty_prompt(cache_dir: Path, prompt_embeds: torch.Tensor, pooled_prom
         },
         tmp,
     )
-    _atomic_replace(tmp, path)
+    _create_once(tmp, path)
 
 
 def read_empty_prompt(cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,21 +205,37 @@ class ShardWriter:
         (cache_dir / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
         existing = [int(p.stem.rsplit("-", 1)[1]) for p in (cache_dir / MANIFEST_DIR).glob(f"{worker_name}-*.parquet")]
         self.next_seq = max(existing, default=-1) + 1
+        self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """Delete what a killed run of this same worker left unfinished: temporary files and shards without a
+        manifest part. Only this worker writes files with its name, so nothing of another worker is touched."""
+        committed = {p.stem for p in (self.cache_dir / MANIFEST_DIR).glob(f"{self.worker_name}-*.parquet")}
+        for folder in (self.cache_dir / SHARD_DIR, self.cache_dir / MANIFEST_DIR):
+            for path in folder.glob(f".{self.worker_name}-*.tmp"):
+                path.unlink(missing_ok=True)
+        for path in (self.cache_dir / SHARD_DIR).glob(f"{self.worker_name}-*.safetensors"):
+            if path.stem not in committed:
+                path.unlink(missing_ok=True)
 
     def write(self, items: list[CachedItem]) -> Path:
-        """Write `items` as one shard + manifest part; returns the manifest part's path."""
+        """Write `items` as one shard + manifest part; returns the manifest part's path.
+
+        On any OSError (a full disk above all) the temporary file is removed and the error re-raised:
+        what was committed before stays valid, and nothing half-written is left under a final name."""
         name = f"{self.worker_name}-{self.next_seq:06d}"
-        self.next_seq += 1
         shard_path = self.cache_dir / SHARD_DIR / f"{name}.safetensors"
         tensors = {}
         for index, item in enumerate(items):
-            tensors[f"{index}/latents"] = item.latents.to(STORAGE_DTYPE).contiguous()
-            tensors[f"{index}/prompt_embeds"] = item.prompt_embeds.to(STORAGE_DTYPE).contiguous()
-            tensors[f"{index}/pooled_prompt_embeds"] = item.pooled_prompt_embeds.to(STORAGE_DTYPE).contiguous()
+            for key in TENSOR_KEYS:
+                tensors[f"{index}/{key}"] = getattr(item, key).to(STORAGE_DTYPE).contiguous()
         tmp = _tmp_name(shard_path)
-        save_file(tensors, tmp)
-        shard_sha256 = sha256_file(tmp)
-        _atomic_replace(tmp, shard_path)
+        try:
+            save_file(tensors, tmp)
+            shard_sha256 = sha256_file(tmp)
+            _atomic_replace(tmp, shard_path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
         rows = [dict(item.row, shard=shard_path.name, index_in_shard=index) for index, item in enumerate(items)]
         table = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA).replace_schema_metadata(
@@ -203,50 +248,219 @@ class ShardWriter:
         )
         part_path = self.cache_dir / MANIFEST_DIR / f"{name}.parquet"
         tmp = _tmp_name(part_path)
-        pq.write_table(table, tmp)
-        _atomic_replace(tmp, part_path)
+        try:
+            pq.write_table(table, tmp)
+            _atomic_replace(tmp, part_path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.next_seq += 1
         return part_path
+
+
+@dataclass(frozen=True)
+class ManifestPart:
+    """One committed shard: its manifest part file and what the part records about the shard."""
+
+    path: Path  # the .parquet file
+    shard: str  # file name inside shards/
+    shard_sha256: str
+    shard_bytes: int
+    written_at_ns: int
+    num_rows: int
+
+
+def _read_part(path: Path) -> tuple[ManifestPart, pa.Table]:
+    handle = pq.ParquetFile(path)
+    metadata = handle.schema_arrow.metadata or {}
+    table = handle.read(use_threads=False)  # parts are small: the parallelism is across parts
+    if not table.schema.equals(MANIFEST_SCHEMA):
+        table = table.cast(MANIFEST_SCHEMA)
+    part = ManifestPart(
+        path=path,
+        shard=metadata[b"shard"].decode(),
+        shard_sha256=metadata[b"shard_sha256"].decode(),
+        shard_bytes=int(metadata[b"shard_bytes"]),
+        written_at_ns=int(metadata[b"written_at_ns"]),
+        num_rows=len(table),
+    )
+    return part, table
+
+
+def read_manifest_parts(cache_dir: Path) -> tuple[list[tuple[ManifestPart, pa.Table]], dict[Path, str]]:
+    """Every manifest part in write order, and the unreadable ones (path -> reason).
+
+    Parts are read in parallel threads (Parquet decoding releases the GIL): a million items in a few
+    thousand parts load in seconds."""
+    part_paths = sorted((cache_dir / MANIFEST_DIR).glob("*.parquet"))
+    parts, damaged = [], {}
+
+    def read(path: Path):
+        try:
+            return _read_part(path)
+        except (OSError, KeyError, ValueError, pa.ArrowException) as error:
+            return f"unreadable manifest part ({type(error).__name__}: {error})"
+
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        for path, result in zip(part_paths, pool.map(read, part_paths)):
+            if isinstance(result, str):
+                damaged[path] = result
+            else:
+                parts.append(result)
+    parts.sort(key=lambda item: (item[0].written_at_ns, item[0].path.name))
+    return parts, damaged
+
+
+def merge_parts(parts: list[tuple[ManifestPart, pa.Table]]) -> pa.Table:
+    """Concatenate parts (in write order) keeping, for every image_path, only its last row."""
+    if not parts:
+        return MANIFEST_SCHEMA.empty_table()
+    merged = pa.concat_tables([table for _, table in parts]).combine_chunks()
+    if len(merged) == 0:
+        return merged
+    # Last occurrence per image_path, computed in Arrow (a Python dict over millions of rows is slow).
+    order = pa.array(np.arange(len(merged), dtype=np.int64))
+    last = merged.select(["image_path"]).append_column("row", order).group_by("image_path").aggregate([("row", "max")])
+    keep = np.sort(last.column("row_max").to_numpy())
+    if len(keep) == len(merged):
+        return merged
+    return merged.take(pa.array(keep))
 
 
 def load_manifest(cache_dir: Path) -> pa.Table:
     """All manifest parts merged into one table. When an image was cached more than once (edited and
-    re-cached), the row from the most recently written part wins."""
-    part_paths = sorted((cache_dir / MANIFEST_DIR).glob("*.parquet"))
-    if not part_paths:
-        return MANIFEST_SCHEMA.empty_table()
-    parts = []
-    for path in part_paths:
-        table = pq.read_table(path, schema=MANIFEST_SCHEMA)
-        written_at = int(pq.read_schema(path).metadata[b"written_at_ns"])
-        parts.append((written_at, path.name, table))
-    parts.sort(key=lambda part: (part[0], part[1]))
-    merged = pa.concat_tables([table for _, _, table in parts])
-    if len(merged) == 0:
-        return merged
-    # Keep the last occurrence of every image_path (the parts are in write order).
-    paths = merged.column("image_path").to_pylist()
-    last_index = {path: index for index, path in enumerate(paths)}
-    if len(last_index) == len(paths):
-        return merged
-    return merged.take(sorted(last_index.values()))
+    re-cached), the row from the most recently written part wins. A damaged part is a CacheError."""
+    parts, damaged = read_manifest_parts(cache_dir)
+    if damaged:
+        path, reason = next(iter(damaged.items()))
+        raise CacheError(f"{path}: {reason}. {repair_advice(cache_dir)}")
+    return merge_parts(parts)
+
+
+def repair_advice(cache_dir: Path) -> str:
+    return (
+        f"Run `{VERIFY_COMMAND.format(cache_dir=cache_dir)}` to list the damage, then re-run the cache command "
+        "(sdxl_process_data_dir.sh with the same flags) to re-encode the affected items."
+    )
+
+
+def shard_problem(cache_dir: Path, part: ManifestPart, full_checksum: bool = True) -> str | None:
+    """Why `part`'s shard cannot be trusted (missing, wrong size, checksum mismatch), or None if it is intact.
+
+    Without full_checksum only the size is compared: cheap enough for every file open of the trainer."""
+    path = cache_dir / SHARD_DIR / part.shard
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if size != part.shard_bytes:
+        return f"size {size} bytes, manifest says {part.shard_bytes}"
+    if full_checksum and sha256_file(path) != part.shard_sha256:
+        return "checksum mismatch (contents changed since it was written)"
+    return None
+
+
+def expected_shapes(row: dict, text_max_length: int) -> dict[str, tuple[int, ...]]:
+    """Shapes (without the channel / width dimension) an item's tensors must have, from its manifest row."""
+    return {
+        "latents": (row["bucket_height"] // LATENT_DOWNSCALE, row["bucket_width"] // LATENT_DOWNSCALE),
+        "prompt_embeds": (text_max_length,),
+    }
+
+
+def row_problems(shard, rows: list[dict], text_max_length: int) -> list[str]:
+    """Manifest rows checked against the open shard: every tensor present, latents matching the bucket."""
+    problems = []
+    present = set(shard.keys())
+    for row in rows:
+        label = f"item {row['index_in_shard']} ({row['image_path']})"
+        missing = [key for key in TENSOR_KEYS if f"{row['index_in_shard']}/{key}" not in present]
+        if missing:
+            problems.append(f"{label}: tensors {missing} missing")
+            continue
+        shapes = expected_shapes(row, text_max_length)
+        latents = tuple(shard.get_slice(f"{row['index_in_shard']}/latents").get_shape())
+        if latents[1:] != shapes["latents"]:
+            problems.append(f"{label}: latents {latents} do not match bucket {row['bucket_width']}x{row['bucket_height']}")
+        embeds = tuple(shard.get_slice(f"{row['index_in_shard']}/prompt_embeds").get_shape())
+        if embeds[:1] != shapes["prompt_embeds"]:
+            problems.append(f"{label}: prompt_embeds {embeds} are not {text_max_length} tokens long")
+    return problems
+
+
+def verify_cache(cache_dir: Path) -> tuple[int, dict[str, list[str]]]:
+    """Check every shard against its checksum and every manifest row against its shard.
+
+    Returns (items checked, problems by file name relative to cache_dir). Reads every shard once."""
+    settings = read_cache_info(cache_dir)
+    parts, damaged_parts = read_manifest_parts(cache_dir)
+    problems: dict[str, list[str]] = {f"{MANIFEST_DIR}/{path.name}": [reason] for path, reason in damaged_parts.items()}
+    if not (cache_dir / EMPTY_PROMPT_FILE).exists():
+        problems[EMPTY_PROMPT_FILE] = ["missing"]
+    checked = 0
+    for part, table in parts:
+        name = f"{SHARD_DIR}/{part.shard}"
+        problem = shard_problem(cache_dir, part)
+        if problem:
+            problems[name] = [f"{problem} (listed in {MANIFEST_DIR}/{part.path.name})"]
+            continue
+        try:
+            with safe_open(str(cache_dir / name), framework="pt") as shard:
+                found = row_problems(shard, table.to_pylist(), settings.text_max_length)
+        except Exception as error:  # safetensors raises its own error types for bad headers
+            found = [f"unreadable ({error})"]
+        if found:
+            problems[name] = found
+        checked += part.num_rows
+    return checked, problems
+
+
+def quarantine(cache_dir: Path, *paths: Path) -> None:
+    """Move damaged files (a shard and its manifest part, or an unreadable part) into damaged/, so their rows
+    no longer count and their items get re-encoded. Another worker may have moved them already: fine."""
+    damaged_dir = cache_dir / DAMAGED_DIR
+    damaged_dir.mkdir(exist_ok=True)
+    for path in paths:
+        try:
+            os.replace(path, damaged_dir / path.name)
+        except FileNotFoundError:
+            pass
+
+
+def part_files(cache_dir: Path, part: ManifestPart) -> tuple[Path, Path]:
+    """The manifest part and the shard it commits."""
+    return part.path, cache_dir / SHARD_DIR / part.shard
 
 
 class CacheReader:
-    """Reads items' tensors from shards, keeping a few shard files open (memory-mapped by safetensors)."""
+    """Reads items' tensors from shards, keeping a few shard files open (memory-mapped by safetensors).
+
+    A shard whose size differs from the one its manifest part records (truncated, replaced, missing) is
+    refused with a CacheError naming the file; run --verify for the full checksum check."""
 
     def __init__(self, cache_dir: Path, max_open_shards: int = 16):
         self.cache_dir = cache_dir
         self.max_open_shards = max_open_shards
         self._open_shards: OrderedDict[str, object] = OrderedDict()
+        self._parts: dict[str, ManifestPart] | None = None
+
+    def _part(self, shard_name: str) -> ManifestPart | None:
+        if self._parts is None:  # read lazily: each DataLoader worker process reads its own copy
+            self._parts = {part.shard: part for part, _ in read_manifest_parts(self.cache_dir)[0]}
+        return self._parts.get(shard_name)
 
     def _shard(self, shard_name: str):
         handle = self._open_shards.get(shard_name)
         if handle is None:
             path = self.cache_dir / SHARD_DIR / shard_name
-            try:
-                handle = safe_open(str(path), framework="pt")
-            except Exception as error:  # safetensors raises its own error types for bad headers
-                raise CacheError(f"cannot read cache shard {path} ({error}); re-run sdxl_process_data_dir.py to repair it.") from error
+            part = self._part(shard_name)
+            problem = "not listed in any manifest part" if part is None else shard_problem(self.cache_dir, part, full_checksum=False)
+            if problem is None:
+                try:
+                    handle = safe_open(str(path), framework="pt")
+                except Exception as error:  # safetensors raises its own error types for bad headers
+                    problem = f"unreadable ({error})"
+            if problem is not None:
+                raise CacheError(f"cache shard {path} is damaged: {problem}. {repair_advice(self.cache_dir)}")
             self._open_shards[shard_name] = handle
             if len(self._open_shards) > self.max_open_shards:
                 self._open_shards.popitem(last=False)
@@ -257,12 +471,9 @@ class CacheReader:
     def read(self, shard_name: str, index_in_shard: int) -> dict[str, torch.Tensor]:
         shard = self._shard(shard_name)
         try:
-            return {
-                key: shard.get_tensor(f"{index_in_shard}/{key}")
-                for key in ("latents", "prompt_embeds", "pooled_prompt_embeds")
-            }
+            return {key: shard.get_tensor(f"{index_in_shard}/{key}") for key in TENSOR_KEYS}
         except Exception as error:
             raise CacheError(
-                f"item {index_in_shard} of cache shard {self.cache_dir / SHARD_DIR / shard_name} is unreadable ({error}); "
-                "re-run sdxl_process_data_dir.py to repair the cache."
+                f"item {index_in_shard} of cache shard {self.cache_dir / SHARD_DIR / shard_name} is unreadable ({error}). "
+                f"{repair_advice(self.cache_dir)}"
             ) from error

@@ -21,6 +21,26 @@ class UnreadableImage(ValueError):
     """The bytes could not be decoded as a supported image; the message says why."""
 
 
+# EXIF orientations 5-8 store the picture rotated by 90 or 270 degrees: upright, width and height swap.
+EXIF_ORIENTATION_TAG = 0x0112
+TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)
+
+
+def upright_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of the upright image, read from the header alone (no pixel decoding)."""
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        orientation = image.getexif().get(EXIF_ORIENTATION_TAG, 1)
+    except UnidentifiedImageError as error:
+        raise UnreadableImage("not an image in a format Pillow can read (wrong extension, or not an image at all)") from error
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise UnreadableImage(f"not a readable image ({type(error).__name__}: {error})") from error
+    if width * height > MAX_IMAGE_PIXELS:
+        raise UnreadableImage(f"{width}x{height} px is above the {MAX_IMAGE_PIXELS} px limit")
+    return (height, width) if orientation in TRANSPOSED_ORIENTATIONS else (width, height)
+
+
 def decode_image(data: bytes) -> Image.Image:
     """Decode image bytes into an upright RGB image with any transparency composited on white.
 

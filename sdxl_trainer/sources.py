@@ -5,12 +5,17 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+from PIL import Image
 
-from .buckets import CropPlan, micro_conditioning, plan_crop
+from .buckets import Bucket, CropPlan, crop_into, micro_conditioning, plan_crop, upscale_target
 from .cache import sha256_bytes
 from .images import IMAGE_EXTENSIONS, UnreadableImage, decode_image, resize_and_crop, to_model_input
+
+# (image, factor) -> the image enlarged by at least factor, e.g. sdxl_trainer.upscale.Upscaler
+UpscaleFunction = Callable[[Image.Image, float], Image.Image]
 
 
 @dataclass(frozen=True)
@@ -25,9 +30,10 @@ class PreparedItem:
     image_sha256: str
     caption: str
     plan: CropPlan
-    original_width: int
+    original_width: int  # of the upright source image, before any upscaling (SDXL's original_size)
     original_height: int
     pixels: torch.Tensor  # (3, bucket height, bucket width) in [-1, 1]
+    upscaled: bool = False
 
     def manifest_row(self) -> dict:
         time_ids = micro_conditioning(self.original_width, self.original_height, self.plan)
@@ -41,7 +47,7 @@ class PreparedItem:
             "original_height": time_ids[0],
             "crop_top": time_ids[2],
             "crop_left": time_ids[3],
-            "upscaled": False,
+            "upscaled": self.upscaled,
         }
 
 
@@ -96,13 +102,10 @@ def read_source(source: SourcePair) -> tuple[bytes, str, str]:
     return data, sha256_bytes(data), caption
 
 
-def prepare_item(source: SourcePair, data: bytes, image_sha256: str, caption: str, min_resolution: int, max_resolution: int) -> PreparedItem:
-    """Decode, choose the bucket, resize and crop. Raises SkippedItem with the reason."""
-    try:
-        image = decode_image(data)
-    except UnreadableImage as error:
-        raise SkippedItem(source, str(error), "unreadable image") from error
-    width, height = image.size
+def choose_bucket(
+    source: SourcePair, width: int, height: int, min_resolution: int, max_resolution: int, upscale_to_resolution: int
+) -> tuple[CropPlan, Bucket | None]:
+    """The crop of the image as it is, and the bucket it must be upscaled into first (None: no upscaling)."""
     plan = plan_crop(width, height, min_resolution, max_resolution)
     if plan is None:
         raise SkippedItem(
@@ -110,5 +113,32 @@ def prepare_item(source: SourcePair, data: bytes, image_sha256: str, caption: st
             f"{width}x{height} px is too small for the smallest bucket of --min_resolution {min_resolution}",
             "too small",
         )
+    return plan, upscale_target(width, height, plan, upscale_to_resolution)
+
+
+def prepare_item(
+    source: SourcePair,
+    data: bytes,
+    image_sha256: str,
+    caption: str,
+    min_resolution: int,
+    max_resolution: int,
+    upscale_to_resolution: int = 0,
+    upscale: UpscaleFunction | None = None,
+    on_upscaled: Callable[[SourcePair, Image.Image, Image.Image], None] | None = None,
+) -> PreparedItem:
+    """Decode, choose the bucket, upscale if the bucket needs it, resize and crop. Raises SkippedItem with the reason."""
+    try:
+        image = decode_image(data)
+    except UnreadableImage as error:
+        raise SkippedItem(source, str(error), "unreadable image") from error
+    width, height = image.size
+    plan, upscale_bucket = choose_bucket(source, width, height, min_resolution, max_resolution, upscale_to_resolution)
+    if upscale_bucket is not None:
+        enlarged = upscale(image, max(upscale_bucket.width / width, upscale_bucket.height / height))
+        if on_upscaled is not None:
+            on_upscaled(source, image, enlarged)
+        image = enlarged
+        plan = crop_into(image.width, image.height, upscale_bucket, upscale_to_resolution)
     pixels = to_model_input(resize_and_crop(image, plan))
-    return PreparedItem(source, image_sha256, caption, plan, width, height, pixels)
+    return PreparedItem(source, image_sha256, caption, plan, width, height, pixels, upscaled=upscale_bucket is not None)

@@ -191,10 +191,13 @@ def test_unfinished_writes_are_ignored(tmp_path):
     (tmp_path / MANIFEST_DIR / ".w0-000001.parquet.12345.tmp").write_bytes(b"half a parquet file")
     shutil.copy(tmp_path / SHARD_DIR / "w0-000000.safetensors", tmp_path / SHARD_DIR / "w0-000001.safetensors")
     (tmp_path / SHARD_DIR / ".w0-000002.safetensors.12345.tmp").write_bytes(b"junk")
+    (tmp_path / SHARD_DIR / "w1-000000.safetensors").write_bytes(b"another worker's shard, being written")
     manifest = load_manifest(tmp_path)
     assert manifest.column("shard").to_pylist() == ["w0-000000.safetensors"]
-    # The orphan shard does not count as written: the next write reuses its name.
+    # The orphan shard does not count as written: the next write reuses its name. A new run of the same
+    # worker deletes its own leftovers, and only those.
     assert ShardWriter(tmp_path, "w0").next_seq == 1
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["w0-000000.parquet", "w0-000000.safetensors", "w1-000000.safetensors"]
 
 
 def test_no_temporary_files_left_after_write(tmp_path):
@@ -323,12 +326,14 @@ def test_empty_prompt_round_trip(tmp_path):
     assert torch.equal(read_pooled, pooled.half())
 
 
-def test_empty_prompt_overwrite_and_missing(tmp_path):
+def test_empty_prompt_written_once_and_missing(tmp_path):
     with pytest.raises(CacheError, match="sdxl_process_data_dir.py"):
         read_empty_prompt(tmp_path)
     write_empty_prompt(tmp_path, torch.zeros(77, 64), torch.zeros(32))
+    # A second worker (same settings, so same tensors) does not rewrite the file the first one made.
     write_empty_prompt(tmp_path, torch.ones(77, 64), torch.ones(32))
-    assert torch.equal(read_empty_prompt(tmp_path)[0], torch.ones(77, 64, dtype=torch.float16))
+    assert torch.equal(read_empty_prompt(tmp_path)[0], torch.zeros(77, 64, dtype=torch.float16))
+    assert [p.name for p in tmp_path.iterdir()] == [cache.EMPTY_PROMPT_FILE]
 
 
 def test_paths_in_cache_are_relative(tmp_path):

@@ -1,0 +1,215 @@
+"""Cache integrity at scale: verify, quarantine of damaged shards, the trainer-side reader refusing a damaged
+shard, failed writes leaving committed work intact, settings recorded once, and a million-row manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from sdxl_trainer import cache
+from sdxl_trainer.cache import (
+    DAMAGED_DIR,
+    MANIFEST_DIR,
+    SHARD_DIR,
+    CacheError,
+    CacheReader,
+    ShardWriter,
+    load_manifest,
+    part_files,
+    quarantine,
+    read_cache_info,
+    read_manifest_parts,
+    shard_problem,
+    verify_cache,
+    write_cache_info,
+    write_empty_prompt,
+)
+from test_cache import SETTINGS, make_item
+
+
+def small_cache(tmp_path, shards: int = 3, items_per_shard: int = 2):
+    """A cache of `shards` shards; make_item's prompt_embeds are 77 tokens, latents fit bucket 96x64."""
+    write_cache_info(tmp_path, SETTINGS)
+    write_empty_prompt(tmp_path, torch.zeros(77, 64), torch.zeros(32))
+    writer = ShardWriter(tmp_path, "w0")
+    for shard in range(shards):
+        writer.write([make_item(f"{shard}-{i}.png", shard * 10 + i) for i in range(items_per_shard)])
+    return tmp_path
+
+
+def flip_one_byte(path, offset_from_end: int = 10) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_verify_intact_cache(tmp_path):
+    checked, problems = verify_cache(small_cache(tmp_path))
+    assert (checked, problems) == (6, {})
+
+
+def test_verify_names_every_kind_of_damage(tmp_path):
+    small_cache(tmp_path, shards=4)
+    flip_one_byte(tmp_path / SHARD_DIR / "w0-000000.safetensors")  # same size, other bytes
+    truncated = tmp_path / SHARD_DIR / "w0-000001.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    (tmp_path / SHARD_DIR / "w0-000002.safetensors").unlink()
+    (tmp_path / MANIFEST_DIR / "w0-000003.parquet").write_bytes(b"not parquet")
+    checked, problems = verify_cache(tmp_path)
+    assert checked == 0
+    assert set(problems) == {
+        "shards/w0-000000.safetensors",
+        "shards/w0-000001.safetensors",
+        "shards/w0-000002.safetensors",
+        "manifest/w0-000003.parquet",
+    }
+    assert "checksum mismatch" in problems["shards/w0-000000.safetensors"][0]
+    assert "size 100 bytes" in problems["shards/w0-000001.safetensors"][0]
+    assert problems["shards/w0-000002.safetensors"] == ["missing (listed in manifest/w0-000002.parquet)"]
+    assert "unreadable manifest part" in problems["manifest/w0-000003.parquet"][0]
+
+
+def test_verify_checks_rows_against_shard(tmp_path):
+    write_cache_info(tmp_path, SETTINGS)
+    write_empty_prompt(tmp_path, torch.zeros(77, 64), torch.zeros(32))
+    wrong_bucket = make_item("wrong.png", 1)
+    wrong_bucket.row["bucket_width"] = 128  # latents are 12 wide = 96 px, not 128
+    ShardWriter(tmp_path, "w0").write([make_item("fine.png", 0), wrong_bucket])
+    # A row claiming an item the shard does not hold: manifest and shard written by different code versions.
+    part = tmp_path / MANIFEST_DIR / "w0-000000.parquet"
+    table = pq.read_table(part)
+    extra = table.slice(0, 1).to_pylist()[0] | {"image_path": "ghost.png", "index_in_shard": 7}
+    pq.write_table(pa.concat_tables([table, pa.Table.from_pylist([extra], schema=table.schema)]).replace_schema_metadata(table.schema.metadata), part)
+    _, problems = verify_cache(tmp_path)
+    assert problems == {
+        "shards/w0-000000.safetensors": [
+            "item 1 (wrong.png): latents (4, 8, 12) do not match bucket 128x64",
+            "item 7 (ghost.png): tensors ['latents', 'prompt_embeds', 'pooled_prompt_embeds'] missing",
+        ]
+    }
+
+
+def test_shard_problem_size_only_and_full(tmp_path):
+    small_cache(tmp_path, shards=1)
+    (part, _), = read_manifest_parts(tmp_path)[0]
+    assert shard_problem(tmp_path, part) is None
+    flip_one_byte(tmp_path / SHARD_DIR / part.shard)
+    assert shard_problem(tmp_path, part, full_checksum=False) is None  # same size: only the checksum sees it
+    assert "checksum mismatch" in shard_problem(tmp_path, part)
+
+
+def test_quarantine_drops_rows_and_keeps_the_files(tmp_path):
+    small_cache(tmp_path, shards=2)
+    parts, _ = read_manifest_parts(tmp_path)
+    quarantine(tmp_path, *part_files(tmp_path, parts[0][0]))
+    quarantine(tmp_path, *part_files(tmp_path, parts[0][0]))  # a second worker finding the same damage: no error
+    assert sorted(load_manifest(tmp_path).column("image_path").to_pylist()) == ["1-0.png", "1-1.png"]
+    assert sorted(p.name for p in (tmp_path / DAMAGED_DIR).iterdir()) == ["w0-000000.parquet", "w0-000000.safetensors"]
+    assert ShardWriter(tmp_path, "w0").next_seq == 2  # the damaged shard's name is not reused
+
+
+def test_reader_refuses_truncated_shard_and_says_how_to_repair(tmp_path):
+    small_cache(tmp_path, shards=1)
+    shard = tmp_path / SHARD_DIR / "w0-000000.safetensors"
+    shard.write_bytes(shard.read_bytes() + b"appended junk")
+    with pytest.raises(CacheError) as info:
+        CacheReader(tmp_path).read("w0-000000.safetensors", 0)
+    message = str(info.value)
+    assert str(shard) in message and "is damaged" in message
+    assert f"--verify --cache_dir {tmp_path}" in message and "re-run the cache command" in message
+
+
+def test_damaged_manifest_part_is_a_cache_error(tmp_path):
+    small_cache(tmp_path, shards=1)
+    (tmp_path / MANIFEST_DIR / "w0-000000.parquet").write_bytes(b"PAR1 broken")
+    with pytest.raises(CacheError, match=r"w0-000000.parquet: unreadable manifest part.*--verify"):
+        load_manifest(tmp_path)
+
+
+def test_failed_write_keeps_committed_shards_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    writer = ShardWriter(tmp_path, "w0")
+    writer.write([make_item("a.png", 0)])
+    before = {p.name: p.read_bytes() for p in (tmp_path / SHARD_DIR).iterdir()}
+
+    def disk_full(tensors, filename):
+        with open(filename, "wb") as handle:
+            handle.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+
+    monkeypatch.setattr(cache, "save_file", disk_full)
+    with pytest.raises(OSError) as info:
+        writer.write([make_item("b.png", 1)])
+    assert info.value.errno == errno.ENOSPC
+    assert {p.name: p.read_bytes() for p in (tmp_path / SHARD_DIR).iterdir()} == before
+    assert [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")] == []
+    assert load_manifest(tmp_path).column("image_path").to_pylist() == ["a.png"]
+    monkeypatch.undo()
+    assert writer.write([make_item("b.png", 1)]).name == "w0-000001.parquet"  # the failed number is reused
+
+
+def test_cache_info_created_once_then_compared(tmp_path):
+    write_cache_info(tmp_path, SETTINGS)
+    upscaled = dataclasses.replace(SETTINGS, upscale_to_resolution=1024, upscaler_sha256="ab" * 32)
+    with pytest.raises(CacheError) as info:
+        write_cache_info(tmp_path, upscaled)
+    message = str(info.value)
+    assert "upscale_to_resolution: cache None, now 1024" in message and "upscaler_sha256" in message
+    assert "choose a new --cache_dir" in message
+    assert read_cache_info(tmp_path) == SETTINGS
+    assert [p.name for p in tmp_path.iterdir()] == [cache.CACHE_INFO_FILE]
+
+
+def test_cache_info_without_upscale_fields_still_reads(tmp_path):
+    # Caches written before upscaling existed have no upscale fields: they mean "no upscaling".
+    (tmp_path / cache.CACHE_INFO_FILE).write_text(
+        '{"pretrained_model_name_or_path": "m", "vae_name_or_path": "m", "model_fingerprint": "f", "min_resolution": 512,'
+        ' "max_resolution": 1024, "bucket_table_version": 1, "latent_scaling_factor": 0.13025, "text_max_length": 77, "format_version": 1}'
+    )
+    assert read_cache_info(tmp_path).upscale_to_resolution is None
+
+
+def test_million_row_manifest_loads_fast_and_finds_items(tmp_path):
+    """1,000,000 rows in parts of 256 (the default --items_per_shard), written without tensors."""
+    num_rows, rows_per_part = 1_000_000, 256
+    (tmp_path / MANIFEST_DIR).mkdir()
+    index = np.arange(num_rows)
+    paths = pa.array([f"folder{i % 997}/image_{i:07d}.jpg" for i in range(num_rows)])
+    full = pa.table(
+        {
+            "image_path": paths,
+            "image_sha256": pa.array(np.char.mod("%064x", index)),
+            "caption": pa.array(np.char.mod("caption %d", index)),
+            "bucket_width": pa.array((index % 7 * 64 + 512).astype(np.int32)),
+            "bucket_height": pa.array(np.full(num_rows, 1024, np.int32)),
+            "original_width": pa.array(np.full(num_rows, 2000, np.int32)),
+            "original_height": pa.array(np.full(num_rows, 3000, np.int32)),
+            "crop_top": pa.array(np.zeros(num_rows, np.int32)),
+            "crop_left": pa.array(np.zeros(num_rows, np.int32)),
+            "upscaled": pa.array(np.zeros(num_rows, bool)),
+            "shard": pa.array(np.char.mod("w0-%06d.safetensors", index // rows_per_part)),
+            "index_in_shard": pa.array((index % rows_per_part).astype(np.int32)),
+        },
+        schema=cache.MANIFEST_SCHEMA,
+    )
+    for part in range(0, num_rows, rows_per_part):
+        seq = part // rows_per_part
+        metadata = {"shard": f"w0-{seq:06d}.safetensors", "shard_sha256": "0" * 64, "shard_bytes": "1", "written_at_ns": str(seq)}
+        pq.write_table(full.slice(part, rows_per_part).replace_schema_metadata(metadata), tmp_path / MANIFEST_DIR / f"w0-{seq:06d}.parquet")
+
+    started = time.perf_counter()
+    manifest = load_manifest(tmp_path)
+    lookup = dict(zip(manifest.column("image_path").to_pylist(), range(len(manifest))))
+    elapsed = time.perf_counter() - started
+    print(f"\n1,000,000-row manifest in {num_rows // rows_per_part + 1} parts: loaded and indexed in {elapsed:.1f} s")
+    assert len(manifest) == num_rows
+    row = manifest.slice(lookup[f"folder{654321 % 997}/image_0654321.jpg"], 1).to_pylist()[0]
+    assert (row["shard"], row["index_in_shard"]) == (f"w0-{654321 // 256:06d}.safetensors", 654321 % 256)
+    assert row["caption"] == "caption 654321" and row["bucket_width"] == 654321 % 7 * 64 + 512
+    assert elapsed < 60  # generous: measured a few seconds on 2 shared cores

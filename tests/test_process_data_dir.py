@@ -1,0 +1,274 @@
+"""sdxl_process_data_dir.py end to end on the tiny SDXL: resume after SIGKILL, changed items, changed settings,
+verify + repair, full disk, upscaling, dry run, moving the cache, and the multi-worker launcher."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import sdxl_process_data_dir
+from conftest import REPO_ROOT
+from sdxl_trainer import cache
+from sdxl_trainer.buckets import Bucket, nearest_aspect_bucket
+from sdxl_trainer.cache import MANIFEST_DIR, SHARD_DIR, CacheReader, load_manifest, sha256_file
+from test_upscale import save_weights, tiny_rrdbnet
+
+RESOLUTION_FLAGS = ["--min_resolution", "256", "--max_resolution", "320"]
+
+
+def make_dataset(folder: Path, count: int, size: tuple[int, int] = (256, 256), prefix: str = "img") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for index in range(count):
+        Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB").save(folder / f"{prefix}{index:03d}.png")
+        (folder / f"{prefix}{index:03d}.txt").write_text(f"picture number {index}")
+    return folder
+
+
+def run_cache(data_dir: Path, cache_dir: Path, pipeline: Path, *extra: str) -> int:
+    return sdxl_process_data_dir.main(
+        ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(pipeline), *RESOLUTION_FLAGS, *extra]
+    )
+
+
+def manifest_paths(cache_dir: Path) -> Counter:
+    return Counter(load_manifest(cache_dir).column("image_path").to_pylist())
+
+
+def shard_digests(cache_dir: Path) -> dict[str, str]:
+    return {path.name: sha256_file(path) for path in (cache_dir / SHARD_DIR).glob("*.safetensors")}
+
+
+def test_killed_worker_resumes_without_redoing_finished_shards(tmp_path, tiny_pipeline_dir):
+    data_dir = make_dataset(tmp_path / "data", 24)
+    cache_dir = tmp_path / "cache"
+    command = [
+        sys.executable, str(REPO_ROOT / "sdxl_process_data_dir.py"), "--data_dir", str(data_dir), "--cache_dir", str(cache_dir),
+        "--pretrained_model_name_or_path", str(tiny_pipeline_dir), *RESOLUTION_FLAGS, "--items_per_shard", "2", "--batch_size", "2",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    worker = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while len(list((cache_dir / MANIFEST_DIR).glob("*.parquet"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.send_signal(signal.SIGKILL)
+    assert worker.wait() == -signal.SIGKILL  # killed mid-run, not finished
+
+    committed = manifest_paths(cache_dir)
+    assert 4 <= sum(committed.values()) < 24 and set(committed.values()) == {1}
+    finished = {name: digest for name, digest in shard_digests(cache_dir).items() if (cache_dir / MANIFEST_DIR / f"{Path(name).stem}.parquet").exists()}
+    mtimes = {name: (cache_dir / SHARD_DIR / name).stat().st_mtime_ns for name in finished}
+
+    assert run_cache(data_dir, cache_dir, tiny_pipeline_dir, "--items_per_shard", "2", "--batch_size", "2") == 0
+    assert manifest_paths(cache_dir) == Counter({f"img{index:03d}.png": 1 for index in range(24)})
+    for name, digest in finished.items():  # finished shards were neither rewritten nor replaced
+        assert sha256_file(cache_dir / SHARD_DIR / name) == digest
+        assert (cache_dir / SHARD_DIR / name).stat().st_mtime_ns == mtimes[name]
+    assert [p for p in cache_dir.rglob("*") if p.name.endswith(".tmp")] == []
+    manifest = load_manifest(cache_dir)
+    assert set(manifest.column("shard").to_pylist()) == {p.name for p in (cache_dir / SHARD_DIR).iterdir()}  # no orphan shard left
+
+
+@pytest.fixture
+def small_cache(tmp_path, tiny_pipeline_dir):
+    data_dir = make_dataset(tmp_path / "data", 7)
+    cache_dir = tmp_path / "cache"
+    assert run_cache(data_dir, cache_dir, tiny_pipeline_dir, "--items_per_shard", "3") == 0
+    return data_dir, cache_dir
+
+
+def test_rerun_skips_valid_items_and_redoes_changed_ones(small_cache, tiny_pipeline_dir, capsys):
+    data_dir, cache_dir = small_cache
+    capsys.readouterr()
+    assert run_cache(data_dir, cache_dir, tiny_pipeline_dir) == 0
+    assert "already cached: 7." in capsys.readouterr().out
+
+    (data_dir / "img001.txt").write_text("a new caption")
+    Image.new("RGB", (300, 280), (10, 200, 30)).save(data_dir / "img004.png")
+    assert run_cache(data_dir, cache_dir, tiny_pipeline_dir) == 0
+    out = capsys.readouterr().out
+    assert "cached: 2" in out and "already cached: 5" in out
+    rows = {row["image_path"]: row for row in load_manifest(cache_dir).to_pylist()}
+    assert len(rows) == 7 and rows["img001.png"]["caption"] == "a new caption"
+    assert (rows["img004.png"]["original_width"], rows["img004.png"]["original_height"]) == (300, 280)
+    assert rows["img004.png"]["image_sha256"] == sha256_file(data_dir / "img004.png")
+
+
+def test_changed_settings_are_refused_with_what_differs(small_cache, tiny_pipeline_dir, capsys):
+    data_dir, cache_dir = small_cache
+    before = shard_digests(cache_dir)
+    capsys.readouterr()
+    code = sdxl_process_data_dir.main(
+        ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+         "--min_resolution", "256", "--max_resolution", "384"]
+    )
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "max_resolution: cache 320, now 384" in out and "choose a new --cache_dir" in out
+    assert shard_digests(cache_dir) == before
+
+
+def test_verify_finds_damage_and_a_rerun_repairs_it(small_cache, tiny_pipeline_dir, capsys):
+    data_dir, cache_dir = small_cache
+    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(cache_dir)]) == 0
+    assert "cache OK: 7 items" in capsys.readouterr().out
+
+    damaged = cache_dir / SHARD_DIR / "w0000of0001-000001.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-5] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    (cache_dir / SHARD_DIR / "w0000of0001-000002.safetensors").unlink()
+    with pytest.raises(cache.CacheError, match="w0000of0001-000002.safetensors is damaged: missing.*--verify"):
+        CacheReader(cache_dir).read("w0000of0001-000002.safetensors", 0)
+
+    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(cache_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED shards/w0000of0001-000001.safetensors: checksum mismatch" in out
+    assert "DAMAGED shards/w0000of0001-000002.safetensors: missing (listed in manifest/w0000of0001-000002.parquet)" in out
+    assert "w0000of0001-000000" not in out
+
+    assert run_cache(data_dir, cache_dir, tiny_pipeline_dir, "--items_per_shard", "3") == 0
+    out = capsys.readouterr().out
+    assert "repair: shards/w0000of0001-000001.safetensors is damaged (checksum mismatch" in out
+    assert "cached: 4" in out and "already cached: 3" in out  # shard 1 held 3 items, shard 2 the 7th
+    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(cache_dir)]) == 0
+    assert manifest_paths(cache_dir) == Counter({f"img{index:03d}.png": 1 for index in range(7)})
+    assert sorted(p.name for p in (cache_dir / "damaged").iterdir()) == [
+        "w0000of0001-000001.parquet", "w0000of0001-000001.safetensors", "w0000of0001-000002.parquet"
+    ]
+    reader = CacheReader(cache_dir)
+    for row in load_manifest(cache_dir).to_pylist():
+        assert reader.read(row["shard"], row["index_in_shard"])["latents"].shape == (4, 32, 32)
+
+
+def test_moved_cache_verifies_and_resumes(small_cache, tiny_pipeline_dir, tmp_path, capsys):
+    data_dir, cache_dir = small_cache
+    moved = tmp_path / "elsewhere" / "moved_cache"
+    moved.parent.mkdir()
+    shutil.move(str(cache_dir), str(moved))
+    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(moved)]) == 0
+    assert run_cache(data_dir, moved, tiny_pipeline_dir) == 0
+    assert "already cached: 7." in capsys.readouterr().out
+
+
+def test_full_disk_stops_cleanly_and_a_rerun_finishes(tmp_path, tiny_pipeline_dir, monkeypatch, capsys):
+    data_dir = make_dataset(tmp_path / "data", 5)
+    cache_dir = tmp_path / "cache"
+    real_save_file = cache.save_file
+    calls = []
+
+    def fills_up(tensors, filename):
+        calls.append(filename)
+        if len(calls) == 3:  # empty prompt, shard 0, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+        return real_save_file(tensors, filename)
+
+    monkeypatch.setattr(cache, "save_file", fills_up)
+    assert run_cache(data_dir, cache_dir, tiny_pipeline_dir, "--items_per_shard", "2") == 1
+    out = capsys.readouterr().out
+    assert "stopped: cannot write into" in out and "the disk is full" in out and "re-run the same command" in out
+    assert sum(manifest_paths(cache_dir).values()) == 2
+    assert [p for p in cache_dir.rglob("*") if p.name.endswith(".tmp")] == []
+
+    monkeypatch.setattr(cache, "save_file", real_save_file)
+    assert run_cache(data_dir, cache_dir, tiny_pipeline_dir, "--items_per_shard", "2") == 0
+    assert manifest_paths(cache_dir) == Counter({f"img{index:03d}.png": 1 for index in range(5)})
+
+
+def test_upscaling_buckets_in_the_upscale_category_and_keeps_the_original_size(tmp_path, tiny_pipeline_dir, capsys):
+    data_dir = tmp_path / "data"
+    make_dataset(data_dir, 1, size=(300, 260), prefix="small")  # category 256 < 512: upscaled
+    make_dataset(data_dir, 1, size=(560, 560), prefix="large")  # category 512 already
+    make_dataset(data_dir, 1, size=(200, 200), prefix="tiny")  # below --min_resolution: skipped
+    weights = save_weights(tiny_rrdbnet(), tmp_path / "4x_remacri_like.pth")
+    cache_dir, samples = tmp_path / "cache", tmp_path / "samples"
+    code = sdxl_process_data_dir.main(
+        ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+         "--min_resolution", "256", "--max_resolution", "512", "--upscale_to_resolution", "512", "--upscaler_weights", str(weights),
+         "--upscale_tile_size", "128", "--save_upscale_samples", str(samples)]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "cached: 2, upscaled: 1" in out and "skipped 1 (too small: 1)" in out
+    rows = {row["image_path"]: row for row in load_manifest(cache_dir).to_pylist()}
+    small, large = rows["small000.png"], rows["large000.png"]
+    assert small["upscaled"] and (small["original_width"], small["original_height"]) == (300, 260)
+    assert nearest_aspect_bucket(300, 260, 512) == Bucket(576, 448)  # category 512's bucket nearest to 300:260
+    assert (small["bucket_width"], small["bucket_height"]) == (576, 448)
+    assert not large["upscaled"] and (large["bucket_width"], large["bucket_height"]) == (512, 512)
+    info = json.loads((cache_dir / cache.CACHE_INFO_FILE).read_text())
+    assert info["upscale_to_resolution"] == 512 and info["upscaler_sha256"] == sha256_file(weights)
+    assert Image.open(samples / "small000.before.png").size == (300, 260)
+    assert Image.open(samples / "small000.after.png").size == (1200, 1040)
+
+
+def test_upscaling_without_weights_fails_before_any_work(tmp_path, capsys):
+    data_dir = make_dataset(tmp_path / "data", 1)
+    with pytest.raises(SystemExit):
+        sdxl_process_data_dir.main(["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), *RESOLUTION_FLAGS, "--upscale_to_resolution", "320"])
+    assert "--upscale_to_resolution needs --upscaler_weights" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sdxl_process_data_dir.main(
+            ["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), *RESOLUTION_FLAGS, "--upscale_to_resolution", "320",
+             "--upscaler_weights", str(tmp_path / "x.pth"), "--upscale_use_GFPGAN"]
+        )
+    err = capsys.readouterr().err
+    assert "--upscaler_weights" in err and "x.pth not found" in err and "--upscale_use_GFPGAN needs --gfpgan_weights" in err
+    assert "--upscale_use_GFPGAN needs --facexlib_weights_dir" in err
+    assert not (tmp_path / "cache").exists()
+
+
+def test_dry_run_prints_histogram_and_writes_nothing(tmp_path, capsys):
+    data_dir = tmp_path / "data"
+    make_dataset(data_dir, 2, size=(300, 300), prefix="square")
+    make_dataset(data_dir, 1, size=(600, 300), prefix="wide")
+    make_dataset(data_dir, 1, size=(100, 100), prefix="tiny")
+    code = sdxl_process_data_dir.main(
+        ["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), "--min_resolution", "256", "--max_resolution", "512",
+         "--upscale_to_resolution", "512", "--dry_run", "--pretrained_model_name_or_path", str(tmp_path / "no_model_needed")]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert str(nearest_aspect_bucket(600, 300, 512)) == "640x384"
+    assert "    512x512  2\n    640x384  1\n" in out
+    assert "would cache 3 (upscaled: 3); would skip 1 (too small: 1)" in out
+    assert not (tmp_path / "cache").exists()
+
+
+def run_launcher(env_extra: dict, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", VENV_DIR=str(Path(sys.executable).parent.parent), **env_extra)
+    return subprocess.run(["bash", str(REPO_ROOT / "sdxl_process_data_dir.sh"), *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_launcher_runs_two_workers_that_split_the_data(tmp_path, tiny_pipeline_dir):
+    data_dir = make_dataset(tmp_path / "data", 8)
+    cache_dir = tmp_path / "cache"
+    result = run_launcher({"NUM_WORKERS": "2"}, "--data_dir", str(data_dir), "--cache_dir", str(cache_dir),
+                          "--pretrained_model_name_or_path", str(tiny_pipeline_dir), *RESOLUTION_FLAGS, "--items_per_shard", "2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert manifest_paths(cache_dir) == Counter({f"img{index:03d}.png": 1 for index in range(8)})
+    workers = {name.split("-")[0] for name in shard_digests(cache_dir)}
+    assert workers == {"w0000of0002", "w0001of0002"}
+
+
+def test_launcher_maps_machines_to_shards_and_fails_when_a_worker_fails(tmp_path):
+    data_dir = make_dataset(tmp_path / "data", 4)
+    result = run_launcher({"NUM_WORKERS": "1", "NUM_MACHINES": "3", "MACHINE_RANK": "2"}, "--data_dir", str(data_dir),
+                          "--cache_dir", str(tmp_path / "cache"), *RESOLUTION_FLAGS, "--dry_run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[w0002of0003] dry run" in result.stdout
+    failing = run_launcher({"NUM_WORKERS": "2"}, "--data_dir", str(tmp_path / "missing"), "--cache_dir", str(tmp_path / "cache"))
+    assert failing.returncode == 1
+    assert "worker 0 (shard 0 of 2) failed" in failing.stderr and "worker 1 (shard 1 of 2) failed" in failing.stderr
