@@ -32,22 +32,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import sdxl_process_data_dir  # noqa: E402
 from sdxl_trainer.encoding import load_encoders  # noqa: E402
 from sdxl_trainer.sources import prepare_item, read_source, scan_images  # noqa: E402
-from sdxl_trainer.tiny_model import save_tiny_pipeline  # noqa: E402
-
-# stabilityai/stable-diffusion-xl-base-1.0 vae/config.json (the published architecture).
-SDXL_VAE_CONFIG = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    block_out_channels=(128, 256, 512, 512),
-    layers_per_block=2,
-    latent_channels=4,
-    norm_num_groups=32,
-    sample_size=1024,
-    scaling_factor=0.13025,
-)
-
+from sdxl_trainer.tiny_model import build_full_size_vae, save_tiny_pipeline  # noqa: E402
 
 def make_images(folder: Path, count: int, size: int) -> None:
     folder.mkdir(parents=True)
@@ -104,11 +89,9 @@ def tiny_benchmark(num_images: int, size: int, batch_size: int) -> None:
 
 
 def full_size_benchmark(batch_size: int, steps: int) -> None:
-    from diffusers import AutoencoderKL
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    vae = AutoencoderKL(**SDXL_VAE_CONFIG).to(device, dtype).eval().requires_grad_(False)
+    vae = build_full_size_vae().to(device, dtype).eval().requires_grad_(False)
     pixels = torch.rand(batch_size, 3, 1024, 1024, device=device, dtype=dtype) * 2 - 1
 
     def encode() -> None:

@@ -18,6 +18,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _laid_out_like(parameter: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """`shard` as a DTensor with the parameter's mesh, placements and global shape (plain tensors pass)."""
+    if not isinstance(parameter, DTensor):
+        return shard
+    return DTensor.from_local(shard, parameter.device_mesh, parameter.placements, shape=parameter.shape, stride=parameter.stride(), run_check=False)
+
+
 class ShardedEMA:
     def __init__(self, model: nn.Module, decay: float, on_cpu: bool):
         self.decay = decay
@@ -42,15 +49,7 @@ class ShardedEMA:
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameter name -> EMA weights as a DTensor laid out like the parameter (for DCP and gathering).
         With on_cpu the DTensors sit on the CPU; gather them with a CPU-capable backend."""
-        state = {}
-        for name, parameter, shadow in zip(self.names, self.parameters, self.shadow):
-            if isinstance(parameter, DTensor):
-                state[name] = DTensor.from_local(
-                    shadow, parameter.device_mesh, parameter.placements, shape=parameter.shape, stride=parameter.stride(), run_check=False
-                )
-            else:
-                state[name] = shadow
-        return state
+        return {name: _laid_out_like(parameter, shadow) for name, parameter, shadow in zip(self.names, self.parameters, self.shadow)}
 
     def load_sharded_state_dict(self, state: dict[str, torch.Tensor], updates: int) -> None:
         for name, shadow in zip(self.names, self.shadow):
@@ -61,13 +60,9 @@ class ShardedEMA:
         """The full EMA UNet in CPU memory of rank 0 ({} elsewhere), gathered one tensor at a time."""
         full = {}
         for name, parameter, shadow in zip(self.names, self.parameters, self.shadow):
-            if isinstance(parameter, DTensor):
-                sharded = DTensor.from_local(
-                    shadow.to(_local(parameter).device), parameter.device_mesh, parameter.placements, shape=parameter.shape, stride=parameter.stride(), run_check=False
-                )
-                gathered = sharded.full_tensor()
-            else:
-                gathered = shadow
+            gathered = _laid_out_like(parameter, shadow.to(_local(parameter).device))
+            if isinstance(gathered, DTensor):
+                gathered = gathered.full_tensor()
             if is_main:
                 full[name] = gathered.cpu()
         return full

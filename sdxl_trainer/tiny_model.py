@@ -62,6 +62,20 @@ TINY_UNET_CONFIG = dict(
     norm_num_groups=16,
 )
 
+# stabilityai/stable-diffusion-xl-base-1.0 vae/config.json (the published architecture).
+SDXL_VAE_CONFIG = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    latent_channels=4,
+    norm_num_groups=32,
+    sample_size=1024,
+    scaling_factor=0.13025,
+)
+
 TINY_VAE_CONFIG = dict(
     in_channels=3,
     out_channels=3,
@@ -151,6 +165,11 @@ def build_tiny_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
 def save_tiny_pipeline(output_dir: Path, seed: int = 0) -> Path:
     build_tiny_pipeline(seed).save_pretrained(output_dir)
     return output_dir
+
+
+def build_full_size_vae() -> AutoencoderKL:
+    """SDXL's VAE architecture with random weights, for benchmarks without downloads."""
+    return AutoencoderKL(**SDXL_VAE_CONFIG)
 
 
 def build_full_size_unet() -> UNet2DConditionModel:
