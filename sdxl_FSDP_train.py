@@ -19,7 +19,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-from diffusers import UNet2DConditionModel
 from diffusers.optimization import get_polynomial_decay_schedule_with_warmup, get_scheduler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader
@@ -27,7 +26,16 @@ from tqdm import tqdm
 
 from sdxl_trainer.buckets import BUCKET_TABLE_VERSION, categories
 from sdxl_trainer.cache import CacheError, read_cache_info, read_empty_prompt, settings_differences
-from sdxl_trainer.checkpoint import save_training_state
+from sdxl_trainer.checkpoint import (
+    CheckpointError,
+    DataPosition,
+    checkpoint_name,
+    find_latest_checkpoint,
+    load_training_state,
+    read_trainer_state,
+    remove_old_checkpoints,
+    save_training_state,
+)
 from sdxl_trainer.config import option, parse_config, write_resolved_config
 from sdxl_trainer.data import CachedDataset, EpochPlanner, collate, rank_slice, small_buckets
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
@@ -37,6 +45,8 @@ from sdxl_trainer.export import save_pipeline
 from sdxl_trainer.monitor import MetricsWriter, Throughput, gather_floats, peak_memory_gib
 from sdxl_trainer.optimizers import build_optimizer
 from sdxl_trainer.parallel import full_state_dict_on_rank0, init_distributed, shard_unet, shutdown_distributed
+from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, load_unet
+from sdxl_trainer.stop_request import StopRequest, ignore_stop_signals
 from sdxl_trainer.train_step import TrainStep
 
 LR_SCHEDULERS = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
@@ -46,7 +56,11 @@ LR_SCHEDULERS = Literal["linear", "cosine", "cosine_with_restarts", "polynomial"
 class TrainConfig:
     cached_dataset_dirs: list[Path] = option(help="cache folders written by sdxl_process_data_dir.py (one or more)")
     pretrained_model_name_or_path: str = option(
-        "stabilityai/stable-diffusion-xl-base-1.0", help="SDXL pipeline to fine-tune (hub id or local diffusers folder); must be the one the caches were made with"
+        "stabilityai/stable-diffusion-xl-base-1.0",
+        help="SDXL model to fine-tune: hub id, local diffusers folder, or single-file .safetensors; must be the one the caches were made with",
+    )
+    single_file_config: str = option(
+        SDXL_CONFIG_SOURCE, help="diffusers config (hub id or folder) describing a single-file --pretrained_model_name_or_path; only its config files are read"
     )
     output_dir: Path = option(Path("output"), help="runs are written to OUTPUT_DIR/PROJECT_NAME")
     project_name: str = option("sdxl_finetune", help="name of this run's folder inside --output_dir")
@@ -97,8 +111,23 @@ class TrainConfig:
     allow_tf32: bool = option(True, help="TF32 matmuls and convolutions for fp32 work on Ampere and newer GPUs")
     set_seed: int | None = option(None, help="seed for data order, noise and dropout; None = a random seed, recorded in the run's config.json")
     dataloader_num_workers: int = option(2, help="background processes reading cache shards per rank; 0 = read in the training process")
-    save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the exported diffusers pipeline")
-    save_diffusers: bool = option(True, help="export the trained pipeline to OUTPUT_DIR/PROJECT_NAME/pipeline at the end")
+    save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the exported models")
+    save_diffusers: bool = option(True, help="export the trained pipeline: OUTPUT_DIR/PROJECT_NAME/pipeline at the end, pipeline_epoch_NNNN at epoch saves")
+    save_single_file: bool = option(False, help="also export each model as one SDXL .safetensors file (A1111 / ComfyUI / kohya layout) beside the pipeline")
+    save_model_every_n_epochs: int = option(1, help="export the model (and save state, with --save_state) after every N epochs; 0 = only at the end")
+    start_save_model_epoch: int = option(1, help="first epoch (counting from 1) after which the epoch saves happen")
+    save_state: bool = option(
+        True,
+        help="save resumable training state (sharded UNet, optimizer, EMA, LR schedule, data position, RNG) to "
+        "OUTPUT_DIR/PROJECT_NAME/checkpoints at epoch saves, every --save_state_every_n_updates, on SIGTERM/SIGINT and at the end",
+    )
+    save_state_every_n_updates: int = option(0, help="also save state every N optimizer updates (0 = off); with week-long epochs, set this")
+    checkpoints_total_limit: int = option(2, help="keep only the newest K state checkpoints (0 = keep all); exported models are never deleted")
+    load_saved_state: str | None = option(
+        None,
+        help="resume from a state checkpoint folder, or 'latest' = the newest complete one in OUTPUT_DIR/PROJECT_NAME/checkpoints "
+        "(starts from scratch if there is none, so one command serves the first start and every restart)",
+    )
 
     def validate(self) -> list[str]:
         problems = []
@@ -106,12 +135,15 @@ class TrainConfig:
             categories(self.min_resolution, self.max_resolution)
         except ValueError as error:
             problems.append(str(error))
-        for name in ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs"):
+        for name in ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "start_save_model_epoch"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1")
         for name in ("percent_lr_warm_up_steps", "conditional_dropout_percent"):
             if not 0 <= getattr(self, name) <= 1:
                 problems.append(f"--{name} is a share between 0 and 1 (0.1 = 10%), got {getattr(self, name)}")
+        for name in ("save_model_every_n_epochs", "save_state_every_n_updates", "checkpoints_total_limit"):
+            if getattr(self, name) < 0:
+                problems.append(f"--{name} must be >= 0 (0 turns it off)")
         if self.max_grad_norm < 0:
             problems.append("--max_grad_norm must be >= 0 (0 turns clipping off)")
         if self.max_consecutive_skipped_updates < 1:
@@ -150,7 +182,7 @@ def check_caches(config: TrainConfig) -> list[str]:
             min_resolution=config.min_resolution,
             max_resolution=config.max_resolution,
             bucket_table_version=BUCKET_TABLE_VERSION,
-            model_fingerprint=model_fingerprint(config.pretrained_model_name_or_path),
+            model_fingerprint=model_fingerprint(config.pretrained_model_name_or_path, single_file_config=config.single_file_config),
         )
         differences = settings_differences(info, dataclasses.replace(info, **wanted), tuple(wanted))
         if differences:
@@ -184,38 +216,95 @@ def agree_on_seed(seed: int | None, device: torch.device) -> int:
     return int(chosen.item())
 
 
-def stop_after_saving_state(run_dir: Path, update: int, epoch: int, train_step: TrainStep) -> None:
-    """Updates keep coming out NaN/inf: save the state for a look (or a resume with other settings) and stop."""
+def resolve_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path) -> Path | None:
+    """The checkpoint folder to resume from: a path, or the newest complete one for 'latest' (None if none yet)."""
+    if load_saved_state is None:
+        return None
+    if load_saved_state == "latest":
+        return find_latest_checkpoint(checkpoints_dir)
+    return Path(load_saved_state)
+
+
+def resume_problems(saved: dict, config: TrainConfig) -> list[str]:
+    """What would make the checkpoint's tensors or data order not fit this run; checked before any work."""
+    problems = []
+    if saved["optimizer"] != config.optimizer:
+        problems.append(f"the checkpoint holds {saved['optimizer']} optimizer state: resume with --optimizer {saved['optimizer']}")
+    if saved["use_ema"] != config.use_ema:
+        flag = "--use_ema" if saved["use_ema"] else "--no-use_ema"
+        problems.append(f"the checkpoint was saved {'with' if saved['use_ema'] else 'without'} an EMA: resume with {flag}")
+    if config.set_seed is not None and config.set_seed != saved["seed"]:
+        problems.append(f"the checkpoint's run used seed {saved['seed']} (data order and noise follow it): drop --set_seed or pass {saved['seed']}")
+    return problems
+
+
+def save_checkpoint(run_dir: Path, config: TrainConfig, train_step: TrainStep, update: int, seed: int, position: DataPosition) -> Path:
+    """Collective: save the whole training state as checkpoints/update_N, then keep the newest
+    --checkpoints_total_limit. Raises CheckpointError (on every rank) if the save failed."""
     trainer_state = {
         "update": update,
-        "epoch": epoch,
-        "lr_scheduler": train_step.lr_scheduler.state_dict(),
-        "skipped_updates": train_step.skipped_updates,
+        "seed": seed,
+        "optimizer": config.optimizer,
+        "use_ema": config.use_ema,
+        "global_batch_size": config.train_batch_size * dist.get_world_size(),
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        **train_step.state_dict(),
     }
-    checkpoint_dir = run_dir / "checkpoints" / f"update_{update:08d}"
-    save_training_state(checkpoint_dir, train_step.unet, train_step.optimizer, train_step.ema, trainer_state)
-    raise SystemExit(
-        f"Stopped at update {update}: the last {train_step.consecutive_skipped_updates} updates all had a NaN/inf loss or "
-        f"gradient. State saved to {checkpoint_dir}. Lower --learning_rate, use --mixed_precision bf16 instead of fp16, "
-        "or check the cache with sdxl_process_data_dir.py --verify."
+    checkpoints_dir = run_dir / "checkpoints"
+    started = time.perf_counter()
+    checkpoint_dir = save_training_state(
+        checkpoints_dir / checkpoint_name(update), train_step.unet, train_step.optimizer, train_step.ema, trainer_state, position
     )
+    if dist.get_rank() == 0:
+        removed = remove_old_checkpoints(checkpoints_dir, config.checkpoints_total_limit)
+        tqdm.write(f"Saved state to {checkpoint_dir} in {time.perf_counter() - started:.1f} s" + (f"; removed {len(removed)} older" if removed else "") + ".")
+    return checkpoint_dir
+
+
+def export_model(config: TrainConfig, world, unet, ema: ShardedEMA | None, pipeline_dir: Path) -> None:
+    """Collective: gather the trained UNet (EMA weights with --use_ema) on rank 0 and write the pipeline
+    (and the single-file checkpoint beside it with --save_single_file)."""
+    state_dict = ema.full_state_dict_on_rank0(world.is_main) if ema is not None else full_state_dict_on_rank0(unet)
+    if world.is_main:
+        started = time.perf_counter()
+        scheduler_overrides = {"prediction_type": config.prediction_type}
+        if config.zero_terminal_snr:
+            scheduler_overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+        single_file = pipeline_dir.with_suffix(".safetensors") if config.save_single_file else None
+        save_pipeline(
+            state_dict, config.pretrained_model_name_or_path, pipeline_dir, config.save_precision, scheduler_overrides, config.single_file_config, single_file
+        )
+        weights = "EMA weights" if ema is not None else "weights"
+        also = f" and {single_file}" if single_file else ""
+        tqdm.write(f"Saved the trained pipeline ({weights}, {config.save_precision}) to {pipeline_dir}{also} in {time.perf_counter() - started:.1f} s.")
+    dist.barrier()
 
 
 def main(argv: list[str] | None = None) -> int:
     # ---- configuration -------------------------------------------------------------------------
     config = parse_config(TrainConfig, argv, description=__doc__)
     world = init_distributed()
-    seed = agree_on_seed(config.set_seed, world.device)
-    config.set_seed = seed
-    torch.manual_seed(seed + world.rank)
     run_dir = config.output_dir / config.project_name
     log_dir = config.log_dir or run_dir / "tensorboard"
     compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device)
 
-    # ---- data: validate everything before loading the model --------------------------------------
+    # ---- validate everything before loading the model --------------------------------------------
     problems = check_caches(config)
+    resume_dir = resolve_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints")
+    saved = None
+    if resume_dir is not None:
+        try:
+            saved = read_trainer_state(resume_dir)
+            problems += resume_problems(saved, config)
+        except CheckpointError as error:
+            problems.append(str(error))
     if problems:
         raise SystemExit("Cannot start training:\n  " + "\n  ".join(problems))
+    seed = agree_on_seed(saved["seed"] if saved else config.set_seed, world.device)
+    config.set_seed = seed
+    torch.manual_seed(seed + world.rank)
+
+    # ---- data ------------------------------------------------------------------------------------
     dataset = CachedDataset(config.cached_dataset_dirs)
     global_batch_size = config.train_batch_size * world.world_size
     all_items = np.arange(len(dataset))
@@ -227,21 +316,9 @@ def main(argv: list[str] | None = None) -> int:
             f"will not be trained on: {too_small}. Lower --train_batch_size or add images of those shapes to use them."
         )
     planner = EpochPlanner(bucket_ids, all_items, global_batch_size, config.gradient_accumulation_steps, seed)
-    plans = planner.plans(config.num_train_epochs)
-    total_updates = sum(len(plan.batches) for plan in plans) // config.gradient_accumulation_steps
-    if total_updates == 0:
-        raise SystemExit(
-            f"No optimizer update is possible: {len(dataset)} items, global batch {global_batch_size} x "
-            f"{config.gradient_accumulation_steps} accumulation steps. Lower --train_batch_size or --gradient_accumulation_steps."
-        )
+    first_update = saved["update"] if saved else 0
+    position = DataPosition(0, 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
     empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cached_dataset_dirs[0]))
-    if world.is_main:
-        write_resolved_config(config, run_dir / "config.json")
-        print(
-            f"{len(dataset)} cached items, {world.world_size} processes, {config.num_train_epochs} epochs, "
-            f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
-            f"compute {str(compute_dtype).removeprefix('torch.')}."
-        )
 
     # ---- model, optimizer, schedules -------------------------------------------------------------
     if world.device.type == "cuda" and config.allow_tf32:
@@ -249,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.conv.fp32_precision = "tf32"
     # Only the UNet is loaded: latents and caption embeddings come from the cache. Diffusers' default
     # attention processor is PyTorch SDPA (flash / memory-efficient kernels where the GPU has them).
-    unet = UNet2DConditionModel.from_pretrained(config.pretrained_model_name_or_path, subfolder="unet", torch_dtype=torch.float32)
+    unet = load_unet(config.pretrained_model_name_or_path, config.single_file_config)
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.to(world.device).train()
@@ -266,8 +343,27 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = build_optimizer(
         config.optimizer, unet.parameters(), config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
     )
-    lr_scheduler = build_lr_scheduler(config, optimizer, total_updates)
     ema = ShardedEMA(unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
+    if resume_dir is not None:
+        # DCP reshards on load, so the checkpoint may come from another number of processes.
+        started = time.perf_counter()
+        _, saved_position = load_training_state(resume_dir, unet, optimizer, ema)
+        position = saved_position or DataPosition(saved["epoch"], 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        if world.is_main:
+            print(
+                f"Resumed from {resume_dir} in {time.perf_counter() - started:.1f} s: update {first_update}, epoch {position.epoch + 1} "
+                f"after {position.updates_in_epoch} of its updates (saved on {saved['world_size']} processes, now {world.world_size})."
+            )
+    elif world.is_main and config.load_saved_state == "latest":
+        print(f"No complete checkpoint in {run_dir / 'checkpoints'} yet: starting from the base model.")
+    plans = planner.plans(config.num_train_epochs, position.epoch, position.carried_in, position.consumed)
+    total_updates = first_update + sum(len(plan.batches) for plan in plans) // config.gradient_accumulation_steps
+    if total_updates == 0:
+        raise SystemExit(
+            f"No optimizer update is possible: {len(dataset)} items, global batch {global_batch_size} x "
+            f"{config.gradient_accumulation_steps} accumulation steps. Lower --train_batch_size or --gradient_accumulation_steps."
+        )
+    lr_scheduler = build_lr_scheduler(config, optimizer, total_updates)
     train_step = TrainStep(
         unet,
         optimizer,
@@ -281,23 +377,48 @@ def main(argv: list[str] | None = None) -> int:
         scaler=ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None,
         ema=ema,
     )
+    if saved:
+        train_step.load_state_dict(saved)
+    if world.is_main:
+        write_resolved_config(config, run_dir / "config.json")
+        print(
+            f"{len(dataset)} cached items, {world.world_size} processes, {config.num_train_epochs} epochs, "
+            f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
+            f"compute {str(compute_dtype).removeprefix('torch.')}."
+        )
     metrics = MetricsWriter(log_dir, enabled=world.is_main)
     throughput = Throughput()
-    progress = tqdm(total=total_updates, desc="training", unit="update", disable=not world.is_main, dynamic_ncols=True)
+    progress = tqdm(total=total_updates, initial=first_update, desc="training", unit="update", disable=not world.is_main, dynamic_ncols=True)
+    stop = StopRequest()
+
+    def save_state(position: DataPosition) -> Path | None:
+        try:
+            return save_checkpoint(run_dir, config, train_step, update, seed, position)
+        except CheckpointError as error:
+            if world.is_main:
+                tqdm.write(f"Warning: {error} Training goes on.")
+            return None
 
     # ---- training loop ---------------------------------------------------------------------------
-    update = 0
-    for epoch, plan in enumerate(plans):
+    update = first_update
+    last_saved_update = first_update if saved else None
+    start_epoch = position.epoch
+    for plan_index, plan in enumerate(plans):
+        epoch = start_epoch + plan_index
+        if plan_index:
+            position = DataPosition(epoch, 0, plans[plan_index - 1].carried_out, np.zeros(0, dtype=np.int64))
+        consumed = [position.consumed]
         loader = DataLoader(
             dataset,
             batch_sampler=[rank_slice(batch, world.rank, config.train_batch_size) for batch in plan.batches],
             num_workers=config.dataloader_num_workers,
             collate_fn=collate,
             pin_memory=world.device.type == "cuda",
+            worker_init_fn=ignore_stop_signals,
         )
         batches = iter(loader)
         epoch_losses = []
-        for _ in range(len(plan.batches) // config.gradient_accumulation_steps):
+        for update_in_plan in range(len(plan.batches) // config.gradient_accumulation_steps):
             throughput.start()
             microbatches = [
                 {key: value.to(world.device, non_blocking=True) for key, value in next(batches).items()}
@@ -307,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
             result = train_step(microbatches, epoch)
             throughput.stop(global_batch_size * config.gradient_accumulation_steps)
             update += 1
+            first_batch = update_in_plan * config.gradient_accumulation_steps
+            consumed.extend(plan.batches[first_batch : first_batch + config.gradient_accumulation_steps])
+            position = DataPosition(epoch, position.updates_in_epoch + 1, position.carried_in, np.concatenate(consumed))
             memory = gather_floats(peak_memory_gib(world.device), world.device)
             metrics.scalars(
                 {
@@ -320,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 update,
             )
-            progress.set_postfix(epoch=epoch, loss=f"{result.loss:.4f}", img_s=f"{throughput.images_per_second:.2f}")
+            progress.set_postfix(epoch=epoch + 1, loss=f"{result.loss:.4f}", img_s=f"{throughput.images_per_second:.2f}")
             progress.update()
             if result.stepped:
                 epoch_losses.append(result.loss)
@@ -329,26 +453,54 @@ def main(argv: list[str] | None = None) -> int:
                     tqdm.write(f"Warning: update {update} skipped: loss {result.loss}, gradient norm {result.grad_norm} (NaN/inf).")
                 if train_step.consecutive_skipped_updates >= config.max_consecutive_skipped_updates:
                     metrics.close()
-                    stop_after_saving_state(run_dir, update, epoch, train_step)
+                    checkpoint_dir = save_checkpoint(run_dir, config, train_step, update, seed, position)
+                    raise SystemExit(
+                        f"Stopped at update {update}: the last {train_step.consecutive_skipped_updates} updates all had a NaN/inf loss or "
+                        f"gradient. State saved to {checkpoint_dir}. Lower --learning_rate, use --mixed_precision bf16 instead of fp16, "
+                        "or check the cache with sdxl_process_data_dir.py --verify."
+                    )
+            if stop.agreed(world.device):
+                progress.close()
+                metrics.close()
+                try:
+                    checkpoint_dir = save_checkpoint(run_dir, config, train_step, update, seed, position)
+                except CheckpointError as error:
+                    raise SystemExit(f"Stop requested at update {update}, and the state could not be saved: {error}") from error
+                if world.is_main:
+                    print(f"Stopped on request after update {update}. Resume with: --load_saved_state latest (or {checkpoint_dir}).")
+                shutdown_distributed()
+                return 0
+            if config.save_state and config.save_state_every_n_updates and update % config.save_state_every_n_updates == 0:
+                if save_state(position):
+                    last_saved_update = update
         if epoch_losses:
             metrics.scalars({"train/epoch_loss": sum(epoch_losses) / len(epoch_losses)}, epoch + 1)
+        position = DataPosition(epoch + 1, 0, plan.carried_out, np.zeros(0, dtype=np.int64))
+        finished_epochs = epoch + 1
+        if (
+            finished_epochs < config.num_train_epochs
+            and config.save_model_every_n_epochs
+            and finished_epochs >= config.start_save_model_epoch
+            and finished_epochs % config.save_model_every_n_epochs == 0
+        ):
+            if config.save_diffusers:
+                export_model(config, world, unet, ema, run_dir / f"pipeline_epoch_{finished_epochs:04d}")
+            if config.save_state and last_saved_update != update and save_state(position):
+                last_saved_update = update
     progress.close()
 
-    # ---- export ----------------------------------------------------------------------------------
+    # ---- end: state and export -------------------------------------------------------------------
+    if config.save_state and last_saved_update != update:
+        try:
+            save_checkpoint(run_dir, config, train_step, update, seed, position)
+        except CheckpointError as error:
+            if world.is_main:
+                print(f"Warning: {error} The model export below goes on.")
     if config.save_diffusers:
-        state_dict = ema.full_state_dict_on_rank0(world.is_main) if ema is not None else full_state_dict_on_rank0(unet)
-        if world.is_main:
-            started = time.perf_counter()
-            scheduler_overrides = {"prediction_type": config.prediction_type}
-            if config.zero_terminal_snr:
-                scheduler_overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
-            pipeline_dir = save_pipeline(
-                state_dict, config.pretrained_model_name_or_path, run_dir / "pipeline", config.save_precision, scheduler_overrides
-            )
-            weights = "EMA weights" if ema is not None else "weights"
-            print(f"Saved the trained pipeline ({weights}, {config.save_precision}) to {pipeline_dir} in {time.perf_counter() - started:.1f} s.")
+        export_model(config, world, unet, ema, run_dir / "pipeline")
     if world.is_main:
         print(f"TensorBoard logs: {log_dir}   (view with: tensorboard --logdir {log_dir})")
+    stop.restore_handlers()
     metrics.close()
     shutdown_distributed()
     return 0

@@ -59,6 +59,7 @@ from sdxl_trainer.cache import (
 )
 from sdxl_trainer.config import option, parse_config
 from sdxl_trainer.encoding import Encoders, load_encoders, model_fingerprint
+from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
 from sdxl_trainer.sources import PreparedItem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_source, scan_images, worker_of
 from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
@@ -70,7 +71,11 @@ class CacheConfig:
     cache_dir: Path = option(help="folder to write the cache into; must not be inside --data_dir")
     data_dir: Path | None = option(None, help="folder of images with captions in .txt files of the same name (searched recursively); required except with --verify")
     pretrained_model_name_or_path: str = option(
-        "stabilityai/stable-diffusion-xl-base-1.0", help="SDXL pipeline (hub id or local diffusers folder) whose text encoders and VAE encode the data"
+        "stabilityai/stable-diffusion-xl-base-1.0",
+        help="SDXL model whose text encoders and VAE encode the data: hub id, local diffusers folder, or single-file .safetensors (A1111/ComfyUI layout)",
+    )
+    single_file_config: str = option(
+        SDXL_CONFIG_SOURCE, help="diffusers config (hub id or folder) describing a single-file --pretrained_model_name_or_path; only its config files are read"
     )
     vae_name_or_path: str | None = option(
         None, help="replacement VAE (hub id or folder), e.g. madebyollin/sdxl-vae-fp16-fix; None = the pipeline's own VAE"
@@ -327,11 +332,11 @@ def main(argv: list[str] | None = None) -> int:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.encode_dtype, device)
-    encoders = load_encoders(config.pretrained_model_name_or_path, config.vae_name_or_path, device, dtype)
+    encoders = load_encoders(config.pretrained_model_name_or_path, config.vae_name_or_path, device, dtype, config.single_file_config)
     settings = CacheSettings(
         pretrained_model_name_or_path=config.pretrained_model_name_or_path,
         vae_name_or_path=config.vae_name_or_path or config.pretrained_model_name_or_path,
-        model_fingerprint=model_fingerprint(config.pretrained_model_name_or_path, config.vae_name_or_path),
+        model_fingerprint=model_fingerprint(config.pretrained_model_name_or_path, config.vae_name_or_path, config.single_file_config),
         min_resolution=config.min_resolution,
         max_resolution=config.max_resolution,
         bucket_table_version=BUCKET_TABLE_VERSION,

@@ -91,13 +91,18 @@ class EpochPlanner:
         self.bucket_of = bucket_ids
         self.items_by_bucket = {int(bucket): np.sort(trainable[bucket_ids[trainable] == bucket]) for bucket in np.unique(bucket_ids[trainable])}
 
-    def plan(self, epoch: int, carried_in: np.ndarray) -> EpochPlan:
+    def plan(self, epoch: int, carried_in: np.ndarray, exclude: np.ndarray | None = None) -> EpochPlan:
+        """The epoch's plan; `exclude` leaves items out (those a resumed epoch has already trained on)."""
         rng = np.random.default_rng([self.seed, epoch])
+        if exclude is not None and len(exclude):
+            carried_in = np.setdiff1d(carried_in, exclude)
         batches: list[GlobalBatch] = []
         leftovers: list[np.ndarray] = []
         for bucket, items in self.items_by_bucket.items():
             carried_here = carried_in[self.bucket_of[carried_in] == bucket] if len(carried_in) else carried_in
             fresh = np.setdiff1d(items, carried_here, assume_unique=True)
+            if exclude is not None and len(exclude):
+                fresh = np.setdiff1d(fresh, exclude, assume_unique=True)
             stream = np.concatenate([carried_here, rng.permutation(fresh)]).astype(np.int64)
             full = len(stream) // self.global_batch_size * self.global_batch_size
             batches.extend(stream[:full].reshape(-1, self.global_batch_size))
@@ -117,13 +122,28 @@ class EpochPlanner:
         carried_out = np.concatenate(leftovers).astype(np.int64) if leftovers else np.zeros(0, dtype=np.int64)
         return EpochPlan(batches, carried_out)
 
-    def plans(self, num_epochs: int) -> list[EpochPlan]:
-        carried = np.zeros(0, dtype=np.int64)
+    def plans(self, num_epochs: int, start_epoch: int = 0, carried_in: np.ndarray | None = None, consumed: np.ndarray | None = None) -> list[EpochPlan]:
+        """Plans of epochs start_epoch .. num_epochs-1. A resumed run passes the position it saved: the items
+        carried into start_epoch and those start_epoch already trained on; its first plan then holds only
+        the rest of that epoch. With an unchanged global batch and accumulation this is exactly the rest of
+        the original plan (same batches, same order); otherwise the untrained items are planned anew."""
+        carried = np.zeros(0, dtype=np.int64) if carried_in is None else carried_in
+        consumed = np.zeros(0, dtype=np.int64) if consumed is None else consumed
         plans = []
-        for epoch in range(num_epochs):
-            plans.append(self.plan(epoch, carried))
-            carried = plans[-1].carried_out
+        for epoch in range(start_epoch, num_epochs):
+            plan = self.plan(epoch, carried)
+            if epoch == start_epoch and len(consumed):
+                plan = self._rest_of_epoch(epoch, carried, plan, consumed)
+            plans.append(plan)
+            carried = plan.carried_out
         return plans
+
+    def _rest_of_epoch(self, epoch: int, carried_in: np.ndarray, full_plan: EpochPlan, consumed: np.ndarray) -> EpochPlan:
+        done_batches, remainder = divmod(len(consumed), self.global_batch_size)
+        planned_prefix = np.concatenate(full_plan.batches[:done_batches]) if done_batches else np.zeros(0, dtype=np.int64)
+        if remainder == 0 and done_batches % self.accumulation_steps == 0 and np.array_equal(np.sort(planned_prefix), np.sort(consumed)):
+            return EpochPlan(full_plan.batches[done_batches:], full_plan.carried_out)
+        return self.plan(epoch, carried_in, exclude=consumed)
 
 
 def small_buckets(bucket_sizes: np.ndarray, bucket_ids: np.ndarray, items: np.ndarray, global_batch_size: int) -> dict[str, int]:

@@ -11,11 +11,8 @@ import torch
 from diffusers import AutoencoderKL
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
+from .single_file import SDXL_CONFIG_SOURCE, is_single_file, load_pipeline
 from .tiny_model import TEXT_MAX_LENGTH
-
-
-def is_single_file(model_name_or_path: str) -> bool:
-    return model_name_or_path.endswith((".safetensors", ".ckpt"))
 
 
 def _config_json(model_name_or_path: str, subfolder: str) -> dict:
@@ -28,9 +25,12 @@ def _config_json(model_name_or_path: str, subfolder: str) -> dict:
     return json.loads(Path(hf_hub_download(model_name_or_path, "config.json", subfolder=subfolder)).read_text(encoding="utf-8"))
 
 
-def model_fingerprint(model_name_or_path: str, vae_name_or_path: str | None = None) -> str:
+def model_fingerprint(model_name_or_path: str, vae_name_or_path: str | None = None, single_file_config: str = SDXL_CONFIG_SOURCE) -> str:
     """Short hash of the VAE and text-encoder architectures: it tells SDXL from another model family
-    (a cache made with one cannot train the other) without reading any weights."""
+    (a cache made with one cannot train the other) without reading any weights. A single-file model's
+    architecture is the one its diffusers config describes."""
+    if is_single_file(model_name_or_path):
+        model_name_or_path = single_file_config
     parts = [
         _config_json(vae_name_or_path or model_name_or_path, "" if vae_name_or_path else "vae"),
         _config_json(model_name_or_path, "text_encoder"),
@@ -78,21 +78,27 @@ class Encoders:
 
 
 def load_encoders(
-    model_name_or_path: str, vae_name_or_path: str | None, device: torch.device, dtype: torch.dtype
+    model_name_or_path: str, vae_name_or_path: str | None, device: torch.device, dtype: torch.dtype, single_file_config: str = SDXL_CONFIG_SOURCE
 ) -> Encoders:
-    """Load both tokenizers and text encoders and the VAE (or a replacement VAE) for inference."""
-    tokenizers = (
-        CLIPTokenizer.from_pretrained(model_name_or_path, subfolder="tokenizer"),
-        CLIPTokenizer.from_pretrained(model_name_or_path, subfolder="tokenizer_2"),
-    )
-    text_encoders = (
-        CLIPTextModel.from_pretrained(model_name_or_path, subfolder="text_encoder", dtype=dtype),
-        CLIPTextModelWithProjection.from_pretrained(model_name_or_path, subfolder="text_encoder_2", dtype=dtype),
-    )
+    """Load both tokenizers and text encoders and the VAE (or a replacement VAE) for inference, from a
+    diffusers folder / hub id or a single-file checkpoint."""
+    if is_single_file(model_name_or_path):
+        pipeline = load_pipeline(model_name_or_path, single_file_config, dtype)
+        tokenizers = (pipeline.tokenizer, pipeline.tokenizer_2)
+        text_encoders = (pipeline.text_encoder, pipeline.text_encoder_2)
+        vae = pipeline.vae
+    else:
+        tokenizers = (
+            CLIPTokenizer.from_pretrained(model_name_or_path, subfolder="tokenizer"),
+            CLIPTokenizer.from_pretrained(model_name_or_path, subfolder="tokenizer_2"),
+        )
+        text_encoders = (
+            CLIPTextModel.from_pretrained(model_name_or_path, subfolder="text_encoder", dtype=dtype),
+            CLIPTextModelWithProjection.from_pretrained(model_name_or_path, subfolder="text_encoder_2", dtype=dtype),
+        )
+        vae = AutoencoderKL.from_pretrained(model_name_or_path, subfolder="vae", torch_dtype=dtype)
     if vae_name_or_path:
         vae = AutoencoderKL.from_pretrained(vae_name_or_path, torch_dtype=dtype)
-    else:
-        vae = AutoencoderKL.from_pretrained(model_name_or_path, subfolder="vae", torch_dtype=dtype)
     if dtype == torch.float16 and vae.config.get("force_upcast", False):
         # SDXL's original VAE overflows in fp16; its config asks for fp32 (the fp16-fix VAE does not).
         vae = vae.float()

@@ -40,9 +40,10 @@ SDXL_UNET_CONFIG = dict(
     norm_num_groups=32,
 )
 
-# The same architecture with every width and depth cut down. Text width 32 + 32 = 64 cross-attention
-# channels; pooled projection 32 + 6 time ids x 8 = 80 wide additional embedding.
-TINY_TEXT_WIDTH = 32
+# The same architecture with every width and depth cut down. The two text encoders differ in width, as
+# SDXL's do (CLIP ViT-L 768, OpenCLIP bigG 1280), so code that tells them apart by shape is exercised:
+# 32 + 48 = 80 cross-attention channels; pooled projection 48 + 6 time ids x 8 = 96 wide additional embedding.
+TINY_TEXT_WIDTHS = (32, 48)
 TINY_TIME_EMBED_DIM = 8
 TINY_UNET_CONFIG = dict(
     sample_size=32,
@@ -54,11 +55,11 @@ TINY_UNET_CONFIG = dict(
     layers_per_block=1,
     transformer_layers_per_block=(1, 1),
     attention_head_dim=(2, 4),
-    cross_attention_dim=2 * TINY_TEXT_WIDTH,
+    cross_attention_dim=sum(TINY_TEXT_WIDTHS),
     use_linear_projection=True,
     addition_embed_type="text_time",
     addition_time_embed_dim=TINY_TIME_EMBED_DIM,
-    projection_class_embeddings_input_dim=TINY_TEXT_WIDTH + 6 * TINY_TIME_EMBED_DIM,
+    projection_class_embeddings_input_dim=TINY_TEXT_WIDTHS[1] + 6 * TINY_TIME_EMBED_DIM,
     norm_num_groups=16,
 )
 
@@ -137,20 +138,24 @@ def build_tiny_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
         CLIPTokenizer(vocab=vocab, merges=merges, pad_token=pad_token, model_max_length=TEXT_MAX_LENGTH)
         for pad_token in ("<|endoftext|>", "!")
     )
-    text_config = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=TINY_TEXT_WIDTH,
-        intermediate_size=4 * TINY_TEXT_WIDTH,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=TEXT_MAX_LENGTH,
-        projection_dim=TINY_TEXT_WIDTH,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    text_encoder = CLIPTextModel(CLIPTextConfig(**text_config, hidden_act="quick_gelu"))
-    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text_config, hidden_act="gelu"))
+    text_configs = [
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=width,
+            intermediate_size=4 * width,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=TEXT_MAX_LENGTH,
+            projection_dim=width,
+            hidden_act=activation,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        for width, activation in zip(TINY_TEXT_WIDTHS, ("quick_gelu", "gelu"))
+    ]
+    text_encoder = CLIPTextModel(text_configs[0])
+    text_encoder_2 = CLIPTextModelWithProjection(text_configs[1])
     return StableDiffusionXLPipeline(
         vae=AutoencoderKL(**TINY_VAE_CONFIG),
         text_encoder=text_encoder,

@@ -56,6 +56,34 @@ class TrainStep:
         self.skipped_updates = 0
         self.consecutive_skipped_updates = 0
 
+    def state_dict(self) -> dict:
+        """Plain (JSON-able) state beside the tensors: schedule position, loss scaler, skip counters."""
+        return {
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "skipped_updates": self.skipped_updates,
+            "consecutive_skipped_updates": self.consecutive_skipped_updates,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore after the optimizer. Only the schedule's position is taken from the checkpoint: its shape
+        (peak rate, warm-up, length) comes from this run's settings, so a resume may lower --learning_rate.
+        The optimizer's rate is then set for the next update (the checkpoint's was the old schedule's)."""
+        scheduler = self.lr_scheduler
+        scheduler.last_epoch = state["lr_scheduler"]["last_epoch"]
+        scheduler._step_count = state["lr_scheduler"]["_step_count"]
+        rates = [schedule(scheduler.last_epoch) * base for schedule, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+        for group, rate in zip(self.optimizer.param_groups, rates):
+            if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor so its compiled step never recompiles
+                group["lr"].fill_(rate)
+            else:
+                group["lr"] = rate
+        scheduler._last_lr = rates
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_updates = state["skipped_updates"]
+        self.consecutive_skipped_updates = state["consecutive_skipped_updates"]
+
     def __call__(self, microbatches: list[dict[str, torch.Tensor]], epoch: int) -> UpdateResult:
         device = microbatches[0]["latents"].device
         loss_sum = torch.zeros((), device=device)

@@ -1,0 +1,192 @@
+"""SDXL as one `.safetensors` file in the original (Stability "sgm") layout that A1111, ComfyUI, Forge and
+kohya load, written from a diffusers pipeline; and loading such a file as the base model.
+
+Layout of the file, by key prefix:
+  model.diffusion_model.               UNet (ldm/sgm names: input_blocks / middle_block / output_blocks)
+  first_stage_model.                   VAE (ldm names; attention projections as 1x1 convolutions)
+  conditioner.embedders.0.transformer. CLIP ViT-L text encoder (Hugging Face names, as the original)
+  conditioner.embedders.1.model.       OpenCLIP ViT-bigG text encoder (OpenCLIP names, fused q/k/v)
+The key maps below are derived from each model's config (levels, layers per level, which levels have
+attention), so the same code serves full-size SDXL and the tiny test pipeline. Loading goes through
+diffusers' own single-file loader, an independent implementation, which the round-trip test relies on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+from safetensors.torch import save_file
+
+SDXL_CONFIG_SOURCE = "stabilityai/stable-diffusion-xl-base-1.0"
+UNET_PREFIX = "model.diffusion_model."
+VAE_PREFIX = "first_stage_model."
+CLIP_L_PREFIX = "conditioner.embedders.0.transformer."
+CLIP_G_PREFIX = "conditioner.embedders.1.model."
+
+# Inside a ResNet block (UNet): diffusers name -> ldm name.
+UNET_RESNET_NAMES = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+UNET_TOP_LEVEL = {
+    "time_embedding.linear_1": "time_embed.0",
+    "time_embedding.linear_2": "time_embed.2",
+    "add_embedding.linear_1": "label_emb.0.0",
+    "add_embedding.linear_2": "label_emb.0.2",
+    "conv_in": "input_blocks.0.0",
+    "conv_norm_out": "out.0",
+    "conv_out": "out.2",
+}
+VAE_ATTENTION_NAMES = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+
+
+def is_single_file(model_name_or_path: str) -> bool:
+    return model_name_or_path.endswith(".safetensors")
+
+
+def _unet_module_map(config: dict) -> dict[str, str]:
+    """diffusers module path -> ldm module path for every block of a UNet with this config."""
+    mapping = dict(UNET_TOP_LEVEL)
+    levels = len(config["block_out_channels"])
+    layers = config["layers_per_block"]
+    input_index = 1
+    for level, block_type in enumerate(config["down_block_types"]):
+        for layer in range(layers):
+            mapping[f"down_blocks.{level}.resnets.{layer}"] = f"input_blocks.{input_index}.0"
+            if block_type.startswith("CrossAttn"):
+                mapping[f"down_blocks.{level}.attentions.{layer}"] = f"input_blocks.{input_index}.1"
+            input_index += 1
+        if level < levels - 1:
+            mapping[f"down_blocks.{level}.downsamplers.0.conv"] = f"input_blocks.{input_index}.0.op"
+            input_index += 1
+    mapping.update({"mid_block.resnets.0": "middle_block.0", "mid_block.attentions.0": "middle_block.1", "mid_block.resnets.1": "middle_block.2"})
+    output_index = 0
+    for level, block_type in enumerate(config["up_block_types"]):
+        has_attention = block_type.startswith("CrossAttn")
+        for layer in range(layers + 1):
+            mapping[f"up_blocks.{level}.resnets.{layer}"] = f"output_blocks.{output_index}.0"
+            if has_attention:
+                mapping[f"up_blocks.{level}.attentions.{layer}"] = f"output_blocks.{output_index}.1"
+            if layer == layers and level < levels - 1:
+                mapping[f"up_blocks.{level}.upsamplers.0.conv"] = f"output_blocks.{output_index}.{2 if has_attention else 1}.conv"
+            output_index += 1
+    return mapping
+
+
+def _rename(key: str, module_map: dict[str, str], inner_names: dict[str, str] | None = None) -> str:
+    """Replace the longest mapped module prefix of `key`; inside ResNet blocks also the layer names."""
+    parts = key.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:cut])
+        if prefix in module_map:
+            rest = ".".join(parts[cut:])
+            if inner_names and ".resnets." in prefix:
+                for old, new in inner_names.items():
+                    if rest.startswith(old + "."):
+                        rest = new + rest[len(old) :]
+                        break
+            return f"{module_map[prefix]}.{rest}"
+    raise KeyError(f"no single-file name for UNet weight {key!r}")
+
+
+def unet_to_ldm(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    module_map = _unet_module_map(config)
+    # Transformer blocks keep their names in both layouts (ldm's SpatialTransformer = diffusers' Transformer2DModel).
+    return {UNET_PREFIX + _rename(key, module_map, UNET_RESNET_NAMES): value for key, value in state_dict.items()}
+
+
+def _vae_module_map(config: dict) -> dict[str, str]:
+    levels = len(config["block_out_channels"])
+    layers = config["layers_per_block"]
+    mapping = {"encoder.conv_norm_out": "encoder.norm_out", "decoder.conv_norm_out": "decoder.norm_out"}
+    for side in ("encoder", "decoder"):
+        mapping.update(
+            {f"{side}.conv_in": f"{side}.conv_in", f"{side}.conv_out": f"{side}.conv_out", f"{side}.mid_block.resnets.0": f"{side}.mid.block_1", f"{side}.mid_block.resnets.1": f"{side}.mid.block_2", f"{side}.mid_block.attentions.0": f"{side}.mid.attn_1"}
+        )
+    for level in range(levels):
+        for layer in range(layers):
+            mapping[f"encoder.down_blocks.{level}.resnets.{layer}"] = f"encoder.down.{level}.block.{layer}"
+        if level < levels - 1:
+            mapping[f"encoder.down_blocks.{level}.downsamplers.0.conv"] = f"encoder.down.{level}.downsample.conv"
+        ldm_level = levels - 1 - level  # ldm numbers the decoder's levels from the output side
+        for layer in range(layers + 1):
+            mapping[f"decoder.up_blocks.{level}.resnets.{layer}"] = f"decoder.up.{ldm_level}.block.{layer}"
+        if level < levels - 1:
+            mapping[f"decoder.up_blocks.{level}.upsamplers.0.conv"] = f"decoder.up.{ldm_level}.upsample.conv"
+    mapping.update({"quant_conv": "quant_conv", "post_quant_conv": "post_quant_conv"})
+    return mapping
+
+
+def vae_to_ldm(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    module_map = _vae_module_map(config)
+    converted = {}
+    for key, value in state_dict.items():
+        name = _rename(key, module_map, {"conv_shortcut": "nin_shortcut"})
+        if ".mid.attn_1." in name:
+            for old, new in VAE_ATTENTION_NAMES.items():
+                name = name.replace(f".attn_1.{old}.", f".attn_1.{new}.")
+            if value.ndim == 2:
+                value = value[:, :, None, None]  # ldm's attention projections are 1x1 convolutions
+        converted[VAE_PREFIX + name] = value
+    return converted
+
+
+def _hf_clip_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face CLIP text weights under their full `text_model.` names (transformers 5 drops that
+    wrapper from CLIPTextModel, the single-file layout keeps it); position_ids are not weights."""
+    return {
+        key if key.startswith("text_model.") or key.startswith("text_projection") else f"text_model.{key}": value
+        for key, value in state_dict.items()
+        if not key.endswith("position_ids")
+    }
+
+
+def clip_g_to_openclip(state_dict: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Hugging Face CLIPTextModelWithProjection -> OpenCLIP text tower names (q/k/v fused into in_proj)."""
+    state_dict = _hf_clip_names(state_dict)
+    out = {
+        "token_embedding.weight": state_dict["text_model.embeddings.token_embedding.weight"],
+        "positional_embedding": state_dict["text_model.embeddings.position_embedding.weight"],
+        "ln_final.weight": state_dict["text_model.final_layer_norm.weight"],
+        "ln_final.bias": state_dict["text_model.final_layer_norm.bias"],
+        "text_projection": state_dict["text_projection.weight"].T.contiguous(),
+    }
+    layer_names = {"self_attn.out_proj": "attn.out_proj", "layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+    for layer in range(num_layers):
+        source, target = f"text_model.encoder.layers.{layer}.", f"transformer.resblocks.{layer}."
+        for kind in ("weight", "bias"):
+            out[f"{target}attn.in_proj_{kind}"] = torch.cat([state_dict[f"{source}self_attn.{name}_proj.{kind}"] for name in "qkv"])
+            for old, new in layer_names.items():
+                out[f"{target}{new}.{kind}"] = state_dict[f"{source}{old}.{kind}"]
+    return {CLIP_G_PREFIX + key: value for key, value in out.items()}
+
+
+def pipeline_to_single_file(pipeline: StableDiffusionXLPipeline) -> dict[str, torch.Tensor]:
+    state = unet_to_ldm(pipeline.unet.state_dict(), dict(pipeline.unet.config))
+    state.update(vae_to_ldm(pipeline.vae.state_dict(), dict(pipeline.vae.config)))
+    state.update({CLIP_L_PREFIX + key: value for key, value in _hf_clip_names(pipeline.text_encoder.state_dict()).items()})
+    state.update(clip_g_to_openclip(pipeline.text_encoder_2.state_dict(), pipeline.text_encoder_2.config.num_hidden_layers))
+    return state
+
+
+def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path) -> Path:
+    """Write the pipeline (in its current dtype) as one file; via a temporary name, so an interrupted
+    export never leaves a file that looks complete."""
+    output_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp_file = output_file.with_name(f".{output_file.name}.tmp")
+    state = {key: value.contiguous() for key, value in pipeline_to_single_file(pipeline).items()}
+    save_file(state, str(tmp_file), metadata={"format": "pt", "modelspec.architecture": "stable-diffusion-xl-v1-base"})
+    tmp_file.replace(output_file)
+    return output_file
+
+
+def load_pipeline(model_name_or_path: str, single_file_config: str, dtype: torch.dtype) -> StableDiffusionXLPipeline:
+    """A diffusers folder or hub id, or a single-file checkpoint described by `single_file_config`."""
+    if is_single_file(model_name_or_path):
+        return StableDiffusionXLPipeline.from_single_file(model_name_or_path, config=single_file_config, torch_dtype=dtype)
+    return StableDiffusionXLPipeline.from_pretrained(model_name_or_path, torch_dtype=dtype)
+
+
+def load_unet(model_name_or_path: str, single_file_config: str, dtype: torch.dtype = torch.float32) -> UNet2DConditionModel:
+    if is_single_file(model_name_or_path):
+        return UNet2DConditionModel.from_single_file(model_name_or_path, config=single_file_config, subfolder="unet", torch_dtype=dtype)
+    return UNet2DConditionModel.from_pretrained(model_name_or_path, subfolder="unet", torch_dtype=dtype)

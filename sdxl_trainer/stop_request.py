@@ -1,0 +1,57 @@
+"""Graceful stop on SIGTERM / SIGINT: finish the current update, save state, exit 0.
+
+A cluster pre-empting a job sends SIGTERM (SLURM: to every task), Ctrl-C sends SIGINT to the whole
+foreground process group, and torchrun forwards the signal it got to its workers a moment later. So a
+rank may see the same stop twice within milliseconds, and some ranks may see it while others do not:
+- signals within REPEAT_GRACE_S of the first count as the same request; a later one exits at once;
+- the ranks agree (an all-reduce after each update) so they all stop after the same update.
+DataLoader worker processes ignore both signals: the training process ends them when it is done, and a
+worker killed by SIGTERM would otherwise abort the main process in the middle of the save.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_GRACE_S = 3.0
+
+
+class StopRequest:
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._first_signal_at = 0.0
+        self._previous_handlers = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def _handle(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
+        now = time.monotonic()
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+            self._first_signal_at = now
+            print(
+                f"{self.signal_name} received: finishing the current update, then saving state "
+                f"(send it again after {REPEAT_GRACE_S:.0f} s to exit at once, without saving).",
+                flush=True,
+            )
+        elif now - self._first_signal_at > REPEAT_GRACE_S:
+            os._exit(128 + signum)
+
+    def agreed(self, device: torch.device) -> bool:
+        """Collective: True on every rank if any rank received a stop signal."""
+        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore_handlers(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+
+
+def ignore_stop_signals(worker_id: int) -> None:  # noqa: ARG001 - DataLoader worker_init_fn signature
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
