@@ -45,7 +45,7 @@ from sdxl_trainer.export import save_pipeline
 from sdxl_trainer.monitor import MetricsWriter, Throughput, gather_floats, peak_memory_gib
 from sdxl_trainer.optimizers import build_optimizer
 from sdxl_trainer.parallel import full_state_dict_on_rank0, init_distributed, shard_unet, shutdown_distributed
-from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, load_unet
+from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, load_unet
 from sdxl_trainer.stop_request import StopRequest, ignore_stop_signals
 from sdxl_trainer.train_step import TrainStep
 
@@ -332,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     unet.to(world.device).train()
     param_dtype = None if compute_dtype == torch.float32 else compute_dtype
     shard_unet(unet, world.mesh, param_dtype, config.reshard_after_forward, compile_blocks=config.compile_unet)
-    noise_scheduler = build_noise_scheduler(config.pretrained_model_name_or_path, config.prediction_type, config.zero_terminal_snr)
+    noise_scheduler = build_noise_scheduler(
+        config_source(config.pretrained_model_name_or_path, config.single_file_config), config.prediction_type, config.zero_terminal_snr
+    )
     noise_settings = NoiseSettings(
         conditional_dropout_percent=config.conditional_dropout_percent,
         noise_offset=config.noise_offset,

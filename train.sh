@@ -6,6 +6,7 @@
 #   MACHINE_RANK       this machine's index, 0 .. NUM_MACHINES-1 (default 0)
 #   MAIN_PROCESS_IP    address of machine 0 (default 127.0.0.1), MAIN_PROCESS_PORT (default 29500)
 #   VENV_DIR           virtual env to use (default: venv next to this script; created if missing)
+#   SHUTDOWN_TIMEOUT_S seconds torchrun gives the workers to save state after SIGTERM/SIGINT (default 600)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV_DIR=${VENV_DIR:-venv}
@@ -18,4 +19,5 @@ exec "$VENV_DIR/bin/torchrun" \
     --node_rank "${MACHINE_RANK:-0}" \
     --master_addr "${MAIN_PROCESS_IP:-127.0.0.1}" \
     --master_port "${MAIN_PROCESS_PORT:-29500}" \
+    --shutdown_timeout "${SHUTDOWN_TIMEOUT_S:-600}" \
     sdxl_FSDP_train.py "$@"

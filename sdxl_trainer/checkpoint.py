@@ -261,7 +261,8 @@ def save_training_state(
             shutil.rmtree(tmp_dir, ignore_errors=True)
         reason = f"{type(error).__name__}: {error}" if error is not None else "another process failed to write its part"
         advice = (
-            "Free disk space (a checkpoint takes about 4x the UNet's fp32 size with adamw, 2.5x with adamw8bit) or point --output_dir elsewhere."
+            "Free disk space (a checkpoint takes the UNet's fp32 size x 3 with adamw, x 1.5 with adamw8bit, "
+            "plus x 1 with --use_ema: about 16 GB for SDXL with adamw8bit) or point --output_dir elsewhere."
             if error is None or isinstance(error, OSError)
             else "This is a bug: please report it with this message."
         )

@@ -11,7 +11,7 @@ import torch
 from diffusers import AutoencoderKL
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from .single_file import SDXL_CONFIG_SOURCE, is_single_file, load_pipeline
+from .single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_pipeline
 from .tiny_model import TEXT_MAX_LENGTH
 
 
@@ -29,8 +29,7 @@ def model_fingerprint(model_name_or_path: str, vae_name_or_path: str | None = No
     """Short hash of the VAE and text-encoder architectures: it tells SDXL from another model family
     (a cache made with one cannot train the other) without reading any weights. A single-file model's
     architecture is the one its diffusers config describes."""
-    if is_single_file(model_name_or_path):
-        model_name_or_path = single_file_config
+    model_name_or_path = config_source(model_name_or_path, single_file_config)
     parts = [
         _config_json(vae_name_or_path or model_name_or_path, "" if vae_name_or_path else "vae"),
         _config_json(model_name_or_path, "text_encoder"),

@@ -43,6 +43,11 @@ def is_single_file(model_name_or_path: str) -> bool:
     return model_name_or_path.endswith(".safetensors")
 
 
+def config_source(model_name_or_path: str, single_file_config: str) -> str:
+    """Where the model's diffusers configs (scheduler, component architectures) are read from."""
+    return single_file_config if is_single_file(model_name_or_path) else model_name_or_path
+
+
 def _unet_module_map(config: dict) -> dict[str, str]:
     """diffusers module path -> ldm module path for every block of a UNet with this config."""
     mapping = dict(UNET_TOP_LEVEL)

@@ -1,11 +1,18 @@
-"""Run under torchrun by test_checkpoint.py. Mode `save` (2 processes): one update per optimizer, then a
-checkpoint, the full weights and full optimizer state written to reference files. Mode `load` (any number
-of processes): restore each checkpoint into a fresh sharded UNet and optimizer, and write the largest
-difference from the reference, plus the loss of one more update (must be finite), to rank0.json."""
+"""Run under torchrun by test_checkpoint.py, with a mode and a comma-separated list of optimizers:
+- `save` (2 processes): one update per optimizer, then a checkpoint `<optimizer>/`, and the full weights,
+  EMA and optimizer state written to `<optimizer>_reference.safetensors`;
+- `load` (any number of processes): restore each checkpoint into a fresh sharded UNet, optimizer and EMA;
+  write the largest difference from the reference and the loss of one more update to load_on_<N>.json;
+- `die_during_save`: like `save`, then a second checkpoint `<optimizer>_update_2` during which rank 1 is
+  killed (SIGKILL) after writing its shards;
+- `handoff`: hand the trained UNet to every rank through PipelineHandoff and write, per rank, the largest
+  difference between the loaded and the trained weights, and whether the folder is gone afterwards."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -13,10 +20,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
-from sdxl_trainer.checkpoint import load_training_state, save_training_state
+from sdxl_trainer.checkpoint import JsonIndexWriter, load_training_state, save_training_state
 from sdxl_trainer.ema import ShardedEMA
-from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer
-from sdxl_trainer.parallel import init_distributed, shutdown_distributed
+from sdxl_trainer.handoff import PipelineHandoff
+from sdxl_trainer.optimizers import build_optimizer
+from sdxl_trainer.parallel import full_state_dict_on_rank0, init_distributed, shutdown_distributed
 from train_step_worker import LEARNING_RATES, full_weights, rank_batch, sharded_unet
 from unet_batches import make_train_step
 
@@ -40,28 +48,74 @@ def fresh(name: str, pipeline_dir: Path, world):
     return unet, optimizer, ema, make_train_step(unet, optimizer, pipeline_dir, ema=ema)
 
 
-def main(mode: str, pipeline_dir: str, output_dir: str) -> None:
+class DyingWriter(JsonIndexWriter):
+    """Kills rank 1 after its shards are written, before the checkpoint is finished."""
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        written.wait()
+        if self.rank == 1 or os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return written
+
+
+def handoff_report(pipeline_dir: Path, output: Path, world) -> dict:
+    unet, optimizer, ema, step = fresh("adamw", pipeline_dir, world)
+    step(rank_batch(unet, world, 0), epoch=0)
+    trained = full_weights(unet)
+    with PipelineHandoff(output, "test_run", str(pipeline_dir), str(pipeline_dir), world.device, torch.float32) as handoff:
+        pipeline = handoff.pipeline(full_state_dict_on_rank0(unet))
+        folder = handoff.folder
+        loaded = dict(pipeline.unet.named_parameters())
+        difference = max((trained[name] - loaded[name].detach()).abs().max().item() for name in trained)
+    base = load_file(pipeline_dir / "unet" / "diffusion_pytorch_model.safetensors")
+    report = {
+        "max_difference": difference,
+        "trained_vs_base": max((trained[name] - base[name]).abs().max().item() for name in trained),
+        "folder_removed": not folder.exists(),
+        "folder": str(folder),
+    }
+    try:
+        with PipelineHandoff(output, "failing_run", str(pipeline_dir), str(pipeline_dir), world.device, torch.float32) as handoff:
+            handoff.pipeline(full_state_dict_on_rank0(unet))
+            failing_folder = handoff.folder
+            raise RuntimeError("validation failed")
+    except RuntimeError:
+        report["removed_after_error"] = not failing_folder.exists()
+    return report
+
+
+def main(mode: str, pipeline_dir: str, output_dir: str, optimizers: str) -> None:
     world = init_distributed()
     pipeline, output = Path(pipeline_dir), Path(output_dir)
+    if mode == "handoff":
+        (output / f"handoff_rank{world.rank}.json").write_text(json.dumps(handoff_report(pipeline, output, world)))
+        shutdown_distributed()
+        return
     report = {}
-    for name in OPTIMIZERS:
+    for name in optimizers.split(","):
         unet, optimizer, ema, step = fresh(name, pipeline, world)
-        if mode == "save":
+        if mode in ("save", "die_during_save"):
             step(rank_batch(unet, world, 0), epoch=0)
             save_training_state(output / name, unet, optimizer, ema, {"optimizer": name})
             reference = {**full_weights(unet), **{f"ema/{key}": value for key, value in ema.full_state_dict_on_rank0(True).items()}}
             reference.update(full_optimizer_state(unet, optimizer))
             if world.is_main:
                 save_file({key: value.contiguous() for key, value in reference.items()}, output / f"{name}_reference.safetensors")
+            if mode == "die_during_save":
+                step(rank_batch(unet, world, 1), epoch=0)
+                save_training_state(output / f"{name}_update_2", unet, optimizer, ema, {"optimizer": name}, writer_factory=DyingWriter)
             continue
         load_training_state(output / name, unet, optimizer, ema)
         restored = {**full_weights(unet), **{f"ema/{key}": value for key, value in ema.full_state_dict_on_rank0(True).items()}}
         restored.update(full_optimizer_state(unet, optimizer))
         reference = load_file(output / f"{name}_reference.safetensors")
+        weight_keys = [key for key in reference if "/" not in key]
         report[name] = {
             "missing": sorted(set(reference) - set(restored)),
-            "max_difference": max((reference[key] - restored[key]).abs().max().item() for key in reference if key in restored),
-            "next_loss": step([batch for batch in rank_batch(unet, world, 1)], epoch=0).loss,
+            "weights_max_difference": max((reference[key] - restored[key]).abs().max().item() for key in weight_keys),
+            "state_max_difference": max((reference[key] - restored[key]).abs().max().item() for key in reference if key in restored),
+            "next_loss": step(rank_batch(unet, world, 1), epoch=0).loss,
         }
     if mode == "load" and world.is_main:
         (output / f"load_on_{world.world_size}.json").write_text(json.dumps(report))

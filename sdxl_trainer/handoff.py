@@ -1,0 +1,63 @@
+"""Handing the trained UNet to every process for inference (validation images, sample grids).
+
+The training UNet is sharded: no process holds its full weights. Rank 0 gathers them one tensor at a
+time into CPU memory and writes them, in the inference dtype, to a RAM-disk folder (`/dev/shm` where it
+exists, else the system temp folder, or --handoff_dir); then every rank loads the base pipeline with those
+weights. So each GPU holds its training shards plus one inference copy, never two full training copies.
+The folder is unique per run and removed when the `with` block ends, also on error.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from diffusers import StableDiffusionXLPipeline
+from safetensors.torch import load_file, save_file
+
+from .single_file import load_pipeline
+
+UNET_FILE = "unet.safetensors"
+
+
+def default_handoff_root() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+class PipelineHandoff:
+    """Collective context manager. Inside it, `pipeline(unet_state_on_rank0)` returns, on every rank, the
+    base pipeline with the given UNet weights, on the rank's device and in `dtype`."""
+
+    def __init__(self, root: Path | None, run_name: str, base_model: str, single_file_config: str, device: torch.device, dtype: torch.dtype):
+        token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(token, src=0)  # one folder name for every rank of this run
+        self.folder = (root or default_handoff_root()) / f"sdxl_handoff_{run_name}_{token[0]}"
+        self.base_model = base_model
+        self.single_file_config = single_file_config
+        self.device = device
+        self.dtype = dtype
+
+    def __enter__(self) -> "PipelineHandoff":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        # Every rank removes it (no barrier: on error the others may never arrive); removing twice is harmless.
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def pipeline(self, unet_state_on_rank0: dict[str, torch.Tensor]) -> StableDiffusionXLPipeline:
+        weights_file = self.folder / UNET_FILE
+        if dist.get_rank() == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp_file = weights_file.with_name(weights_file.name + ".tmp")
+            save_file({name: tensor.to(self.dtype).contiguous() for name, tensor in unet_state_on_rank0.items()}, str(tmp_file))
+            tmp_file.replace(weights_file)
+        dist.barrier()
+        pipeline = load_pipeline(self.base_model, self.single_file_config, self.dtype)
+        pipeline.unet.load_state_dict(load_file(str(weights_file)), strict=True)
+        dist.barrier()  # every rank has read the file before anyone may replace or remove it
+        return pipeline.to(self.device)

@@ -1,0 +1,259 @@
+"""Checkpoints: exact resume of the trainer, resharding, a save killed halfway, signals, the checkpoints
+folder, single-file export/import, and the pipeline handoff. Distributed parts run on 2 CPU processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, run_processes
+from sdxl_trainer.checkpoint import (
+    METADATA_FILE,
+    TRAINER_STATE_FILE,
+    checkpoint_name,
+    complete_checkpoints,
+    find_latest_checkpoint,
+    read_trainer_state,
+    remove_old_checkpoints,
+)
+from sdxl_trainer.data import EpochPlanner
+from sdxl_trainer.optimizers import OPTIMIZERS
+from sdxl_trainer.parallel import free_port
+
+TRAINER = REPO_ROOT / "sdxl_FSDP_train.py"
+WORKER = REPO_ROOT / "tests" / "reshard_worker.py"
+UNET_FILE = Path("pipeline") / "unet" / "diffusion_pytorch_model.safetensors"
+
+
+def trainer_flags(cache_dir: Path, pipeline_dir: Path, output_dir: Path, project: str, *extra: str) -> list[str]:
+    return [
+        "--cached_dataset_dirs", str(cache_dir),
+        "--pretrained_model_name_or_path", str(pipeline_dir),
+        "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
+        "--output_dir", str(output_dir), "--project_name", project,
+        "--train_batch_size", "1", "--mixed_precision", "fp32", "--set_seed", "5", "--learning_rate", "1e-4",
+        "--dataloader_num_workers", "0", "--save_precision", "fp32", "--save_model_every_n_epochs", "0",
+        *extra,
+    ]
+
+
+# ---- exact resume of the trainer ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def straight_and_resumed(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
+    """2 epochs straight (state every 5 updates, all kept), and the same run resumed from update 5
+    (inside epoch 1) into another project that keeps only the newest 2 checkpoints."""
+    output_dir = tmp_path_factory.mktemp("resume")
+    common = ["--num_train_epochs", "2", "--optimizer", "adamw8bit", "--use_ema", "--ema_decay", "0.9", "--save_state_every_n_updates", "5"]
+    straight = run_processes(2, TRAINER, trainer_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, "straight", *common, "--checkpoints_total_limit", "0"))
+    resume_from = output_dir / "straight" / "checkpoints" / checkpoint_name(5)
+    resumed = run_processes(
+        2, TRAINER,
+        trainer_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, "resumed", *common, "--checkpoints_total_limit", "2", "--load_saved_state", str(resume_from)),
+    )
+    return output_dir, straight.stdout, resumed.stdout
+
+
+def test_resumed_run_ends_with_exactly_the_weights_of_the_straight_run(straight_and_resumed, tiny_pipeline_dir):
+    output_dir, _, resumed_log = straight_and_resumed
+    assert "Resumed from" in resumed_log and "update 5, epoch 1 after 5 of its updates" in resumed_log
+    straight = load_file(output_dir / "straight" / UNET_FILE)
+    resumed = load_file(output_dir / "resumed" / UNET_FILE)
+    for name, tensor in straight.items():
+        assert torch.equal(tensor, resumed[name]), f"{name} differs after resume"
+    base = load_file(tiny_pipeline_dir / "unet" / "diffusion_pytorch_model.safetensors")
+    assert any(not torch.equal(tensor, base[name]) for name, tensor in straight.items())  # training moved the weights
+
+
+def test_checkpoint_folder_holds_every_part_and_no_pickle(straight_and_resumed):
+    output_dir, _, _ = straight_and_resumed
+    checkpoint = output_dir / "straight" / "checkpoints" / checkpoint_name(5)
+    names = {path.relative_to(checkpoint).as_posix() for path in checkpoint.rglob("*") if path.is_file()}
+    assert {METADATA_FILE, TRAINER_STATE_FILE, "data_position.safetensors", "rng/rank0.safetensors", "rng/rank1.safetensors"} <= names
+    assert ".metadata" not in names  # DCP's pickled index is replaced by JSON
+    json.loads((checkpoint / METADATA_FILE).read_text())
+    state = read_trainer_state(checkpoint)
+    assert state["update"] == 5 and state["epoch"] == 0 and state["updates_in_epoch"] == 5
+    assert state["optimizer"] == "adamw8bit" and state["use_ema"] and state["ema_updates"] == 5 and state["world_size"] == 2
+    assert state["lr_scheduler"]["last_epoch"] == 5
+    position = load_file(checkpoint / "data_position.safetensors")
+    assert len(position["consumed"]) == 5 * 2  # 5 updates of a global batch of 2
+
+
+def test_scheduled_saves_and_total_limit(straight_and_resumed):
+    output_dir, _, _ = straight_and_resumed
+    straight = [path.name for path in complete_checkpoints(output_dir / "straight" / "checkpoints")]
+    total = read_trainer_state(output_dir / "straight" / "checkpoints" / straight[-1])["update"]
+    assert straight == [checkpoint_name(update) for update in range(5, total, 5)] + [checkpoint_name(total)]  # every 5 and at the end
+    resumed = [path.name for path in complete_checkpoints(output_dir / "resumed" / "checkpoints")]
+    assert resumed == straight[-2:]
+
+
+# ---- resharding and a save killed halfway ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_on_two(tmp_path_factory, tiny_pipeline_dir) -> Path:
+    output_dir = tmp_path_factory.mktemp("reshard")
+    run_processes(2, WORKER, ["save", str(tiny_pipeline_dir), str(output_dir), ",".join(OPTIMIZERS)])
+    return output_dir
+
+
+@pytest.mark.parametrize("processes", [1, 4])
+def test_state_saved_on_two_processes_resumes_on_another_number(saved_on_two, tiny_pipeline_dir, processes):
+    run_processes(processes, WORKER, ["load", str(tiny_pipeline_dir), str(saved_on_two), ",".join(OPTIMIZERS)])
+    report = json.loads((saved_on_two / f"load_on_{processes}.json").read_text())
+    for name in OPTIMIZERS:
+        result = report[name]
+        assert result["missing"] == []
+        assert result["weights_max_difference"] == 0.0, f"{name}: weights changed on load"
+        # torchao re-quantises 8-bit state whose shards change size (blocks of 256 values); the rest is exact.
+        tolerance = 1e-5 if name == "adamw8bit" else 0.0
+        assert result["state_max_difference"] <= tolerance, f"{name}: optimizer/EMA state differs by {result['state_max_difference']}"
+        assert np.isfinite(result["next_loss"])
+
+
+def test_a_save_killed_halfway_leaves_the_last_good_checkpoint(tmp_path, tiny_pipeline_dir):
+    result = run_processes(2, WORKER, ["die_during_save", str(tiny_pipeline_dir), str(tmp_path), "adamw"], expect_success=False)
+    assert result.returncode != 0
+    assert (tmp_path / "adamw" / TRAINER_STATE_FILE).is_file()
+    assert not (tmp_path / "adamw_update_2").exists()  # never renamed to its final name
+    assert not (tmp_path / "adamw_update_2.tmp" / TRAINER_STATE_FILE).exists()
+    # the good checkpoint resumes, on 2 processes, to exactly what was saved
+    run_processes(2, WORKER, ["load", str(tiny_pipeline_dir), str(tmp_path), "adamw"])
+    report = json.loads((tmp_path / "load_on_2.json").read_text())["adamw"]
+    assert report["weights_max_difference"] == 0.0 and report["state_max_difference"] == 0.0
+
+
+def test_latest_skips_incomplete_checkpoints_and_pruning_removes_dead_saves(tmp_path):
+    for update, complete in [(3, True), (10, True), (12, False)]:
+        folder = tmp_path / checkpoint_name(update)
+        folder.mkdir()
+        if complete:
+            (folder / TRAINER_STATE_FILE).write_text("{}")
+    (tmp_path / (checkpoint_name(14) + ".tmp")).mkdir()
+    assert find_latest_checkpoint(tmp_path) == tmp_path / checkpoint_name(10)
+    removed = remove_old_checkpoints(tmp_path, keep=1)
+    assert sorted(path.name for path in removed) == [checkpoint_name(3), checkpoint_name(14) + ".tmp"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [checkpoint_name(10), checkpoint_name(12)]
+    assert find_latest_checkpoint(tmp_path / "missing") is None
+
+
+# ---- signals -------------------------------------------------------------------------------------------
+
+
+def test_sigterm_saves_state_and_exits_zero_then_latest_resumes(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    def flags(epochs: int) -> list[str]:
+        return trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "signalled", "--num_train_epochs", str(epochs), "--optimizer", "adamw",
+                             "--save_state_every_n_updates", "2", "--load_saved_state", "latest")
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(TRAINER), *flags(20)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO_ROOT))
+    launcher = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    checkpoints = tmp_path / "signalled" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while find_latest_checkpoint(checkpoints) is None and time.monotonic() < deadline and launcher.poll() is None:
+        time.sleep(0.5)
+    assert find_latest_checkpoint(checkpoints) is not None, "training never saved its first checkpoint"
+    workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()]
+    os.kill(workers[-1], signal.SIGTERM)  # one rank only: the ranks must agree to stop together
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, output[-3000:]
+    stopped_at = int(output.split("Stopped on request after update ")[1].split(".")[0])
+    assert stopped_at >= 2
+    assert find_latest_checkpoint(checkpoints).name == checkpoint_name(stopped_at)
+    assert not (tmp_path / "signalled" / "pipeline").exists()
+    # The same command (fewer epochs, to finish quickly) picks the newest complete checkpoint and says so.
+    resumed = run_processes(2, TRAINER, flags(1))
+    assert f"Resumed from {checkpoints / checkpoint_name(stopped_at)}" in resumed.stdout
+    assert (tmp_path / "signalled" / UNET_FILE).is_file()
+
+
+# ---- data position -------------------------------------------------------------------------------------
+
+
+def test_rest_of_epoch_is_the_original_plan_or_a_replan_of_untrained_items():
+    bucket_ids = np.repeat([1, 2, 3], [9, 7, 6])
+    items = np.arange(len(bucket_ids))
+    planner = EpochPlanner(bucket_ids, items, global_batch_size=2, accumulation_steps=1, seed=4)
+    straight = planner.plans(3)
+    consumed = np.concatenate(straight[1].batches[:3])
+    resumed = planner.plans(3, start_epoch=1, carried_in=straight[0].carried_out, consumed=consumed)
+    assert all(np.array_equal(a, b) for a, b in zip(resumed[0].batches, straight[1].batches[3:]))
+    assert np.array_equal(resumed[0].carried_out, straight[1].carried_out)
+    assert all(np.array_equal(a, b) for a, b in zip(resumed[1].batches, straight[2].batches))
+    # another global batch (more processes): the untrained items of the epoch are planned anew, none twice
+    regrouped = EpochPlanner(bucket_ids, items, global_batch_size=3, accumulation_steps=1, seed=4)
+    rest = regrouped.plans(3, start_epoch=1, carried_in=straight[0].carried_out, consumed=consumed)[0]
+    trained_rest = np.concatenate(rest.batches)
+    assert not set(trained_rest) & set(consumed)
+    assert set(trained_rest) | set(rest.carried_out) | set(consumed) == set(items)
+
+
+# ---- single-file export and import ---------------------------------------------------------------------
+
+
+def test_single_file_round_trip_through_diffusers_loader(tmp_path, tiny_pipeline_dir):
+    import sdxl_to_single_file
+    from diffusers import StableDiffusionXLPipeline
+
+    from sdxl_trainer.single_file import load_pipeline
+
+    single_file = tmp_path / "tiny.safetensors"
+    assert sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", str(single_file), "--save_precision", "fp32"]) == 0
+    keys = load_file(single_file).keys()
+    assert any(key.startswith("model.diffusion_model.input_blocks.") for key in keys)
+    assert any(key.startswith("conditioner.embedders.1.model.transformer.resblocks.") for key in keys)
+    assert any(key.startswith("first_stage_model.decoder.up.") for key in keys)
+    original = StableDiffusionXLPipeline.from_pretrained(tiny_pipeline_dir)
+    loaded = load_pipeline(str(single_file), str(tiny_pipeline_dir), torch.float32)
+    for component in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        expected, actual = getattr(original, component).state_dict(), getattr(loaded, component).state_dict()
+        assert expected.keys() == actual.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(tensor, actual[name]), f"{component}.{name} changed in the round trip"
+
+
+def test_trains_from_a_single_file_base_and_exports_one(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    import sdxl_to_single_file
+
+    base_file = tmp_path / "base.safetensors"
+    sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", str(base_file), "--save_precision", "fp32"])
+    flags = trainer_flags(sample_cache_dir, base_file, tmp_path, "from_file", "--num_train_epochs", "1", "--optimizer", "adamw",
+                          "--single_file_config", str(tiny_pipeline_dir), "--save_single_file", "--no-save_state")
+    run_processes(1, TRAINER, flags)
+    exported = load_file(tmp_path / "from_file" / "pipeline.safetensors")
+    trained_unet = load_file(tmp_path / "from_file" / UNET_FILE)
+    base_unet = load_file(tiny_pipeline_dir / "unet" / "diffusion_pytorch_model.safetensors")
+    from sdxl_trainer.single_file import unet_to_ldm
+
+    config = json.loads((tiny_pipeline_dir / "unet" / "config.json").read_text())
+    for key, tensor in unet_to_ldm(trained_unet, config).items():
+        assert torch.equal(exported[key], tensor)
+    assert any(not torch.equal(trained_unet[name], base_unet[name]) for name in base_unet)
+    assert not (tmp_path / "from_file" / "checkpoints").exists()
+
+
+# ---- pipeline handoff ----------------------------------------------------------------------------------
+
+
+def test_every_process_gets_the_trained_weights_through_the_handoff_folder(tmp_path, tiny_pipeline_dir):
+    run_processes(2, WORKER, ["handoff", str(tiny_pipeline_dir), str(tmp_path), "adamw"])
+    reports = [json.loads((tmp_path / f"handoff_rank{rank}.json").read_text()) for rank in range(2)]
+    assert reports[0]["folder"] == reports[1]["folder"] and reports[0]["folder"].startswith(str(tmp_path))
+    for report in reports:
+        assert report["max_difference"] == 0.0
+        assert report["trained_vs_base"] > 0
+        assert report["folder_removed"] and report["removed_after_error"]
+    assert not list(tmp_path.glob("sdxl_handoff_*"))
