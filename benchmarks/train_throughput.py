@@ -21,21 +21,22 @@ embeddings of 77 tokens, pooled embeddings and 6 time ids, their widths taken fr
   fp32 weights under torch.autocast, noise and timesteps from the device's RNG, MSE, backward, clipping and
   the same optimizer. Chosen because it is what a minimal single-GPU PyTorch loop looks like, so the ratio
   prices everything our step adds: FSDP2's hooks, copies and casts, the seeded per-sample randomness and
-  the host syncs of the NaN/inf check. (Autocast keeps norms and softmax in fp32 where FSDP2's bf16 policy
-  does not, so the reference is not always the faster one.)
+  the host syncs of the NaN/inf check. (Autocast runs group and layer norms in fp32 where FSDP2's bf16
+  policy does not, so the reference is not always the faster one.)
 - reference "fsdp2" (the default on several processes, where a plain module would not be sharded and
   could not be compared): the same forward/backward/clip/step written by hand over the same shard_unet
   model, as bench_trainer.py does; the ratio then prices TrainStep alone.
 The paths run one after the other, each with its own warm-up, and each model is freed before the next is
-built: two full-size UNets with their optimizer states and batch-8 activations do not fit on one 80 GB GPU
-together, and a dedicated GPU's step time is steady after warm-up. (bench_trainer.py alternates rounds
+built: two full-size UNets with fp32 weights, gradients and 8-bit AdamW states hold about 51 GB before any
+activation, and a dedicated GPU's step time is steady after warm-up. (bench_trainer.py alternates rounds
 instead, as a shared 2-core CPU is not steady; CPU figures here are a smoke test, not a measurement.)
 
 FLOP per image: FlopCounterMode over one forward + backward at batch 1 of the same configuration, run on
 the meta device (shapes only: no compute and no memory, so it is the same on any machine), with attention
 through SDPA's math backend so that its matmuls count on every device. With gradient checkpointing the
-recomputed forward counts too, like the issue's 27.0 TFLOP figure, so that MFU is strictly hardware FLOP
-utilisation. Peak: a large matmul in the compute dtype, timed here on this device (bf16 8192^3 on a GPU).
+recomputed forward counts too, so that MFU is then strictly hardware FLOP utilisation. diffusers recomputes
+the ResNet and transformer blocks, not the whole forward: SDXL at 1024 px counts 20.23 TFLOP per image
+without checkpointing and 25.44 with it (issue 7's nominal figures, 20.3 and 27.0, assume a full recompute). Peak: a large matmul in the compute dtype, timed here on this device (bf16 8192^3 on a GPU).
 MFU = images/s per GPU x FLOP per image / peak.
 Peak memory: torch.cuda.max_memory_allocated / max_memory_reserved of each path (reset before its model is
 built; the largest over ranks). On the CPU there is no per-path figure: the table reads n/a, and the
@@ -134,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
+def check_args(args: argparse.Namespace, world_size: int, device: torch.device, compute_dtype: torch.dtype) -> list[str]:
     problems = []
     levels = len(UNET_CONFIGS[args.model]["block_out_channels"])
     multiple = 8 * 2 ** (levels - 1)  # the VAE's 8x, then the UNet halves the latents levels - 1 times
@@ -143,8 +144,12 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
     for name, least in (("batch_size", 1), ("warmup_steps", 0), ("measured_steps", 1)):
         if getattr(args, name) < least:
             problems.append(f"--{name} must be at least {least}")
-    if args.attention in GPU_ONLY_ATTENTION and not torch.cuda.is_available():
+    if args.attention in GPU_ONLY_ATTENTION and device.type != "cuda":
         problems.append(f"--attention {args.attention} has no CPU kernel: use sdpa, flash or math without a GPU")
+    if args.attention == "flash" and device.type == "cuda" and compute_dtype == torch.float32:
+        problems.append("--attention flash needs bf16 or fp16 on a GPU: use --mixed_precision bf16, or --attention efficient for fp32")
+    if args.sweep and (args.batch_size != 1 or not args.gradient_checkpointing):
+        problems.append("--sweep runs batch 1, 4 and 8 with checkpointing on and off: drop --batch_size and --no-gradient_checkpointing")
     if args.reference == "plain" and world_size > 1:
         problems.append("--reference plain runs an unsharded model and compares only on 1 process: use --reference fsdp2 (or auto) under torchrun")
     return problems
@@ -239,10 +244,13 @@ def compile_blocks(unet: torch.nn.Module) -> None:
             module.compile()
 
 
+def sharded(unet: UNet2DConditionModel, args: argparse.Namespace, world: World, compute_dtype: torch.dtype) -> UNet2DConditionModel:
+    """FSDP2 as the trainer applies it: compute in bf16/fp16 over fp32 master shards (fp32: no cast)."""
+    return shard_unet(unet, world.mesh, None if compute_dtype == torch.float32 else compute_dtype, compile_blocks=args.compile)
+
+
 def trainer_path(args: argparse.Namespace, row: Row, world: World, compute_dtype: torch.dtype) -> Callable[[int], object]:
-    unet = new_unet(args, row, world.device)
-    param_dtype = None if compute_dtype == torch.float32 else compute_dtype
-    shard_unet(unet, world.mesh, param_dtype, compile_blocks=args.compile)
+    unet = sharded(new_unet(args, row, world.device), args, world, compute_dtype)
     optimizer = build_optimizer(args.optimizer, unet.parameters(), 1e-5, 1e-2, (0.9, 0.999), 1e-8)
     step = TrainStep(
         unet,
@@ -259,16 +267,16 @@ def trainer_path(args: argparse.Namespace, row: Row, world: World, compute_dtype
     return lambda index: step([batch], epoch=index)
 
 
-def reference_path(args: argparse.Namespace, row: Row, world: World, compute_dtype: torch.dtype, sharded: bool) -> Callable[[int], object]:
+def reference_path(args: argparse.Namespace, row: Row, world: World, compute_dtype: torch.dtype, fsdp2: bool) -> Callable[[int], object]:
     unet = new_unet(args, row, world.device)
-    if sharded:
-        shard_unet(unet, world.mesh, None if compute_dtype == torch.float32 else compute_dtype, compile_blocks=args.compile)
+    if fsdp2:
+        sharded(unet, args, world, compute_dtype)
     elif args.compile:
         compile_blocks(unet)
     optimizer = build_optimizer(args.optimizer, unet.parameters(), 1e-5, 1e-2, (0.9, 0.999), 1e-8)
     # fp16 needs loss scaling; the sharded scaler also serves plain parameters.
     scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
-    autocast = not sharded and compute_dtype != torch.float32  # FSDP2's policy does the casting when sharded
+    autocast = not fsdp2 and compute_dtype != torch.float32  # FSDP2's policy does the casting when sharded
     scheduler = noise_scheduler()
     batch = new_batch(unet, args, row, world.device)
 
@@ -424,10 +432,10 @@ def environment(world: World) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world = init_distributed()
-    problems = check_args(args, world.world_size)
+    compute_dtype = resolve_compute_dtype(args.mixed_precision, world.device)
+    problems = check_args(args, world.world_size, world.device, compute_dtype)
     if problems:
         raise SystemExit("Cannot run the benchmark:\n  " + "\n  ".join(problems))
-    compute_dtype = resolve_compute_dtype(args.mixed_precision, world.device)
     reference = args.reference if args.reference != "auto" else ("plain" if world.world_size == 1 else "fsdp2")
     if world.device.type == "cuda":
         # As the trainer's --allow_tf32 default: TF32 for whatever fp32 matmuls and convolutions remain.
@@ -441,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for row in rows:
         if reference != "none":
-            build = functools.partial(reference_path, args, row, world, compute_dtype, sharded=reference == "fsdp2")
+            build = functools.partial(reference_path, args, row, world, compute_dtype, fsdp2=reference == "fsdp2")
             results.append(run_path(f"reference ({reference})", build, args, row, world))
         build = functools.partial(trainer_path, args, row, world, compute_dtype)
         results.append(run_path("trainer", build, args, row, world))

@@ -95,7 +95,7 @@ def test_flop_count_on_meta_equals_a_real_run(bench, checkpointing):
 
 
 def test_table_marks_out_of_memory_and_divides_by_the_reference(bench):
-    args = bench.parse_args(["--model", "tiny", "--resolution", "64"])
+    args = bench.parse_args(["--model", "tiny", "--resolution", "32"])  # FLOP counts cached by the test above
     fits, too_big = bench.Row(2, True), bench.Row(8, False)
     results = [
         bench.PathResult(fits, "reference (plain)", 0.5, 3.0, 4.0),
@@ -106,7 +106,7 @@ def test_table_marks_out_of_memory_and_divides_by_the_reference(bench):
     rows = table_rows(bench.table(results, peak_flops=1e12, args=args))
     assert float(rows[1]["step time / reference"]) == pytest.approx(1.1)
     assert float(rows[0]["images/s per GPU"]) == pytest.approx(4.0)  # batch 2 in 0.5 s
-    mfu = 4.0 * bench.flop_per_image("tiny", 64, True) / 1e12 * 100
+    mfu = 4.0 * bench.flop_per_image("tiny", 32, True) / 1e12 * 100
     assert float(rows[0]["MFU %"]) == pytest.approx(mfu, rel=0.01)
     assert [rows[2][column] for column in ("images/s per GPU", "ms per step", "MFU %", "step time / reference")] == ["OOM"] * 4
     assert rows[2]["peak allocated GiB"] == "70.00"  # the peak it reached before running out
@@ -114,10 +114,12 @@ def test_table_marks_out_of_memory_and_divides_by_the_reference(bench):
 
 
 def test_argument_checks_name_the_fix(bench):
-    args = bench.parse_args(["--model", "tiny", "--resolution", "40", "--reference", "plain", "--measured_steps", "0", "--attention", "efficient"])
-    problems = "\n".join(bench.check_args(args, world_size=2))
+    args = bench.parse_args(["--model", "tiny", "--resolution", "40", "--reference", "plain", "--measured_steps", "0", "--attention", "efficient",
+                             "--sweep", "--batch_size", "4"])
+    problems = "\n".join(bench.check_args(args, 2, torch.device("cpu"), torch.float32))
     assert "positive multiple of 16" in problems
     assert "--reference fsdp2" in problems
     assert "--measured_steps must be at least 1" in problems
-    if not torch.cuda.is_available():
-        assert "--attention efficient has no CPU kernel" in problems
+    assert "--attention efficient has no CPU kernel" in problems
+    assert "drop --batch_size" in problems
+    assert bench.check_args(bench.parse_args(["--model", "tiny", "--resolution", "32", "--sweep"]), 1, torch.device("cpu"), torch.float32) == []
