@@ -399,7 +399,7 @@ def summary(args: argparse.Namespace, world: World, compute_dtype: torch.dtype, 
     if args.model == "sdxl" and args.resolution == 1024:
         nominal = f" (issue 7's nominal: {NOMINAL_TFLOP_1024[False]} off, {NOMINAL_TFLOP_1024[True]} on)"
     references = {
-        "plain": "reference = plain nn.Module under torch.autocast, same batch, optimizer and checkpointing",
+        "plain": "reference = plain nn.Module (under torch.autocast unless fp32), same batch, optimizer and checkpointing",
         "fsdp2": "reference = hand-written loop over the same FSDP2-sharded model, same batch, optimizer and checkpointing",
         "none": "no reference loop",
     }
