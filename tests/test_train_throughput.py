@@ -1,0 +1,125 @@
+"""CPU smoke test of benchmarks/train_throughput.py on the tiny SDXL UNet: the batch x checkpointing sweep on
+1 process (trainer next to the plain reference loop) and one configuration on 2 processes (FSDP2 over gloo,
+reference = the hand-written FSDP2 loop); plus its FLOP count, its table and its argument checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import REPO_ROOT, run_processes
+
+SCRIPT = REPO_ROOT / "benchmarks" / "train_throughput.py"
+# adamw: torchao's 8-bit step compiles for minutes on a cold 2-core machine; the paths are the same otherwise.
+TINY = ["--model", "tiny", "--resolution", "32", "--warmup_steps", "0", "--measured_steps", "1", "--optimizer", "adamw"]
+NUMERIC_COLUMNS = ("images/s per GPU", "ms per step", "MFU %", "step time / reference")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("train_throughput", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def table_rows(text: str) -> list[dict[str, str]]:
+    lines = [line.strip().strip("|") for line in text.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].split("|")]
+    assert header == ["batch", "checkpointing", "path", "images/s per GPU", "ms per step", "MFU %", "peak allocated GiB",
+                      "peak reserved GiB", "step time / reference"]
+    return [dict(zip(header, (cell.strip() for cell in line.split("|")))) for line in lines[2:]]
+
+
+def assert_measured(row: dict[str, str]) -> None:
+    for column in NUMERIC_COLUMNS:
+        value = float(row[column])
+        assert math.isfinite(value) and value > 0, (column, row)
+    assert row["peak allocated GiB"] == row["peak reserved GiB"] == "n/a"  # no per-path memory figure on the CPU
+    if row["path"].startswith("reference"):
+        assert float(row["step time / reference"]) == 1.0
+
+
+def test_sweep_on_one_process(tmp_path):
+    output = tmp_path / "results" / "tiny.md"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--sweep", "--output", str(output)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-6000:]
+    rows = table_rows(result.stdout)
+    assert [(row["batch"], row["checkpointing"], row["path"]) for row in rows] == [
+        (batch, checkpointing, path)
+        for checkpointing in ("on", "off")
+        for batch in ("1", "4", "8")
+        for path in ("reference (plain)", "trainer")
+    ]
+    for row in rows:
+        assert_measured(row)
+    written = output.read_text()
+    assert table_rows(written) == rows
+    for fact in ("date:", "device: CPU", "driver n/a (CPU)", "torch 2.", "diffusers ", "torchao ", "command (1 process)", "--sweep"):
+        assert fact in written, fact
+    assert "peak resident size" in result.stdout
+
+
+def test_two_processes_compare_with_the_fsdp2_loop():
+    result = run_processes(2, SCRIPT, [*TINY, "--batch_size", "2"], timeout=300)
+    rows = table_rows(result.stdout)
+    assert [row["path"] for row in rows] == ["reference (fsdp2)", "trainer"]
+    for row in rows:
+        assert row["batch"] == "2"
+        assert_measured(row)
+    assert "2 process(es)" in result.stdout
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_flop_count_on_meta_equals_a_real_run(bench, checkpointing):
+    args = bench.parse_args(["--model", "tiny", "--resolution", "32"])
+    row = bench.Row(1, checkpointing)
+    unet = bench.new_unet(args, row, "cpu")
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        bench.reference_loss(unet, bench.new_batch(unet, args, row, "cpu"), bench.noise_scheduler()).backward()
+    counted = bench.flop_per_image("tiny", 32, checkpointing)
+    assert counted == counter.get_total_flops() > 0
+    if checkpointing:  # the recomputed forward counts
+        assert counted > bench.flop_per_image("tiny", 32, False)
+
+
+def test_table_marks_out_of_memory_and_divides_by_the_reference(bench):
+    args = bench.parse_args(["--model", "tiny", "--resolution", "32"])  # FLOP counts cached by the test above
+    fits, too_big = bench.Row(2, True), bench.Row(8, False)
+    results = [
+        bench.PathResult(fits, "reference (plain)", 0.5, 3.0, 4.0),
+        bench.PathResult(fits, "trainer", 0.55, 2.5, 3.0),
+        bench.PathResult(too_big, "reference (plain)", None, 70.0, 79.0),
+        bench.PathResult(too_big, "trainer", 0.9, 60.0, 70.0),
+    ]
+    rows = table_rows(bench.table(results, peak_flops=1e12, args=args))
+    assert float(rows[1]["step time / reference"]) == pytest.approx(1.1)
+    assert float(rows[0]["images/s per GPU"]) == pytest.approx(4.0)  # batch 2 in 0.5 s
+    mfu = 4.0 * bench.flop_per_image("tiny", 32, True) / 1e12 * 100
+    assert float(rows[0]["MFU %"]) == pytest.approx(mfu, rel=0.01)
+    assert [rows[2][column] for column in ("images/s per GPU", "ms per step", "MFU %", "step time / reference")] == ["OOM"] * 4
+    assert rows[2]["peak allocated GiB"] == "70.00"  # the peak it reached before running out
+    assert rows[3]["step time / reference"] == "n/a"  # nothing to divide by
+
+
+def test_argument_checks_name_the_fix(bench):
+    args = bench.parse_args(["--model", "tiny", "--resolution", "40", "--reference", "plain", "--measured_steps", "0", "--attention", "efficient",
+                             "--sweep", "--batch_size", "4"])
+    problems = "\n".join(bench.check_args(args, 2, torch.device("cpu"), torch.float32))
+    assert "positive multiple of 16" in problems
+    assert "--reference fsdp2" in problems
+    assert "--measured_steps must be at least 1" in problems
+    assert "--attention efficient has no CPU kernel" in problems
+    assert "drop --batch_size" in problems
+    assert bench.check_args(bench.parse_args(["--model", "tiny", "--resolution", "32", "--sweep"]), 1, torch.device("cpu"), torch.float32) == []
