@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,24 @@ _HOLDOUT_STREAM = 0x0DD5EED  # separates the holdout's random stream from every 
 
 class HoldoutError(RuntimeError):
     """The saved split does not fit this run; the message says what differs and what to do."""
+
+
+@dataclass(frozen=True)
+class SplitSettings:
+    """How many items to hold out: shares 0-1 of all items (0 = none), caps in items (0 = no cap)."""
+
+    loss_percent: float  # --validation_loss_percent
+    image_percent: float  # --validation_image_percent
+    max_loss_items: int = 0  # --max_validation_loss_items
+    max_image_items: int = 0  # --max_validation_images
+
+
+SETTING_FLAGS = dict(
+    loss_percent="--validation_loss_percent",
+    image_percent="--validation_image_percent",
+    max_loss_items="--max_validation_loss_items",
+    max_image_items="--max_validation_images",
+)
 
 
 @dataclass(frozen=True)
@@ -98,41 +116,19 @@ def priority_order(keys: list[str], bucket_ids: np.ndarray, seed: int) -> np.nda
     return np.lexsort((tie_break, positions))
 
 
-def choose_holdout(
-    keys: list[str],
-    bucket_ids: np.ndarray,
-    loss_percent: float,
-    image_percent: float,
-    seed: int,
-    max_loss_items: int = 0,
-    max_image_items: int = 0,
-) -> Holdout:
-    """Choose the validation-loss and validation-image items (nested prefixes of one stratified order).
-
-    Shares are 0-1 (0 = none for that measure); a max_*_items of 0 means no cap."""
+def choose_holdout(keys: list[str], bucket_ids: np.ndarray, settings: SplitSettings, seed: int) -> Holdout:
+    """Choose the validation-loss and validation-image items (nested prefixes of one stratified order)."""
     order = priority_order(keys, bucket_ids, seed)
-    num_loss = held_out_count(loss_percent, len(keys), max_loss_items)
-    num_image = held_out_count(image_percent, len(keys), max_image_items)
+    num_loss = held_out_count(settings.loss_percent, len(keys), settings.max_loss_items)
+    num_image = held_out_count(settings.image_percent, len(keys), settings.max_image_items)
     return Holdout(seed, np.sort(order[:num_loss]), np.sort(order[:num_image]))
 
 
-def _settings(loss_percent: float, image_percent: float, max_loss_items: int, max_image_items: int) -> dict:
-    return dict(loss_percent=loss_percent, image_percent=image_percent, max_loss_items=max_loss_items, max_image_items=max_image_items)
-
-
-SETTING_FLAGS = dict(
-    loss_percent="--validation_loss_percent",
-    image_percent="--validation_image_percent",
-    max_loss_items="--max_validation_loss_items",
-    max_image_items="--max_validation_images",
-)
-
-
-def save_holdout(path: Path, holdout: Holdout, keys: list[str], settings: dict) -> None:
+def save_holdout(path: Path, holdout: Holdout, keys: list[str], settings: SplitSettings) -> None:
     record = {
         "format_version": FORMAT_VERSION,
         "seed": holdout.seed,
-        **settings,
+        **asdict(settings),
         "num_items": len(keys),
         "dataset_fingerprint": dataset_fingerprint(keys),
         "loss_items": [keys[index] for index in holdout.loss_items],
@@ -144,7 +140,7 @@ def save_holdout(path: Path, holdout: Holdout, keys: list[str], settings: dict) 
     os.replace(tmp, path)  # readers on other ranks see the old state or the whole file, never half of it
 
 
-def read_holdout(path: Path, keys: list[str], settings: dict) -> Holdout:
+def read_holdout(path: Path, keys: list[str], settings: SplitSettings) -> Holdout:
     """The saved split as dataset indices of this dataset, or a HoldoutError saying why it does not fit."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
@@ -152,7 +148,7 @@ def read_holdout(path: Path, keys: list[str], settings: dict) -> Holdout:
         raise HoldoutError(f"{path} is unreadable ({error}): delete it to choose a new validation split.") from error
     if record.get("format_version") != FORMAT_VERSION:
         raise HoldoutError(f"{path} has format {record.get('format_version')}, expected {FORMAT_VERSION}: delete it to choose a new split.")
-    changed = [f"{SETTING_FLAGS[name]}: split {record.get(name)!r}, now {value!r}" for name, value in settings.items() if record.get(name) != value]
+    changed = [f"{SETTING_FLAGS[name]}: split {record.get(name)!r}, now {value!r}" for name, value in asdict(settings).items() if record.get(name) != value]
     if changed:
         raise HoldoutError(
             f"The validation split in {path} was made with other settings ({'; '.join(changed)}). Resume with the "
@@ -175,24 +171,13 @@ def read_holdout(path: Path, keys: list[str], settings: dict) -> Holdout:
     )
 
 
-def load_or_choose_holdout(
-    path: Path,
-    keys: list[str],
-    bucket_ids: np.ndarray,
-    loss_percent: float,
-    image_percent: float,
-    seed: int,
-    max_loss_items: int = 0,
-    max_image_items: int = 0,
-    write: bool = True,
-) -> Holdout:
+def load_or_choose_holdout(path: Path, keys: list[str], bucket_ids: np.ndarray, settings: SplitSettings, seed: int, write: bool = True) -> Holdout:
     """Read the run's split from `path` if it exists (a resumed run), else choose it and, if `write`
     (rank 0), save it. Every rank may call this: the choice is the same everywhere, and the file is
     replaced atomically, so a rank that reads it while rank 0 writes sees the whole of it."""
-    settings = _settings(loss_percent, image_percent, max_loss_items, max_image_items)
     if path.exists():
         return read_holdout(path, keys, settings)
-    holdout = choose_holdout(keys, bucket_ids, loss_percent, image_percent, seed, max_loss_items, max_image_items)
+    holdout = choose_holdout(keys, bucket_ids, settings, seed)
     if write:
         save_holdout(path, holdout, keys, settings)
     return holdout

@@ -16,7 +16,7 @@ from metric_networks import register_tiny_clip
 from sdxl_trainer.cache import read_empty_prompt
 from sdxl_trainer.data import CachedDataset
 from sdxl_trainer.diffusion import build_noise_scheduler
-from sdxl_trainer.holdout import choose_holdout, dataset_item_keys
+from sdxl_trainer.holdout import SplitSettings, choose_holdout, dataset_item_keys
 from sdxl_trainer.metrics import MetricWeights, load_image_metrics
 from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed
 from sdxl_trainer.sampling import GenerationSettings, build_sampling_pipeline, gather_images
@@ -29,7 +29,7 @@ SETTINGS = GenerationSettings(num_inference_steps=3, guidance_scale=5.0, batch_s
 def main(pipeline_dir: str, cache_dir: str, weights_dir: str, data_dir: str, output_dir: str) -> None:
     world = init_distributed()
     dataset = CachedDataset([Path(cache_dir)])
-    holdout = choose_holdout(dataset_item_keys(dataset), dataset.bucket_ids(), SHARE, SHARE, seed=0)
+    holdout = choose_holdout(dataset_item_keys(dataset), dataset.bucket_ids(), SplitSettings(SHARE, SHARE), seed=0)
     unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
     shard_unet(unet, world.mesh, param_dtype=None)
     scheduler = build_noise_scheduler(pipeline_dir, "epsilon", zero_terminal_snr=False)
