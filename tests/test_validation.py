@@ -62,7 +62,8 @@ def runs(tmp_path_factory, tiny_pipeline_dir, sample_cache_dir) -> dict[int, tup
         run_processes(
             processes,
             REPO_ROOT / "tests" / "validation_worker.py",
-            [str(tiny_pipeline_dir), str(sample_cache_dir), str(weights_dir), str(SAMPLE_DATASET), str(output)],
+            # The image metrics are scored on 2 processes only: the slow part (FID of 2048-wide features) once.
+            [str(tiny_pipeline_dir), str(sample_cache_dir), str(weights_dir), str(SAMPLE_DATASET), str(output), "score" if processes == 2 else "no"],
         )
         results[processes] = (json.loads((output / "report.json").read_text()), load_file(output / "images.safetensors"))
     return results
@@ -100,15 +101,11 @@ def test_validation_images_do_not_depend_on_the_number_of_processes(runs):
         assert (one[key].int() - two[key].int()).abs().max() <= 2, key
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_image_metrics_end_to_end(runs, processes):
-    report, _ = runs[processes]
+def test_image_metrics_end_to_end_on_two_processes(runs):
+    report, _ = runs[2]
     scores = report["scores"]
     assert set(scores) == {"val/fid", "val/kid", "val/is", "val/lpips", "val/hpsv2"}
     assert all(math.isfinite(value) for value in scores.values())
     assert report["decoded_references"] == 0  # every held-out source image was found and matched the cache
-    assert scores["val/is"] >= 1.0 and 0 < scores["val/lpips"] and -1 <= scores["val/hpsv2"] <= 1
-    if processes == 2:
-        one = runs[1][0]["scores"]
-        assert scores["val/lpips"] == pytest.approx(one["val/lpips"], abs=0.01)
-        assert scores["val/hpsv2"] == pytest.approx(one["val/hpsv2"], abs=0.01)
+    assert scores["val/fid"] > 0 and scores["val/is"] >= 1.0 and 0 < scores["val/lpips"] and -1 <= scores["val/hpsv2"] <= 1
+    assert runs[1][0]["scores"] == {}  # no metric wanted: nothing loaded, nothing scored

@@ -1,6 +1,6 @@
 """Run under torchrun (1 or 2 CPU processes) by test_validation.py, with the FSDP-sharded tiny UNet:
 validation loss twice, validation images before / after changing the weights / after restoring them, and
-the image metrics (random networks of the real architectures). Rank 0 writes report.json and images.safetensors."""
+the image metrics (random networks of the real architectures) when the last argument is "score". Rank 0 writes report.json and images.safetensors."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from sdxl_trainer.cache import read_empty_prompt
 from sdxl_trainer.data import CachedDataset
 from sdxl_trainer.diffusion import build_noise_scheduler
 from sdxl_trainer.holdout import SplitSettings, choose_holdout, dataset_item_keys
-from sdxl_trainer.metrics import MetricWeights, load_image_metrics
+from sdxl_trainer.metrics import METRICS, MetricWeights, load_image_metrics
 from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed
 from sdxl_trainer.sampling import GenerationSettings, build_sampling_pipeline, gather_images
 from sdxl_trainer.validation import ImageValidator, validation_loss
@@ -26,7 +26,7 @@ SHARE = 0.2  # of the sample cache's items: 6 items, so 2 ranks get 3 each, in s
 SETTINGS = GenerationSettings(num_inference_steps=3, guidance_scale=5.0, batch_size=2)
 
 
-def main(pipeline_dir: str, cache_dir: str, weights_dir: str, data_dir: str, output_dir: str) -> None:
+def main(pipeline_dir: str, cache_dir: str, weights_dir: str, data_dir: str, output_dir: str, score: str) -> None:
     world = init_distributed()
     dataset = CachedDataset([Path(cache_dir)])
     holdout = choose_holdout(dataset_item_keys(dataset), dataset.bucket_ids(), SplitSettings(SHARE, SHARE), seed=0)
@@ -38,6 +38,7 @@ def main(pipeline_dir: str, cache_dir: str, weights_dir: str, data_dir: str, out
     weights = Path(weights_dir)
     metrics = load_image_metrics(
         MetricWeights(weights / "inception.pth", weights / "alexnet.pth", weights / "hps.pt"),
+        wanted=METRICS if score == "score" else (),
         allow_download=False,
         hps_architecture=register_tiny_clip(weights),
     )
