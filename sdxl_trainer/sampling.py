@@ -111,13 +111,20 @@ def generate(
             num_inference_steps=settings.num_inference_steps,
             guidance_scale=settings.guidance_scale,
             generator=[torch.Generator().manual_seed(r.seed) for r in batch],
-            output_type="np",
+            output_type="latent",
         ).images
-        pixels = torch.from_numpy(output).mul(255).round().clamp(0, 255).to(torch.uint8).permute(0, 3, 1, 2)
-        for request, image in zip(batch, pixels):
+        for request, image in zip(batch, decode_latents(pipeline.vae, output).cpu()):
             if request.key >= 0:
                 images[request.key] = image.contiguous()
     return images
+
+
+@torch.no_grad()
+def decode_latents(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
+    """Scaled latents (N, 4, h, w) -> uint8 images (N, 3, 8h, 8w), decoded in the VAE's own dtype (the UNet's
+    output may be bf16/fp16 under FSDP mixed precision)."""
+    pixels = vae.decode(latents.to(vae.device, vae.dtype) / vae.config.scaling_factor).sample
+    return ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
 # ---- gathering -----------------------------------------------------------------------------------------

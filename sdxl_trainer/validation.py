@@ -34,7 +34,7 @@ from .data import CachedDataset, collate
 from .diffusion import NoiseSettings, sample_seed, training_loss
 from .images import UnreadableImage, decode_image, resize_and_crop
 from .metrics import NEEDS_REFERENCE, ImageMetrics
-from .sampling import GenerationSettings, ImageRequest, gather_rows, generate, rank_share
+from .sampling import GenerationSettings, ImageRequest, decode_latents, gather_rows, generate, rank_share
 
 # Stand-ins for the epoch in sample_seed(seed, key, item): training epochs never reach these.
 VALIDATION_LOSS_KEY = 1_000_001
@@ -129,24 +129,19 @@ def source_image(dataset: CachedDataset, item: int, data_dirs: list[Path]) -> to
     return torch.from_numpy(np.array(resize_and_crop(image, plan))).permute(2, 0, 1).contiguous()
 
 
-@torch.no_grad()
-def decoded_latents(dataset: CachedDataset, item: int, vae, device: torch.device) -> torch.Tensor:
+def decoded_latents(dataset: CachedDataset, item: int, vae) -> torch.Tensor:
     """The item's cached latents decoded by the VAE, uint8 (3, H, W): the best stand-in for a missing source."""
-    latents = dataset[item]["latents"][None].to(device, vae.dtype) / vae.config.scaling_factor
-    pixels = vae.decode(latents).sample[0].float().clamp(-1, 1)
-    return ((pixels + 1) * 127.5).round().to(torch.uint8).cpu()
+    return decode_latents(vae, dataset[item]["latents"][None])[0].cpu()
 
 
-def reference_images(
-    dataset: CachedDataset, items: list[int], data_dirs: list[Path] | None, vae, device: torch.device
-) -> tuple[list[torch.Tensor], int]:
+def reference_images(dataset: CachedDataset, items: list[int], data_dirs: list[Path] | None, vae) -> tuple[list[torch.Tensor], int]:
     """Real images of `items` (source images when `data_dirs` is given and they match the cache, else the
     decoded latents) and how many had to be decoded."""
     images, decoded = [], 0
     for item in items:
         image = source_image(dataset, item, data_dirs) if data_dirs is not None else None
         if image is None:
-            image = decoded_latents(dataset, item, vae, device)
+            image = decoded_latents(dataset, item, vae)
             decoded += 1
         images.append(image)
     return images, decoded
@@ -199,7 +194,7 @@ class ImageValidator:
         return requests
 
     def _prepare_references(self, vae) -> _References:
-        images, decoded = reference_images(self.dataset, self.my_items, self.data_dirs, vae, self.device)
+        images, decoded = reference_images(self.dataset, self.my_items, self.data_dirs, vae)
         pool = None
         if self.metrics.inception is not None:
             local_pool, _ = self.metrics.inception_features(images)

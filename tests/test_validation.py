@@ -109,3 +109,12 @@ def test_image_metrics_end_to_end_on_two_processes(runs):
     assert report["decoded_references"] == 0  # every held-out source image was found and matched the cache
     assert scores["val/fid"] > 0 and scores["val/is"] >= 1.0 and 0 < scores["val/lpips"] and -1 <= scores["val/hpsv2"] <= 1
     assert runs[1][0]["scores"] == {}  # no metric wanted: nothing loaded, nothing scored
+
+
+def test_bf16_compute_over_fp32_shards(runs):
+    report, images = runs[2]
+    for tag, value in report["loss"][0].items():
+        assert report["bf16_loss"][tag] == pytest.approx(value, rel=0.02), tag
+    assert len(report["bf16_image_shapes"]) == 2  # one image per rank
+    for key, shape in report["bf16_image_shapes"].items():
+        assert shape == list(images[key].shape)

@@ -19,7 +19,7 @@ from sdxl_trainer.diffusion import build_noise_scheduler
 from sdxl_trainer.holdout import SplitSettings, choose_holdout, dataset_item_keys
 from sdxl_trainer.metrics import METRICS, MetricWeights, load_image_metrics
 from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed
-from sdxl_trainer.sampling import GenerationSettings, build_sampling_pipeline, gather_images
+from sdxl_trainer.sampling import GenerationSettings, build_sampling_pipeline, gather_images, generate
 from sdxl_trainer.validation import ImageValidator, validation_loss
 
 SHARE = 0.2  # of the sample cache's items: 6 items, so 2 ranks get 3 each, in several buckets
@@ -59,6 +59,14 @@ def main(pipeline_dir: str, cache_dir: str, weights_dir: str, data_dir: str, out
         for parameter, local in zip(unet.parameters(), saved):
             parameter.to_local().copy_(local)
     restored = gather_images(validator.generate(pipeline, negative), world.device)
+
+    if score == "score":  # mixed precision as on GPUs: bf16 compute over fp32 shards; the VAE decodes in fp32
+        bf16_unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
+        shard_unet(bf16_unet, world.mesh, param_dtype=torch.bfloat16)
+        report["bf16_loss"] = validation_loss(bf16_unet, dataset, holdout.loss_items, scheduler, holdout.seed, world.device, batch_size=2)
+        bf16_pipeline = build_sampling_pipeline(pipeline_dir, bf16_unet, world.device, vae=pipeline.vae)
+        bf16_images = gather_images(generate(bf16_pipeline, validator.requests()[:1], SETTINGS, negative, world.device), world.device)
+        report["bf16_image_shapes"] = {str(key): list(image.shape) for key, image in bf16_images.items()}
 
     if world.is_main:
         output = Path(output_dir)
