@@ -111,10 +111,8 @@ def test_image_metrics_end_to_end_on_two_processes(runs):
     assert runs[1][0]["scores"] == {}  # no metric wanted: nothing loaded, nothing scored
 
 
-def test_bf16_compute_over_fp32_shards(runs):
+def test_generation_with_bf16_compute_over_fp32_shards(runs):
     report, images = runs[2]
-    for tag, value in report["loss"][0].items():
-        assert report["bf16_loss"][tag] == pytest.approx(value, rel=0.02), tag
     assert len(report["bf16_image_shapes"]) == 2  # one image per rank
     for key, shape in report["bf16_image_shapes"].items():
         assert shape == list(images[key].shape)
