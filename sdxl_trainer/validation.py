@@ -217,37 +217,29 @@ class ImageValidator:
         """Generate and score; rank 0 gets {"val/fid": ..., "val/kid": ..., "val/is": ..., "val/lpips": ...,
         "val/hpsv2": ...} (the enabled metrics), other ranks {}. Every rank must call this."""
         generated = self.generate(pipeline, negative)
-        images = [generated[item] for item in self.my_items]
         self.metrics.to(self.device)
         if self._references is None and set(self.metrics.enabled) & set(NEEDS_REFERENCE):
             self._references = self._prepare_references(pipeline.vae)
-        references = self._references.images if self._references is not None else None
-        columns = []  # per image: pool features, logits, LPIPS, HPS (those enabled)
-        if self.metrics.inception is not None:
-            columns.extend(self.metrics.inception_features(images))
-        if self.metrics.lpips_network is not None:
-            columns.append(self.metrics.lpips(images, references)[:, None])
-        if self.metrics.hps_scorer is not None:
-            columns.append(self.metrics.hps(images, [self.dataset.captions[item] for item in self.my_items])[:, None])
+        per_image = self._per_image_scores([generated[item] for item in self.my_items])
         self.metrics.to(torch.device("cpu"))  # the metric networks only hold device memory while scoring
-        if not columns:
+        if not per_image:
             return {}
-        rows = gather_rows(torch.cat(columns, dim=1), self.device)
+        rows = gather_rows(torch.cat(list(per_image.values()), dim=1), self.device)  # the only transfer: numbers
         if rows is None:
             return {}
-        return self.metrics.summarize(*self._split_columns(rows))
-
-    def _split_columns(self, rows: torch.Tensor) -> tuple:
-        position, parts = 0, {}
-        for name, width, present in (
-            ("pool", 2048, self.metrics.inception is not None),
-            ("logits", 1008, self.metrics.inception is not None),
-            ("lpips", 1, self.metrics.lpips_network is not None),
-            ("hps", 1, self.metrics.hps_scorer is not None),
-        ):
-            if present:
-                parts[name] = rows[:, position : position + width]
-                position += width
-        lpips, hps = parts.get("lpips"), parts.get("hps")
+        parts = dict(zip(per_image, rows.split([column.shape[1] for column in per_image.values()], dim=1)))
         real_pool = self._references.pool if self._references is not None else None
-        return real_pool, parts.get("pool"), parts.get("logits"), None if lpips is None else lpips[:, 0], None if hps is None else hps[:, 0]
+        lpips, hps = (parts[name][:, 0] if name in parts else None for name in ("lpips", "hps"))
+        return self.metrics.summarize(real_pool, parts.get("pool"), parts.get("logits"), lpips, hps)
+
+    def _per_image_scores(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's per-image numbers, float64 (n, width) each: Inception pool features and logits, LPIPS
+        against the real image, HPS with the caption (those whose network is loaded)."""
+        scores = {}
+        if self.metrics.inception is not None:
+            scores["pool"], scores["logits"] = self.metrics.inception_features(images)
+        if self.metrics.lpips_network is not None:
+            scores["lpips"] = self.metrics.lpips(images, self._references.images)[:, None]
+        if self.metrics.hps_scorer is not None:
+            scores["hps"] = self.metrics.hps(images, [self.dataset.captions[item] for item in self.my_items])[:, None]
+        return scores

@@ -9,13 +9,14 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, run_processes
 from metric_networks import write_metric_weights
 from sdxl_trainer.data import CachedDataset
 from sdxl_trainer.sources import SourcePair, prepare_item
-from sdxl_trainer.validation import TIMESTEP_RANGES, loss_batches, source_image
+from sdxl_trainer.validation import TIMESTEP_RANGES, loss_batches, reference_images, source_image
 
 
 def test_loss_batches_cover_every_item_once_with_ranges_in_turn():
@@ -50,6 +51,22 @@ def test_source_images_are_cropped_exactly_as_cached(sample_cache_dir, tmp_path)
     (changed / dataset.image_paths[0]).write_bytes((SAMPLE_DATASET / dataset.image_paths[0]).read_bytes() + b"\0")
     assert source_image(dataset, 0, [changed]) is None
     assert source_image(dataset, 1, [changed]) is None
+
+
+def test_reference_images_fall_back_to_decoded_latents(sample_cache_dir, tiny_pipeline_dir, tmp_path):
+    from diffusers import AutoencoderKL
+
+    dataset = CachedDataset([sample_cache_dir])
+    vae = AutoencoderKL.from_pretrained(tiny_pipeline_dir, subfolder="vae")
+    images, decoded = reference_images(dataset, [0, 1, 2], None, vae)
+    assert decoded == 3
+    for item, image in zip([0, 1, 2], images):
+        assert image.dtype == torch.uint8 and tuple(image.shape) == (3, *dataset.bucket_sizes[item][::-1])
+    # Per item: sources found are used, the others decoded.
+    (tmp_path / dataset.image_paths[1]).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / dataset.image_paths[1]).write_bytes((SAMPLE_DATASET / dataset.image_paths[1]).read_bytes())
+    mixed, decoded = reference_images(dataset, [0, 1, 2], [tmp_path], vae)
+    assert decoded == 2 and torch.equal(mixed[1], source_image(dataset, 1, [SAMPLE_DATASET])) and torch.equal(mixed[0], images[0])
 
 
 @pytest.fixture(scope="module")
