@@ -46,7 +46,8 @@ class CachedDataset(Dataset):
         self.shard = table.column("shard").to_pylist()
         self.index_in_shard = column("index_in_shard")
         self.captions = table.column("caption").to_pylist()
-        self.image_paths = table.column("image_path").to_pylist()
+        self.image_paths = table.column("image_path").to_pylist()  # relative to the data folder the cache was made from
+        self.image_sha256 = table.column("image_sha256").to_pylist()  # of the source image's bytes
         self.bucket_sizes = np.stack([column("bucket_width"), column("bucket_height")], axis=1)
         # SDXL add_time_ids: original (h, w), crop (top, left), target (h, w).
         self.time_ids = np.stack(

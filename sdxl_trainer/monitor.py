@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -61,7 +62,7 @@ class Throughput:
 
 
 class MetricsWriter:
-    """TensorBoard scalars, written by rank 0 only; other ranks hold a no-op writer."""
+    """TensorBoard scalars and images, written by rank 0 only; other ranks hold a no-op writer."""
 
     def __init__(self, log_dir: Path, enabled: bool):
         self._writer = None
@@ -74,6 +75,11 @@ class MetricsWriter:
         if self._writer is not None:
             for tag, value in values.items():
                 self._writer.add_scalar(tag, value, step)
+
+    def image(self, tag: str, image, step: int) -> None:
+        """One RGB image (PIL image or uint8 (H, W, 3) array), e.g. the sample grid under "samples/grid"."""
+        if self._writer is not None:
+            self._writer.add_image(tag, np.asarray(image), step, dataformats="HWC")
 
     def close(self) -> None:
         if self._writer is not None:

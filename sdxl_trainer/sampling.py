@@ -1,0 +1,165 @@
+"""Generating images on every rank with the trained (possibly FSDP-sharded) UNet, and gathering results.
+
+With FSDP every UNet forward is a collective (each block's weights are all-gathered), so all ranks must
+make the same number of UNet calls: each rank generates its own share of the requests in batches of
+one image size, and ranks with fewer batches run small dummy generations (discarded) until all have made
+as many pipeline calls as the busiest one. Each image's starting noise comes from its own seed (a CPU
+generator per image), so an image does not depend on the rank, batch or process count it was made in.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from diffusers import AutoencoderKL, StableDiffusionXLPipeline
+
+DUMMY_SIZE = 64  # px; the smallest image every SDXL-shaped UNet accepts (8x8 latents)
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    key: int  # names the image in the results (an item index, or a prompt's position)
+    prompt_embeds: torch.Tensor  # (77, 2048) as cached
+    pooled_prompt_embeds: torch.Tensor  # (1280,)
+    width: int  # px, multiples of 8
+    height: int
+    seed: int  # of this image's starting noise
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    num_inference_steps: int = 30
+    guidance_scale: float = 5.0  # classifier-free guidance against the negative (empty-caption) embeddings
+    batch_size: int = 4  # images of one size per pipeline call
+
+
+def build_sampling_pipeline(
+    pretrained_model_name_or_path: str,
+    unet: torch.nn.Module,
+    device: torch.device,
+    vae: AutoencoderKL | None = None,
+    scheduler_overrides: dict | None = None,
+) -> StableDiffusionXLPipeline:
+    """The base model's pipeline around the given (trained, possibly sharded) UNet, without text encoders:
+    prompts come as cached embeddings. The VAE is loaded in fp32 unless given (SDXL's VAE overflows in fp16).
+    scheduler_overrides (e.g. prediction_type="v_prediction") must match how the UNet is trained."""
+    if vae is None:
+        vae = AutoencoderKL.from_pretrained(pretrained_model_name_or_path, subfolder="vae", torch_dtype=torch.float32)
+    pipeline = StableDiffusionXLPipeline.from_pretrained(
+        pretrained_model_name_or_path,
+        unet=unet,
+        vae=vae.to(device).requires_grad_(False).eval(),
+        text_encoder=None,
+        text_encoder_2=None,
+        tokenizer=None,
+        tokenizer_2=None,
+    )
+    if scheduler_overrides:
+        pipeline.scheduler = pipeline.scheduler.from_config(pipeline.scheduler.config, **scheduler_overrides)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def rank_share(requests: list, rank: int, world_size: int) -> list:
+    """This rank's share of a list every rank holds in the same order (round robin)."""
+    return requests[rank::world_size]
+
+
+def _batches(requests: list[ImageRequest], batch_size: int) -> list[list[ImageRequest]]:
+    by_size: dict[tuple[int, int], list[ImageRequest]] = defaultdict(list)
+    for request in requests:
+        by_size[(request.width, request.height)].append(request)
+    return [group[start : start + batch_size] for _, group in sorted(by_size.items()) for start in range(0, len(group), batch_size)]
+
+
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+@torch.no_grad()
+def generate(
+    pipeline: StableDiffusionXLPipeline,
+    requests: list[ImageRequest],
+    settings: GenerationSettings,
+    negative: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+) -> dict[int, torch.Tensor]:
+    """Generate this rank's `requests` -> {key: uint8 (3, H, W) on the CPU}. Every rank must call this (with
+    its own share, possibly empty): it pads the number of pipeline calls to the busiest rank's.
+    `negative` is the (prompt_embeds, pooled) pair guidance pushes away from: the cached empty caption."""
+    batches = _batches(requests, settings.batch_size)
+    calls = _max_over_ranks(len(batches), device)
+    dummy = ImageRequest(-1, torch.zeros_like(negative[0]), torch.zeros_like(negative[1]), DUMMY_SIZE, DUMMY_SIZE, 0)
+    images: dict[int, torch.Tensor] = {}
+    for call in range(calls):
+        batch = batches[call] if call < len(batches) else [dummy]
+        count = len(batch)
+        output = pipeline(
+            prompt_embeds=torch.stack([r.prompt_embeds for r in batch]).to(device, torch.float32),
+            pooled_prompt_embeds=torch.stack([r.pooled_prompt_embeds for r in batch]).to(device, torch.float32),
+            negative_prompt_embeds=negative[0].to(device, torch.float32).expand(count, *negative[0].shape),
+            negative_pooled_prompt_embeds=negative[1].to(device, torch.float32).expand(count, *negative[1].shape),
+            width=batch[0].width,
+            height=batch[0].height,
+            num_inference_steps=settings.num_inference_steps,
+            guidance_scale=settings.guidance_scale,
+            generator=[torch.Generator().manual_seed(r.seed) for r in batch],
+            output_type="latent",
+        ).images
+        for request, image in zip(batch, decode_latents(pipeline.vae, output).cpu()):
+            if request.key >= 0:
+                images[request.key] = image.contiguous()
+    return images
+
+
+@torch.no_grad()
+def decode_latents(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
+    """Scaled latents (N, 4, h, w) -> uint8 images (N, 3, 8h, 8w), decoded in the VAE's own dtype (the UNet's
+    output may be bf16/fp16 under FSDP mixed precision)."""
+    pixels = vae.decode(latents.to(vae.device, vae.dtype) / vae.config.scaling_factor).sample
+    return ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+# ---- gathering -----------------------------------------------------------------------------------------
+
+
+def gather_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """Concatenate every rank's rows (n_rank, ...) in rank order on rank 0 (None elsewhere). Ranks may hold
+    different numbers of rows; the trailing shape and dtype must agree. Every rank must call this."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return rows
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([len(rows)], dtype=torch.int64, device=device))
+    counts = [int(count.item()) for count in counts]
+    padded = torch.zeros(max(counts), *rows.shape[1:], dtype=rows.dtype, device=device)
+    padded[: len(rows)] = rows.to(device)
+    gathered = [torch.zeros_like(padded) for _ in counts]
+    dist.all_gather(gathered, padded)
+    if dist.get_rank() != 0:
+        return None
+    return torch.cat([part[:count] for part, count in zip(gathered, counts)]).cpu()
+
+
+def gather_images(images: dict[int, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+    """{key: uint8 (3, H, W)} of every rank, merged on rank 0 ({} elsewhere). Sizes may differ: images
+    travel padded to the largest size and are cut back. Every rank must call this."""
+    keys = sorted(images)
+    sizes = torch.tensor([[key, *images[key].shape[1:]] for key in keys], dtype=torch.int64).reshape(-1, 3)
+    largest = torch.tensor([int(sizes[:, 1].max()) if keys else 0, int(sizes[:, 2].max()) if keys else 0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    height, width = int(largest[0]), int(largest[1])
+    pixels = torch.zeros(len(keys), 3, height, width, dtype=torch.uint8)
+    for row, key in enumerate(keys):
+        pixels[row, :, : images[key].shape[1], : images[key].shape[2]] = images[key]
+    all_sizes, all_pixels = gather_rows(sizes, device), gather_rows(pixels, device)
+    if all_sizes is None:
+        return {}
+    return {int(key): all_pixels[row, :, :h, :w].clone() for row, (key, h, w) in enumerate(all_sizes.tolist())}
