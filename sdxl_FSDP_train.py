@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import sys
 import time
@@ -40,6 +41,12 @@ from sdxl_trainer.config import option, parse_config, write_resolved_config
 from sdxl_trainer.data import CachedDataset, EpochPlanner, collate, rank_slice, small_buckets
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
 from sdxl_trainer.ema import ShardedEMA
+from sdxl_trainer.evaluation import Evaluator, PipelineSource, Schedule
+from sdxl_trainer.holdout import HOLDOUT_FILE, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
+from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError, load_image_metrics
+from sdxl_trainer.sample_grid import DEFAULT_SAMPLE_PROMPTS, choose_sample_prompts, read_prompts, sample_seeds
+from sdxl_trainer.sampling import GenerationSettings
+from sdxl_trainer.validation import ImageValidator
 from sdxl_trainer.encoding import model_fingerprint
 from sdxl_trainer.export import save_pipeline
 from sdxl_trainer.monitor import MetricsWriter, Throughput, gather_floats, peak_memory_gib
@@ -111,6 +118,31 @@ class TrainConfig:
     allow_tf32: bool = option(True, help="TF32 matmuls and convolutions for fp32 work on Ampere and newer GPUs")
     set_seed: int | None = option(None, help="seed for data order, noise and dropout; None = a random seed, recorded in the run's config.json")
     dataloader_num_workers: int = option(2, help="background processes reading cache shards per rank; 0 = read in the training process")
+    validation_loss: bool = option(True, help="validation loss on held-out items (fixed noise and timesteps) before training and every N epochs")
+    validation_loss_every_n_epochs: int = option(1, help="epochs between validation losses (0 = only before training)")
+    validation_loss_percent: float = option(0.10, help="share (0-1) of items held out for the validation loss (never trained on)")
+    max_validation_loss_items: int = option(5000, help="at most this many validation-loss items (0 = no cap)")
+    validation_image: bool = option(True, help="generate the held-out captions' images and score them (FID, KID, IS, LPIPS, HPSv2.1) every N epochs")
+    validation_image_every_n_epochs: int = option(1, help="epochs between image validations (0 = only before training)")
+    validation_image_percent: float = option(0.10, help="share (0-1) of items whose images are generated and scored (a subset of the loss items)")
+    max_validation_images: int = option(1000, help="at most this many validation images (0 = no cap)")
+    validation_source_dirs: list[Path] | None = option(
+        None, help="the image folders the caches were made from (one per cache, same order): real images for FID/LPIPS; None = decoded cached latents"
+    )
+    validation_metrics: list[str] | None = option(
+        None, help=f"metrics that must be computed (missing weights are then an error), from {METRICS}; None = every metric whose weights are found"
+    )
+    inception_weights: Path | None = option(None, help="InceptionV3 file for FID/KID/IS (weights-inception-2015-12-05-6726825d.pth); None = TORCH_HOME cache or download")
+    lpips_weights: Path | None = option(None, help="AlexNet file for LPIPS (alexnet-owt-7be5be79.pth); None = TORCH_HOME cache or download")
+    hpsv2_checkpoint: Path | None = option(None, help="HPS_v2.1_compressed.pt; None = Hugging Face cache (xswu/HPSv2) or download")
+    save_samples: bool = option(True, help="add a row of sample images to OUTPUT_DIR/PROJECT_NAME/samples/sample_grid.png before training and every N epochs")
+    num_sample_images: int = option(8, help="sample images per row: the --sample_prompts topped up with dataset captions")
+    save_samples_every_n_epochs: int = option(1, help="epochs between sample rows (0 = only the base model's row)")
+    start_save_samples_epoch: int = option(1, help="first epoch (counting from 1) after which sample rows are added")
+    sample_prompts: Path = option(DEFAULT_SAMPLE_PROMPTS, help="text file, one prompt per line (# = comment); default: sample_prompts.txt beside this script")
+    num_inference_steps: int = option(30, help="denoising steps of validation and sample images")
+    guidance_scale: float = option(5.0, help="classifier-free guidance of validation and sample images")
+    handoff_dir: Path | None = option(None, help="folder through which the trained UNet reaches every process for images; None = /dev/shm, else the temp folder")
     save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the exported models")
     save_diffusers: bool = option(True, help="export the trained pipeline: OUTPUT_DIR/PROJECT_NAME/pipeline at the end, pipeline_epoch_NNNN at epoch saves")
     save_single_file: bool = option(False, help="also export each model as one SDXL .safetensors file (A1111 / ComfyUI / kohya layout) beside the pipeline")
@@ -135,13 +167,21 @@ class TrainConfig:
             categories(self.min_resolution, self.max_resolution)
         except ValueError as error:
             problems.append(str(error))
-        for name in ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "start_save_model_epoch"):
+        for name in ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "start_save_model_epoch", "num_sample_images", "num_inference_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1")
-        for name in ("percent_lr_warm_up_steps", "conditional_dropout_percent"):
+        for name in ("percent_lr_warm_up_steps", "conditional_dropout_percent", "validation_loss_percent", "validation_image_percent"):
             if not 0 <= getattr(self, name) <= 1:
                 problems.append(f"--{name} is a share between 0 and 1 (0.1 = 10%), got {getattr(self, name)}")
-        for name in ("save_model_every_n_epochs", "save_state_every_n_updates", "checkpoints_total_limit"):
+        unknown_metrics = set(self.validation_metrics or ()) - set(METRICS)
+        if unknown_metrics:
+            problems.append(f"--validation_metrics: unknown {sorted(unknown_metrics)}; choose from {METRICS}")
+        if self.validation_source_dirs is not None and len(self.validation_source_dirs) != len(self.cached_dataset_dirs):
+            problems.append("--validation_source_dirs needs one image folder per --cached_dataset_dirs entry, in the same order")
+        if not self.sample_prompts.is_file():
+            problems.append(f"--sample_prompts {self.sample_prompts} does not exist")
+        for name in ("save_model_every_n_epochs", "save_state_every_n_updates", "checkpoints_total_limit", "validation_loss_every_n_epochs",
+                     "validation_image_every_n_epochs", "save_samples_every_n_epochs", "max_validation_loss_items", "max_validation_images"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0 (0 turns it off)")
         if self.max_grad_norm < 0:
@@ -261,18 +301,73 @@ def save_checkpoint(run_dir: Path, config: TrainConfig, train_step: TrainStep, u
     return checkpoint_dir
 
 
+def sampling_scheduler_overrides(config: TrainConfig) -> dict:
+    """The sampling scheduler must follow the training objective (v-prediction, zero terminal SNR)."""
+    overrides = {"prediction_type": config.prediction_type}
+    if config.zero_terminal_snr:
+        overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+    return overrides
+
+
+def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDataset, holdout, noise_scheduler, negative, compute_dtype, seed: int) -> Evaluator:
+    """Validation loss, validation images and sample grid, as configured. Metric networks load here, once per run."""
+    validator = None
+    if config.validation_image and len(holdout.image_items):
+        named_weights = {"fid", "kid", "is"} if config.inception_weights else set()
+        named_weights |= {"lpips"} if config.lpips_weights else set()
+        named_weights |= {"hpsv2"} if config.hpsv2_checkpoint else set()
+        try:
+            metrics = load_image_metrics(
+                MetricWeights(config.inception_weights, config.lpips_weights, config.hpsv2_checkpoint),
+                wanted=config.validation_metrics or METRICS,
+                required=set(config.validation_metrics or ()) | named_weights,
+                allow_download=os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""),
+                warn=world.is_main,
+            )
+        except MetricWeightsError as error:
+            raise SystemExit(f"Cannot start training: {error}") from error
+        validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, GenerationSettings(config.num_inference_steps, config.guidance_scale), config.validation_source_dirs)
+    prompts = choose_sample_prompts(read_prompts(config.sample_prompts), dataset.captions, config.num_sample_images, seed) if config.save_samples else []
+    return Evaluator(
+        world,
+        config.num_train_epochs,
+        dataset,
+        holdout,
+        noise_scheduler,
+        negative,
+        PipelineSource(
+            config.pretrained_model_name_or_path, config.single_file_config, compute_dtype, sampling_scheduler_overrides(config), config.handoff_dir, config.project_name
+        ),
+        GenerationSettings(config.num_inference_steps, config.guidance_scale),
+        loss_schedule=Schedule(config.validation_loss, config.validation_loss_every_n_epochs),
+        image_schedule=Schedule(config.validation_image, config.validation_image_every_n_epochs),
+        sample_schedule=Schedule(config.save_samples, config.save_samples_every_n_epochs, config.start_save_samples_epoch),
+        validator=validator,
+        sample_prompts=prompts,
+        sample_seeds=sample_seeds(seed, len(prompts)),
+        sample_size=config.max_resolution,
+        grid_path=run_dir / "samples" / "sample_grid.png",
+    )
+
+
+def evaluate(evaluator: Evaluator, epochs_done: int, unet, ema: ShardedEMA | None, metrics: MetricsWriter, update: int) -> None:
+    started = time.perf_counter()
+    scores = evaluator(epochs_done, unet, ema, metrics, update)
+    if scores and dist.get_rank() == 0:
+        what = "base model" if epochs_done == 0 else f"after epoch {epochs_done}"
+        numbers = ", ".join(f"{tag.removeprefix('val/')} {value:.4g}" for tag, value in scores.items())
+        tqdm.write(f"Validation ({what}, {time.perf_counter() - started:.1f} s): {numbers}")
+
+
 def export_model(config: TrainConfig, world, unet, ema: ShardedEMA | None, pipeline_dir: Path) -> None:
     """Collective: gather the trained UNet (EMA weights with --use_ema) on rank 0 and write the pipeline
     (and the single-file checkpoint beside it with --save_single_file)."""
     state_dict = ema.full_state_dict_on_rank0(world.is_main) if ema is not None else full_state_dict_on_rank0(unet)
     if world.is_main:
         started = time.perf_counter()
-        scheduler_overrides = {"prediction_type": config.prediction_type}
-        if config.zero_terminal_snr:
-            scheduler_overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
         single_file = pipeline_dir.with_suffix(".safetensors") if config.save_single_file else None
         save_pipeline(
-            state_dict, config.pretrained_model_name_or_path, pipeline_dir, config.save_precision, scheduler_overrides, config.single_file_config, single_file
+            state_dict, config.pretrained_model_name_or_path, pipeline_dir, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config, single_file
         )
         weights = "EMA weights" if ema is not None else "weights"
         also = f" and {single_file}" if single_file else ""
@@ -307,15 +402,26 @@ def main(argv: list[str] | None = None) -> int:
     # ---- data ------------------------------------------------------------------------------------
     dataset = CachedDataset(config.cached_dataset_dirs)
     global_batch_size = config.train_batch_size * world.world_size
-    all_items = np.arange(len(dataset))
     bucket_ids = dataset.bucket_ids()
-    too_small = small_buckets(dataset.bucket_sizes, bucket_ids, all_items, global_batch_size)
+    # Held-out items are chosen once per run (the same on every rank), saved, and never trained on.
+    split = SplitSettings(
+        config.validation_loss_percent if config.validation_loss or config.validation_image else 0.0,
+        config.validation_image_percent if config.validation_image else 0.0,
+        config.max_validation_loss_items,
+        config.max_validation_images,
+    )
+    try:
+        holdout = load_or_choose_holdout(run_dir / HOLDOUT_FILE, dataset_item_keys(dataset), bucket_ids, split, seed, write=world.is_main)
+    except HoldoutError as error:
+        raise SystemExit(f"Cannot start training: {error}") from error
+    trainable = holdout.trainable(len(dataset))
+    too_small = small_buckets(dataset.bucket_sizes, bucket_ids, trainable, global_batch_size)
     if world.is_main and too_small:
         print(
             f"Warning: {sum(too_small.values())} items in buckets smaller than one global batch of {global_batch_size} "
             f"will not be trained on: {too_small}. Lower --train_batch_size or add images of those shapes to use them."
         )
-    planner = EpochPlanner(bucket_ids, all_items, global_batch_size, config.gradient_accumulation_steps, seed)
+    planner = EpochPlanner(bucket_ids, trainable, global_batch_size, config.gradient_accumulation_steps, seed)
     first_update = saved["update"] if saved else 0
     position = DataPosition(0, 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
     empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cached_dataset_dirs[0]))
@@ -391,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = MetricsWriter(log_dir, enabled=world.is_main)
     throughput = Throughput()
     progress = tqdm(total=total_updates, initial=first_update, desc="training", unit="update", disable=not world.is_main, dynamic_ncols=True)
+    evaluator = build_evaluator(config, world, run_dir, dataset, holdout, noise_scheduler, empty_prompt, compute_dtype, seed)
     stop = StopRequest()
 
     def save_state(position: DataPosition) -> Path | None:
@@ -403,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- training loop ---------------------------------------------------------------------------
     update = first_update
+    if not saved:
+        evaluate(evaluator, 0, unet, ema, metrics, update)
     last_saved_update = first_update if saved else None
     start_epoch = position.epoch
     for plan_index, plan in enumerate(plans):
@@ -479,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics.scalars({"train/epoch_loss": sum(epoch_losses) / len(epoch_losses)}, epoch + 1)
         position = DataPosition(epoch + 1, 0, plan.carried_out, np.zeros(0, dtype=np.int64))
         finished_epochs = epoch + 1
+        evaluate(evaluator, finished_epochs, unet, ema, metrics, update)
         if (
             finished_epochs < config.num_train_epochs
             and config.save_model_every_n_epochs

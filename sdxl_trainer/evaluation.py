@@ -1,0 +1,134 @@
+"""What the trainer runs before training (the base model) and after epochs: validation loss, validation
+images with their metrics, and a row of the sample grid.
+
+The validation loss runs on the sharded training UNet itself (no extra memory). Images need the whole
+UNet on every process: it is gathered on rank 0 (the EMA weights with --use_ema, as exported) and handed
+to every process through a RAM-disk folder (handoff.py), with the base pipeline's VAE and text encoders
+around it; the copy is dropped as soon as the images are made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from diffusers import DDPMScheduler
+
+from .data import CachedDataset
+from .ema import ShardedEMA
+from .handoff import PipelineHandoff
+from .holdout import Holdout
+from .monitor import MetricsWriter
+from .parallel import World, full_state_dict_on_rank0
+from .sample_grid import append_grid_row, is_due
+from .sampling import GenerationSettings, ImageRequest, gather_images, generate, rank_share
+from .validation import ImageValidator, validation_loss
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every N epochs (0 = only before training); epoch 0 is the base model. Off = never."""
+
+    enabled: bool
+    every_n_epochs: int
+    start_epoch: int = 0
+
+    def due(self, epochs_done: int, num_epochs: int) -> bool:
+        return self.enabled and is_due(epochs_done, self.every_n_epochs, self.start_epoch, num_epochs)
+
+
+@dataclass(frozen=True)
+class PipelineSource:
+    """Where the inference pipeline around the trained UNet comes from, and how it samples."""
+
+    base_model: str
+    single_file_config: str
+    dtype: torch.dtype
+    scheduler_overrides: dict
+    handoff_root: Path | None
+    run_name: str
+
+
+class Evaluator:
+    def __init__(
+        self,
+        world: World,
+        num_epochs: int,
+        dataset: CachedDataset,
+        holdout: Holdout,
+        noise_scheduler: DDPMScheduler,
+        negative: tuple[torch.Tensor, torch.Tensor],
+        source: PipelineSource,
+        generation: GenerationSettings,
+        loss_schedule: Schedule,
+        image_schedule: Schedule,
+        sample_schedule: Schedule,
+        validator: ImageValidator | None,
+        sample_prompts: list[str],
+        sample_seeds: list[int],
+        sample_size: int,
+        grid_path: Path,
+    ):
+        self.world = world
+        self.num_epochs = num_epochs
+        self.dataset = dataset
+        self.holdout = holdout
+        self.noise_scheduler = noise_scheduler
+        self.negative = negative
+        self.source = source
+        self.generation = generation
+        self.loss_schedule = loss_schedule
+        self.image_schedule = image_schedule if validator is not None and len(holdout.image_items) else Schedule(False, 0)
+        self.sample_schedule = sample_schedule
+        self.validator = validator
+        self.sample_prompts = sample_prompts
+        self.sample_seeds = sample_seeds
+        self.sample_size = sample_size
+        self.grid_path = grid_path
+
+    def __call__(self, epochs_done: int, unet: torch.nn.Module, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
+        """Collective. Runs what is due after `epochs_done` epochs and logs it at `step`; returns the scores
+        (on rank 0; other ranks get the loss only)."""
+        scores: dict[str, float] = {}
+        if self.loss_schedule.due(epochs_done, self.num_epochs) and len(self.holdout.loss_items):
+            scores.update(validation_loss(unet, self.dataset, self.holdout.loss_items, self.noise_scheduler, self.holdout.seed, self.world.device))
+        images_due = self.image_schedule.due(epochs_done, self.num_epochs)
+        samples_due = self.sample_schedule.due(epochs_done, self.num_epochs)
+        if images_due or samples_due:
+            state = ema.full_state_dict_on_rank0(self.world.is_main) if ema is not None else full_state_dict_on_rank0(unet)
+            source = self.source
+            with PipelineHandoff(source.handoff_root, source.run_name, source.base_model, source.single_file_config, self.world.device, source.dtype) as handoff:
+                pipeline = handoff.pipeline(state)
+                del state
+                if source.scheduler_overrides:
+                    pipeline.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config, **source.scheduler_overrides)
+                pipeline.set_progress_bar_config(disable=True)
+                if images_due:
+                    scores.update(self.validator(pipeline, self.negative))
+                if samples_due:
+                    self._add_sample_row(pipeline, epochs_done, metrics, step)
+                del pipeline
+            if self.world.device.type == "cuda":
+                torch.cuda.empty_cache()
+        metrics.scalars(scores, step)
+        return scores
+
+    def _add_sample_row(self, pipeline, epochs_done: int, metrics: MetricsWriter, step: int) -> None:
+        with torch.no_grad():
+            prompt_embeds, _, pooled, _ = pipeline.encode_prompt(
+                self.sample_prompts, device=self.world.device, num_images_per_prompt=1, do_classifier_free_guidance=False
+            )
+        requests = [
+            ImageRequest(position, prompt_embeds[position].float().cpu(), pooled[position].float().cpu(), self.sample_size, self.sample_size, seed)
+            for position, seed in enumerate(self.sample_seeds)
+        ]
+        mine = rank_share(requests, self.world.rank, self.world.world_size)
+        images = gather_images(generate(pipeline, mine, self.generation, self.negative, self.world.device), self.world.device)
+        if self.world.is_main:
+            label = "base" if epochs_done == 0 else f"epoch {epochs_done}"
+            grid = append_grid_row(self.grid_path, [images[position] for position in range(len(requests))], label, self.sample_prompts)
+            metrics.image("samples/grid", np.asarray(grid), step)
+        dist.barrier()
