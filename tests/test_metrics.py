@@ -25,10 +25,10 @@ from sdxl_trainer.metrics import (
     load_image_metrics,
 )
 
-CAPTIONS = ["a red circle", "a blue square on grey", "stripes", "a cat", "noise", "a green field at dusk"]
+CAPTIONS = ["a red circle", "a blue square on grey", "stripes", "a green field at dusk"]
 
 
-def images(seed: int, sizes=((64, 96),) * 4 + ((80, 80),) * 2) -> list[torch.Tensor]:
+def images(seed: int, sizes=((64, 96),) * 3 + ((80, 80),)) -> list[torch.Tensor]:
     """Smooth random colour fields (not white noise, so the networks see structure), uint8 (3, H, W)."""
     generator = torch.Generator().manual_seed(seed)
     result = []
@@ -85,14 +85,14 @@ def test_scores_of_a_set_with_itself_and_with_a_different_set(metrics):
 
 def test_inception_features_differ_between_images(metrics):
     pool, logits = metrics.inception_features(images(0))
-    assert pool.shape == (6, 2048) and logits.shape == (6, 1008)
+    assert pool.shape == (4, 2048) and logits.shape == (4, 1008)
     assert pool.std(dim=0).mean() > 1e-3 * pool.abs().mean(), "a random Inception without Kaiming init gives the same features for every image"
 
 
 def test_fid_matches_the_textbook_formula(metrics):
     # The formula does not depend on the width: 64 feature dimensions keep the matrix square root quick.
     real, _ = metrics.inception_features(images(0) + images(2))
-    fake, _ = metrics.inception_features(noise_images(1) + images(3))
+    fake, _ = metrics.inception_features(noise_images(1) + images(3)[:2])
     real, fake = real[:, :64], fake[:, :64]
     mu1, mu2 = real.mean(0).numpy(), fake.mean(0).numpy()
     sigma1, sigma2 = np.cov(real.numpy(), rowvar=False), np.cov(fake.numpy(), rowvar=False)
@@ -104,7 +104,7 @@ def test_fid_matches_the_textbook_formula(metrics):
 def test_inception_score_is_at_least_one_and_exactly_one_for_identical_images(metrics):
     _, logits = metrics.inception_features(images(0))
     assert metrics.summarize(None, None, logits, None, None)["val/is"] >= 1.0
-    same = logits[:1].repeat(6, 1)
+    same = logits[:1].repeat(4, 1)
     assert metrics.summarize(None, None, same, None, None)["val/is"] == pytest.approx(1.0, abs=1e-9)
 
 
