@@ -20,6 +20,7 @@ bash train.sh \
     --pretrained_model_name_or_path "$OUTPUT_DIR/tiny_sdxl" \
     --min_resolution 256 --max_resolution 512 \
     --num_train_epochs 2 --learning_rate 1e-4 --set_seed 123 \
+    --num_inference_steps 10 --num_sample_images 4 \
     --output_dir "$OUTPUT_DIR" --project_name run
 
 echo
@@ -27,3 +28,4 @@ echo "Quickstart finished."
 echo "  cache:            $OUTPUT_DIR/cache"
 echo "  TensorBoard logs: $OUTPUT_DIR/run/tensorboard   (tensorboard --logdir $OUTPUT_DIR/run/tensorboard)"
 echo "  exported model:   $OUTPUT_DIR/run/pipeline      (StableDiffusionXLPipeline.from_pretrained)"
+echo "  sample grid:      $OUTPUT_DIR/run/samples/sample_grid.png"

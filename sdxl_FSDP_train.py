@@ -326,7 +326,11 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
             )
         except MetricWeightsError as error:
             raise SystemExit(f"Cannot start training: {error}") from error
-        validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, GenerationSettings(config.num_inference_steps, config.guidance_scale), config.validation_source_dirs)
+        if metrics.enabled:
+            settings = GenerationSettings(config.num_inference_steps, config.guidance_scale)
+            validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, settings, config.validation_source_dirs)
+        elif world.is_main:
+            print("Warning: no image metric has its weights here, so validation images are not generated (see the warnings above).")
     prompts = choose_sample_prompts(read_prompts(config.sample_prompts), dataset.captions, config.num_sample_images, seed) if config.save_samples else []
     return Evaluator(
         world,

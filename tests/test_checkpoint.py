@@ -43,6 +43,7 @@ def trainer_flags(cache_dir: Path, pipeline_dir: Path, output_dir: Path, project
         "--output_dir", str(output_dir), "--project_name", project,
         "--train_batch_size", "1", "--mixed_precision", "fp32", "--set_seed", "5", "--learning_rate", "1e-4",
         "--dataloader_num_workers", "0", "--save_precision", "fp32", "--save_model_every_n_epochs", "0",
+        "--no-save_samples", "--no-validation_image",
         *extra,
     ]
 
