@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     planner = EpochPlanner(bucket_ids, trainable, global_batch_size, config.gradient_accumulation_steps, seed)
     first_update = saved["update"] if saved else 0
-    position = DataPosition(0, 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    position = DataPosition.epoch_start(0)
     empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cached_dataset_dirs[0]))
 
     # ---- model, optimizer, schedules -------------------------------------------------------------
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         # DCP reshards on load, so the checkpoint may come from another number of processes.
         started = time.perf_counter()
         _, saved_position = load_training_state(resume_dir, unet, optimizer, ema)
-        position = saved_position or DataPosition(saved["epoch"], 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        position = saved_position or DataPosition.epoch_start(saved["epoch"])
         if world.is_main:
             print(
                 f"Resumed from {resume_dir} in {time.perf_counter() - started:.1f} s: update {first_update}, epoch {position.epoch + 1} "
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     for plan_index, plan in enumerate(plans):
         epoch = start_epoch + plan_index
         if plan_index:
-            position = DataPosition(epoch, 0, plans[plan_index - 1].carried_out, np.zeros(0, dtype=np.int64))
+            position = DataPosition.epoch_start(epoch, plans[plan_index - 1].carried_out)
         consumed = [position.consumed]
         loader = DataLoader(
             dataset,
@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
                     last_saved_update = update
         if epoch_losses:
             metrics.scalars({"train/epoch_loss": sum(epoch_losses) / len(epoch_losses)}, epoch + 1)
-        position = DataPosition(epoch + 1, 0, plan.carried_out, np.zeros(0, dtype=np.int64))
+        position = DataPosition.epoch_start(epoch + 1, plan.carried_out)
         finished_epochs = epoch + 1
         evaluate(evaluator, finished_epochs, unet, ema, metrics, update)
         if (

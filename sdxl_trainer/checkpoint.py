@@ -194,6 +194,11 @@ class DataPosition:
     carried_in: np.ndarray
     consumed: np.ndarray
 
+    @classmethod
+    def epoch_start(cls, epoch: int, carried_in: np.ndarray | None = None) -> DataPosition:
+        nothing = np.zeros(0, dtype=np.int64)
+        return cls(epoch, 0, nothing if carried_in is None else carried_in, nothing)
+
 
 def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: ShardedEMA | None) -> dict[str, Any]:
     model_state, optimizer_state = get_state_dict(model, optimizer)

@@ -36,33 +36,6 @@ class GenerationSettings:
     batch_size: int = 4  # images of one size per pipeline call
 
 
-def build_sampling_pipeline(
-    pretrained_model_name_or_path: str,
-    unet: torch.nn.Module,
-    device: torch.device,
-    vae: AutoencoderKL | None = None,
-    scheduler_overrides: dict | None = None,
-) -> StableDiffusionXLPipeline:
-    """The base model's pipeline around the given (trained, possibly sharded) UNet, without text encoders:
-    prompts come as cached embeddings. The VAE is loaded in fp32 unless given (SDXL's VAE overflows in fp16).
-    scheduler_overrides (e.g. prediction_type="v_prediction") must match how the UNet is trained."""
-    if vae is None:
-        vae = AutoencoderKL.from_pretrained(pretrained_model_name_or_path, subfolder="vae", torch_dtype=torch.float32)
-    pipeline = StableDiffusionXLPipeline.from_pretrained(
-        pretrained_model_name_or_path,
-        unet=unet,
-        vae=vae.to(device).requires_grad_(False).eval(),
-        text_encoder=None,
-        text_encoder_2=None,
-        tokenizer=None,
-        tokenizer_2=None,
-    )
-    if scheduler_overrides:
-        pipeline.scheduler = pipeline.scheduler.from_config(pipeline.scheduler.config, **scheduler_overrides)
-    pipeline.set_progress_bar_config(disable=True)
-    return pipeline
-
-
 def rank_share(requests: list, rank: int, world_size: int) -> list:
     """This rank's share of a list every rank holds in the same order (round robin)."""
     return requests[rank::world_size]

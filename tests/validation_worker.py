@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
-from diffusers import UNet2DConditionModel
+from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
 from safetensors.torch import save_file
 
 from metric_networks import register_tiny_clip
@@ -19,8 +19,20 @@ from sdxl_trainer.diffusion import build_noise_scheduler
 from sdxl_trainer.holdout import SplitSettings, choose_holdout, dataset_item_keys
 from sdxl_trainer.metrics import METRICS, MetricWeights, load_image_metrics
 from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed
-from sdxl_trainer.sampling import GenerationSettings, build_sampling_pipeline, gather_images, generate
+from sdxl_trainer.sampling import GenerationSettings, gather_images, generate
 from sdxl_trainer.validation import ImageValidator, validation_loss
+
+def build_sampling_pipeline(pipeline_dir: str, unet: torch.nn.Module, device: torch.device, vae: AutoencoderKL | None = None) -> StableDiffusionXLPipeline:
+    """The base pipeline around the given FSDP-sharded UNet, without text encoders (prompts come as cached
+    embeddings); the VAE in fp32 unless given. The trainer hands an unsharded copy over instead (handoff.py);
+    generating with the sharded UNet directly shows the padding of FSDP calls in sampling.generate."""
+    vae = vae or AutoencoderKL.from_pretrained(pipeline_dir, subfolder="vae", torch_dtype=torch.float32)
+    pipeline = StableDiffusionXLPipeline.from_pretrained(
+        pipeline_dir, unet=unet, vae=vae.to(device).eval(), text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
 
 SHARE = 0.2  # of the sample cache's items: 6 items, so 2 ranks get 3 each, in several buckets
 SETTINGS = GenerationSettings(num_inference_steps=2, guidance_scale=5.0, batch_size=2)
