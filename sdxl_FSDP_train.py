@@ -40,7 +40,7 @@ from sdxl_trainer.checkpoint import (
 from sdxl_trainer.config import option, parse_config, write_resolved_config
 from sdxl_trainer.data import CachedDataset, EpochPlanner, collate, rank_slice, small_buckets
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
-from sdxl_trainer.ema import ShardedEMA
+from sdxl_trainer.ema import ShardedEMA, exported_weights_on_rank0
 from sdxl_trainer.evaluation import Evaluator, PipelineSource, Schedule
 from sdxl_trainer.holdout import HOLDOUT_FILE, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
 from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError, load_image_metrics
@@ -51,7 +51,7 @@ from sdxl_trainer.encoding import model_fingerprint
 from sdxl_trainer.export import save_pipeline
 from sdxl_trainer.monitor import MetricsWriter, Throughput, gather_floats, peak_memory_gib
 from sdxl_trainer.optimizers import build_optimizer
-from sdxl_trainer.parallel import full_state_dict_on_rank0, init_distributed, shard_unet, shutdown_distributed
+from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, load_unet
 from sdxl_trainer.stop_request import StopRequest, ignore_stop_signals
 from sdxl_trainer.train_step import TrainStep
@@ -311,6 +311,7 @@ def sampling_scheduler_overrides(config: TrainConfig) -> dict:
 
 def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDataset, holdout, noise_scheduler, negative, compute_dtype, seed: int) -> Evaluator:
     """Validation loss, validation images and sample grid, as configured. Metric networks load here, once per run."""
+    generation = GenerationSettings(config.num_inference_steps, config.guidance_scale)
     validator = None
     if config.validation_image and len(holdout.image_items):
         named_weights = {"fid", "kid", "is"} if config.inception_weights else set()
@@ -327,8 +328,7 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
         except MetricWeightsError as error:
             raise SystemExit(f"Cannot start training: {error}") from error
         if metrics.enabled:
-            settings = GenerationSettings(config.num_inference_steps, config.guidance_scale)
-            validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, settings, config.validation_source_dirs)
+            validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, generation, config.validation_source_dirs)
         elif world.is_main:
             print("Warning: no image metric has its weights here, so validation images are not generated (see the warnings above).")
     prompts = choose_sample_prompts(read_prompts(config.sample_prompts), dataset.captions, config.num_sample_images, seed) if config.save_samples else []
@@ -342,7 +342,7 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
         PipelineSource(
             config.pretrained_model_name_or_path, config.single_file_config, compute_dtype, sampling_scheduler_overrides(config), config.handoff_dir, config.project_name
         ),
-        GenerationSettings(config.num_inference_steps, config.guidance_scale),
+        generation,
         loss_schedule=Schedule(config.validation_loss, config.validation_loss_every_n_epochs),
         image_schedule=Schedule(config.validation_image, config.validation_image_every_n_epochs),
         sample_schedule=Schedule(config.save_samples, config.save_samples_every_n_epochs, config.start_save_samples_epoch),
@@ -366,7 +366,7 @@ def evaluate(evaluator: Evaluator, epochs_done: int, unet, ema: ShardedEMA | Non
 def export_model(config: TrainConfig, world, unet, ema: ShardedEMA | None, pipeline_dir: Path) -> None:
     """Collective: gather the trained UNet (EMA weights with --use_ema) on rank 0 and write the pipeline
     (and the single-file checkpoint beside it with --save_single_file)."""
-    state_dict = ema.full_state_dict_on_rank0(world.is_main) if ema is not None else full_state_dict_on_rank0(unet)
+    state_dict = exported_weights_on_rank0(unet, ema, world.is_main)
     if world.is_main:
         started = time.perf_counter()
         single_file = pipeline_dir.with_suffix(".safetensors") if config.save_single_file else None

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from diffusers import DDPMScheduler
 
 from .data import CachedDataset
-from .ema import ShardedEMA
+from .ema import ShardedEMA, exported_weights_on_rank0
 from .handoff import PipelineHandoff
 from .holdout import Holdout
 from .monitor import MetricsWriter
-from .parallel import World, full_state_dict_on_rank0
+from .parallel import World
 from .sample_grid import append_grid_row, is_due
 from .sampling import GenerationSettings, ImageRequest, gather_images, generate, rank_share
 from .validation import ImageValidator, validation_loss
@@ -98,7 +98,7 @@ class Evaluator:
         images_due = self.image_schedule.due(epochs_done, self.num_epochs)
         samples_due = self.sample_schedule.due(epochs_done, self.num_epochs)
         if images_due or samples_due:
-            state = ema.full_state_dict_on_rank0(self.world.is_main) if ema is not None else full_state_dict_on_rank0(unet)
+            state = exported_weights_on_rank0(unet, ema, self.world.is_main)
             source = self.source
             with PipelineHandoff(source.handoff_root, source.run_name, source.base_model, source.single_file_config, self.world.device, source.dtype) as handoff:
                 pipeline = handoff.pipeline(state)
