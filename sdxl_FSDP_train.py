@@ -20,7 +20,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-from diffusers.optimization import get_polynomial_decay_schedule_with_warmup, get_scheduler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader
 from tqdm import tqdm
@@ -42,6 +41,7 @@ from sdxl_trainer.data import CachedDataset, EpochPlanner, collate, rank_slice, 
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
 from sdxl_trainer.ema import ShardedEMA, exported_weights_on_rank0
 from sdxl_trainer.evaluation import Evaluator, PipelineSource, Schedule
+from sdxl_trainer.lr_schedule import LearningRateSchedule, ScheduleName
 from sdxl_trainer.holdout import HOLDOUT_FILE, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
 from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError, load_image_metrics
 from sdxl_trainer.sample_grid import DEFAULT_SAMPLE_PROMPTS, choose_sample_prompts, read_prompts, sample_seeds
@@ -55,9 +55,6 @@ from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distrib
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, load_unet
 from sdxl_trainer.stop_request import StopRequest, ignore_stop_signals
 from sdxl_trainer.train_step import TrainStep
-
-LR_SCHEDULERS = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
-
 
 @dataclass
 class TrainConfig:
@@ -78,7 +75,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = option(1, help="microbatches per optimizer update; effective batch = train_batch_size x processes x this")
     num_train_epochs: int = option(10, help="passes over the training items")
     learning_rate: float = option(1e-5, help="peak learning rate")
-    learning_rate_scheduler: LR_SCHEDULERS = option("constant_with_warmup", help="learning-rate schedule over optimizer updates")
+    learning_rate_scheduler: ScheduleName = option("constant_with_warmup", help="learning-rate schedule over optimizer updates")
     percent_lr_warm_up_steps: float = option(0.05, help="share (0-1) of all optimizer updates spent warming up linearly from 0")
     lr_num_cycles: int = option(1, help="hard restarts for cosine_with_restarts")
     polynomial_lr_end: float = option(1e-7, help="final learning rate of the polynomial schedule")
@@ -233,19 +230,16 @@ def check_caches(config: TrainConfig) -> list[str]:
     return problems
 
 
-def build_lr_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer, total_updates: int):
+def learning_rate_schedule(config: TrainConfig, total_updates: int) -> LearningRateSchedule:
     """The schedule is a function of optimizer updates only (not microbatches, epochs or processes)."""
-    warmup_updates = math.ceil(config.percent_lr_warm_up_steps * total_updates)
-    if config.learning_rate_scheduler == "polynomial":
-        return get_polynomial_decay_schedule_with_warmup(
-            optimizer, warmup_updates, total_updates, lr_end=config.polynomial_lr_end, power=config.polynomial_power
-        )
-    return get_scheduler(
+    return LearningRateSchedule(
         config.learning_rate_scheduler,
-        optimizer,
-        num_warmup_steps=warmup_updates,
-        num_training_steps=total_updates,
-        num_cycles=config.lr_num_cycles,
+        config.learning_rate,
+        math.ceil(config.percent_lr_warm_up_steps * total_updates),
+        total_updates,
+        config.lr_num_cycles,
+        config.polynomial_lr_end,
+        config.polynomial_power,
     )
 
 
@@ -469,17 +463,16 @@ def main(argv: list[str] | None = None) -> int:
     elif world.is_main and config.load_saved_state == "latest":
         print(f"No complete checkpoint in {run_dir / 'checkpoints'} yet: starting from the base model.")
     plans = planner.plans(config.num_train_epochs, position.epoch, position.carried_in, position.consumed)
-    total_updates = first_update + sum(len(plan.batches) for plan in plans) // config.gradient_accumulation_steps
+    total_updates = first_update + sum(plan.num_updates for plan in plans)
     if total_updates == 0:
         raise SystemExit(
             f"No optimizer update is possible: {len(dataset)} items, global batch {global_batch_size} x "
             f"{config.gradient_accumulation_steps} accumulation steps. Lower --train_batch_size or --gradient_accumulation_steps."
         )
-    lr_scheduler = build_lr_scheduler(config, optimizer, total_updates)
     train_step = TrainStep(
         unet,
         optimizer,
-        lr_scheduler,
+        learning_rate_schedule(config, total_updates),
         noise_scheduler,
         noise_settings,
         empty_prompt,
@@ -533,18 +526,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         batches = iter(loader)
         epoch_losses = []
-        for update_in_plan in range(len(plan.batches) // config.gradient_accumulation_steps):
+        for update_in_plan in range(plan.num_updates):
             throughput.start()
-            microbatches = [
-                {key: value.to(world.device, non_blocking=True) for key, value in next(batches).items()}
-                for _ in range(config.gradient_accumulation_steps)
-            ]
+            update_batches = plan.update_batches(update_in_plan)
+            microbatches = [{key: value.to(world.device, non_blocking=True) for key, value in next(batches).items()} for _ in update_batches]
             throughput.data_ready()
             result = train_step(microbatches, epoch)
-            throughput.stop(global_batch_size * config.gradient_accumulation_steps)
-            update += 1
-            first_batch = update_in_plan * config.gradient_accumulation_steps
-            consumed.extend(plan.batches[first_batch : first_batch + config.gradient_accumulation_steps])
+            throughput.stop(global_batch_size * len(update_batches))
+            update = train_step.updates_done
+            consumed.extend(update_batches)
             position = DataPosition(epoch, position.updates_in_epoch + 1, position.carried_in, np.concatenate(consumed))
             memory = gather_floats(peak_memory_gib(world.device), world.device)
             metrics.scalars(

@@ -34,7 +34,6 @@ def worker(pipeline_dir: Path, cache_dir: Path, output_dir: Path, updates_per_ro
     import torch
     import torch.nn.functional as F
     from diffusers import UNet2DConditionModel
-    from diffusers.optimization import get_scheduler
     from torch.utils.data import DataLoader
 
     from sdxl_trainer.cache import read_empty_prompt
@@ -43,6 +42,7 @@ def worker(pipeline_dir: Path, cache_dir: Path, output_dir: Path, updates_per_ro
     from sdxl_trainer.monitor import MetricsWriter, Throughput, gather_floats, peak_memory_gib
     from sdxl_trainer.optimizers import build_optimizer
     from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed
+    from sdxl_trainer.lr_schedule import LearningRateSchedule
     from sdxl_trainer.train_step import TrainStep
 
     world = init_distributed()
@@ -59,10 +59,9 @@ def worker(pipeline_dir: Path, cache_dir: Path, output_dir: Path, updates_per_ro
     unet.train()
     shard_unet(unet, world.mesh, param_dtype=None)
     optimizer = build_optimizer("adamw8bit", unet.parameters(), 1e-5, 1e-2, (0.9, 0.999), 1e-8)
-    lr_scheduler = get_scheduler("constant", optimizer)
     noise_scheduler = build_noise_scheduler(str(pipeline_dir), "epsilon", zero_terminal_snr=False)
     empty_prompt = read_empty_prompt(cache_dir)
-    step = TrainStep(unet, optimizer, lr_scheduler, noise_scheduler, NoiseSettings(0.1), empty_prompt, SEED, max_grad_norm=1.0)
+    step = TrainStep(unet, optimizer, LearningRateSchedule("constant", 1e-5, 0, 1), noise_scheduler, NoiseSettings(0.1), empty_prompt, SEED, max_grad_norm=1.0)
     metrics = MetricsWriter(output_dir / "tensorboard", enabled=world.is_main)
 
     loader = iter(DataLoader(dataset, batch_sampler=rank_batches, num_workers=2, collate_fn=collate))

@@ -82,6 +82,7 @@ from sdxl_trainer.monitor import gather_floats, peak_memory_gib  # noqa: E402
 from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer  # noqa: E402
 from sdxl_trainer.parallel import World, init_distributed, shard_unet, shutdown_distributed  # noqa: E402
 from sdxl_trainer.tiny_model import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, TINY_UNET_CONFIG, build_full_size_unet  # noqa: E402
+from sdxl_trainer.lr_schedule import LearningRateSchedule  # noqa: E402
 from sdxl_trainer.train_step import TrainStep  # noqa: E402
 from unet_batches import empty_prompt_for, synthetic_batch  # noqa: E402
 
@@ -255,7 +256,7 @@ def trainer_path(args: argparse.Namespace, row: Row, world: World, compute_dtype
     step = TrainStep(
         unet,
         optimizer,
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0),
+        LearningRateSchedule("constant", 1e-5, warmup_updates=0, total_updates=1),
         noise_scheduler(),
         NoiseSettings(conditional_dropout_percent=0.1),
         tuple(tensor.to(world.device) for tensor in empty_prompt_for(unet)),

@@ -4,15 +4,18 @@ Epoch plan (the same on every rank, from the seed alone):
   - per bucket: the items carried over from the previous epoch come first, then the bucket's other items
     in a seeded random order; the stream is cut into global batches of train_batch_size x world_size;
   - the rest of each bucket (too few for a global batch) is carried over to the next epoch;
-  - all global batches are shuffled together; whole optimizer updates need gradient_accumulation_steps
-    of them, and the batches that would make an incomplete last update are carried over too;
+  - all global batches are shuffled together, then those holding carried-over items are moved to the
+    front; each optimizer update takes gradient_accumulation_steps of them in order, and the epoch's
+    last update takes whatever is left (it may have fewer microbatches; its loss is still the mean
+    over its samples), so no whole batch is ever held back;
   - rank r takes items [r * train_batch_size, (r + 1) * train_batch_size) of each global batch.
 So within an epoch every item is used at most once, every batch comes from one bucket, and an item left
-out of an epoch is used first thing in the next one.
+out of an epoch (only ever a bucket's remainder) is trained in the first updates of the next one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +83,16 @@ class CachedDataset(Dataset):
 class EpochPlan:
     batches: list[GlobalBatch]  # global batches in training order, each of global_batch_size items
     carried_out: np.ndarray  # items left for the next epoch
+    accumulation_steps: int  # global batches per optimizer update (the last update may have fewer)
+
+    @property
+    def num_updates(self) -> int:
+        return math.ceil(len(self.batches) / self.accumulation_steps)
+
+    def update_batches(self, update_in_plan: int) -> list[GlobalBatch]:
+        """The global batches of the plan's update `update_in_plan` (counted from 0)."""
+        first = update_in_plan * self.accumulation_steps
+        return self.batches[first : first + self.accumulation_steps]
 
 
 class EpochPlanner:
@@ -110,18 +123,13 @@ class EpochPlanner:
             leftovers.append(stream[full:])
         order = rng.permutation(len(batches))
         batches = [batches[i] for i in order]
-        # Batches holding carried-over items go first, so an incomplete last update never holds them
-        # back a second time.
+        # Batches holding carried-over items go first: those items have waited an epoch already.
         holds_carried = [bool(np.isin(batch, carried_in).any()) for batch in batches]
         batches = [batch for batch, carried in zip(batches, holds_carried) if carried] + [
             batch for batch, carried in zip(batches, holds_carried) if not carried
         ]
-        incomplete_update = len(batches) % self.accumulation_steps
-        if incomplete_update:
-            leftovers = [*batches[-incomplete_update:], *leftovers]
-            batches = batches[:-incomplete_update]
         carried_out = np.concatenate(leftovers).astype(np.int64) if leftovers else np.zeros(0, dtype=np.int64)
-        return EpochPlan(batches, carried_out)
+        return EpochPlan(batches, carried_out, self.accumulation_steps)
 
     def plans(self, num_epochs: int, start_epoch: int = 0, carried_in: np.ndarray | None = None, consumed: np.ndarray | None = None) -> list[EpochPlan]:
         """Plans of epochs start_epoch .. num_epochs-1. A resumed run passes the position it saved: the items
@@ -142,8 +150,9 @@ class EpochPlanner:
     def _rest_of_epoch(self, epoch: int, carried_in: np.ndarray, full_plan: EpochPlan, consumed: np.ndarray) -> EpochPlan:
         done_batches, remainder = divmod(len(consumed), self.global_batch_size)
         planned_prefix = np.concatenate(full_plan.batches[:done_batches]) if done_batches else np.zeros(0, dtype=np.int64)
-        if remainder == 0 and done_batches % self.accumulation_steps == 0 and np.array_equal(np.sort(planned_prefix), np.sort(consumed)):
-            return EpochPlan(full_plan.batches[done_batches:], full_plan.carried_out)
+        at_update_boundary = done_batches % self.accumulation_steps == 0 or done_batches == len(full_plan.batches)
+        if remainder == 0 and at_update_boundary and np.array_equal(np.sort(planned_prefix), np.sort(consumed)):
+            return EpochPlan(full_plan.batches[done_batches:], full_plan.carried_out, self.accumulation_steps)
         return self.plan(epoch, carried_in, exclude=consumed)
 
 

@@ -1,8 +1,10 @@
 """One optimizer update: microbatches with gradient sync on the last one only, clipping of the true
-gradients, a finite-ness check agreed by every rank, the optimizer step, the LR schedule and the EMA.
+gradients, a finite-ness check agreed by every rank, the optimizer step at the scheduled rate, the EMA.
 
-An update whose loss or gradient norm is NaN/inf is skipped as a whole (no optimizer step, no schedule
-step, no EMA update), counted, and reported; with fp16 the gradient scaler also lowers its scale. The
+An update whose loss or gradient norm is NaN/inf is skipped (no optimizer step, no EMA update), counted
+and reported; with fp16 the gradient scaler also lowers its scale. It still counts as an update: its
+batches are spent and the schedule moves on, so the epoch plan, the schedule's length and a resume stay
+exactly those of a run without the fault (a retry would have to redraw data the plan has used). The
 trainer stops (after saving state) when too many updates in a row are skipped.
 """
 
@@ -19,6 +21,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from .diffusion import NoiseSettings, training_loss
 from .ema import ShardedEMA
+from .lr_schedule import LearningRateSchedule, set_learning_rate
 
 
 @dataclass
@@ -34,7 +37,7 @@ class TrainStep:
         self,
         unet: FSDPModule,
         optimizer: torch.optim.Optimizer,
-        lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+        learning_rate: LearningRateSchedule,
         noise_scheduler: DDPMScheduler,
         noise_settings: NoiseSettings,
         empty_prompt: tuple[torch.Tensor, torch.Tensor],
@@ -45,7 +48,8 @@ class TrainStep:
     ):
         self.unet = unet
         self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
+        self.learning_rate = learning_rate
+        self.updates_done = 0
         self.noise_scheduler = noise_scheduler
         self.noise_settings = noise_settings
         self.empty_prompt = empty_prompt
@@ -57,28 +61,18 @@ class TrainStep:
         self.consecutive_skipped_updates = 0
 
     def state_dict(self) -> dict:
-        """Plain (JSON-able) state beside the tensors: schedule position, loss scaler, skip counters."""
+        """Plain (JSON-able) state beside the tensors: updates done, loss scaler, skip counters."""
         return {
-            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "updates_done": self.updates_done,
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "skipped_updates": self.skipped_updates,
             "consecutive_skipped_updates": self.consecutive_skipped_updates,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore after the optimizer. Only the schedule's position is taken from the checkpoint: its shape
-        (peak rate, warm-up, length) comes from this run's settings, so a resume may lower --learning_rate.
-        The optimizer's rate is then set for the next update (the checkpoint's was the old schedule's)."""
-        scheduler = self.lr_scheduler
-        scheduler.last_epoch = state["lr_scheduler"]["last_epoch"]
-        scheduler._step_count = state["lr_scheduler"]["_step_count"]
-        rates = [schedule(scheduler.last_epoch) * base for schedule, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
-        for group, rate in zip(self.optimizer.param_groups, rates):
-            if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor so its compiled step never recompiles
-                group["lr"].fill_(rate)
-            else:
-                group["lr"] = rate
-        scheduler._last_lr = rates
+        """Restore after the optimizer. The rate of the next update follows from updates_done and this
+        run's schedule settings, so a resume may change --learning_rate (or the schedule) from then on."""
+        self.updates_done = state["updates_done"]
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.skipped_updates = state["skipped_updates"]
@@ -102,7 +96,8 @@ class TrainStep:
         loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
         # Both values are global (all-reduced), so every rank takes the same decision.
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
-        learning_rate = self.optimizer.param_groups[0]["lr"]
+        learning_rate = self.learning_rate(self.updates_done)
+        set_learning_rate(self.optimizer, learning_rate)
         if finite:
             if self.scaler:
                 self.scaler.step(self.optimizer)
@@ -111,8 +106,8 @@ class TrainStep:
         if self.scaler:
             self.scaler.update()  # lowers the scale after an overflow
         self.optimizer.zero_grad(set_to_none=True)
+        self.updates_done += 1
         if finite:
-            self.lr_scheduler.step()  # the schedule counts real updates only
             if self.ema is not None:
                 self.ema.update()
             self.consecutive_skipped_updates = 0

@@ -58,3 +58,25 @@ def run_processes(num_processes: int, script: Path, args: list[str], timeout: fl
     if expect_success:
         assert result.returncode == 0, f"{script.name} failed on {num_processes} processes:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result
+
+
+def trainer_flags(cache_dir: Path, pipeline_dir: Path, output_dir: Path, project: str, *extra: str) -> list[str]:
+    return [
+        "--cached_dataset_dirs", str(cache_dir),
+        "--pretrained_model_name_or_path", str(pipeline_dir),
+        "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
+        "--output_dir", str(output_dir), "--project_name", project,
+        "--train_batch_size", "1", "--mixed_precision", "fp32", "--set_seed", "5", "--learning_rate", "1e-4",
+        "--dataloader_num_workers", "0", "--save_precision", "fp32", "--save_model_every_n_epochs", "0",
+        "--no-save_samples", "--no-validation_image",
+        *extra,
+    ]
+
+
+def scalars(run_dir: Path, tag: str) -> list[float]:
+    """The values of one TensorBoard scalar of a run, in logging order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, run_processes
+from conftest import REPO_ROOT, run_processes, trainer_flags
 from sdxl_trainer.checkpoint import (
     METADATA_FILE,
     TRAINER_STATE_FILE,
@@ -33,19 +33,6 @@ from sdxl_trainer.parallel import free_port
 TRAINER = REPO_ROOT / "sdxl_FSDP_train.py"
 WORKER = REPO_ROOT / "tests" / "reshard_worker.py"
 UNET_FILE = Path("pipeline") / "unet" / "diffusion_pytorch_model.safetensors"
-
-
-def trainer_flags(cache_dir: Path, pipeline_dir: Path, output_dir: Path, project: str, *extra: str) -> list[str]:
-    return [
-        "--cached_dataset_dirs", str(cache_dir),
-        "--pretrained_model_name_or_path", str(pipeline_dir),
-        "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
-        "--output_dir", str(output_dir), "--project_name", project,
-        "--train_batch_size", "1", "--mixed_precision", "fp32", "--set_seed", "5", "--learning_rate", "1e-4",
-        "--dataloader_num_workers", "0", "--save_precision", "fp32", "--save_model_every_n_epochs", "0",
-        "--no-save_samples", "--no-validation_image",
-        *extra,
-    ]
 
 
 # ---- exact resume of the trainer ---------------------------------------------------------------------
@@ -87,7 +74,7 @@ def test_checkpoint_folder_holds_every_part_and_no_pickle(straight_and_resumed):
     state = read_trainer_state(checkpoint)
     assert state["update"] == 5 and state["epoch"] == 0 and state["updates_in_epoch"] == 5
     assert state["optimizer"] == "adamw8bit" and state["use_ema"] and state["ema_updates"] == 5 and state["world_size"] == 2
-    assert state["lr_scheduler"]["last_epoch"] == 5
+    assert state["updates_done"] == 5
     position = load_file(checkpoint / "data_position.safetensors")
     assert len(position["consumed"]) == 5 * 2  # 5 updates of a global batch of 2
 

@@ -34,7 +34,7 @@ def used_items(plan) -> list[int]:
 CASES = [
     pytest.param([7, 5, 2], 2, 1, id="7-5-2_gb2_acc1"),
     pytest.param([7, 5, 2], 2, 2, id="7-5-2_gb2_acc2"),
-    pytest.param([7, 5, 4], 2, 2, id="7-5-4_gb2_acc2"),  # 7 batches: one is held back for whole updates
+    pytest.param([7, 5, 4], 2, 2, id="7-5-4_gb2_acc2"),  # 7 batches: the last update has one
     pytest.param([9, 6, 3], 3, 2, id="9-6-3_gb3_acc2"),
     pytest.param([11, 4], 4, 3, id="11-4_gb4_acc3"),
 ]
@@ -54,7 +54,8 @@ def test_plan_invariants(counts, global_batch, accumulation):
             for batch in plan.batches:
                 assert batch.shape == (global_batch,)
                 assert len(set(ids[batch].tolist())) == 1, "a batch mixes buckets"
-            assert len(plan.batches) % accumulation == 0, "only whole optimizer updates"
+            assert plan.num_updates == -(-len(plan.batches) // accumulation)
+            assert sum(len(plan.update_batches(u)) for u in range(plan.num_updates)) == len(plan.batches)
             used = used_items(plan)
             assert len(used) == len(set(used)), "an item appears twice in one epoch"
             carried = plan.carried_out.tolist()
@@ -81,11 +82,12 @@ def test_hand_checked_counts():
     assert sorted(bucket_ids_for([7, 5, 2])[plan.carried_out].tolist()) == [0, 1]
 
 
-def test_incomplete_update_is_carried_over():
-    # Buckets 7, 5, 4 with global batch 2 make 7 batches; accumulation 2 keeps 6 and carries one batch's items.
+def test_last_update_of_an_epoch_takes_the_remaining_batches():
+    # Buckets 7, 5, 4 with global batch 2 make 7 batches; accumulation 2 gives updates of 2, 2, 2 and 1 batch.
     plan = planner([7, 5, 4], accumulation=2).plan(0, np.zeros(0, dtype=np.int64))
-    assert len(plan.batches) == 6
-    assert len(plan.carried_out) == 2 + 1 + 1  # the held-back batch + one leftover from each odd bucket
+    assert len(plan.batches) == 7 and plan.num_updates == 4
+    assert [len(plan.update_batches(u)) for u in range(4)] == [2, 2, 2, 1]
+    assert len(plan.carried_out) == 1 + 1  # only one leftover from each odd bucket
 
 
 @pytest.mark.parametrize(
@@ -226,3 +228,58 @@ def test_cached_dataset_time_ids_and_bucket_ids(tmp_path):
     assert sample["item_index"].item() == 2
     batch = collate([dataset[0], dataset[2]])
     assert batch["latents"].shape == (2, 4, 8, 12) and batch["time_ids"].shape == (2, 6)
+
+
+def random_layout(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Bucket ids of a random dataset (buckets interleaved, some smaller than a global batch), its trainable
+    items (some held out), a global batch (world size x per-rank batch) and an accumulation."""
+    global_batch = int(rng.integers(1, 5)) * int(rng.integers(1, 4))
+    sizes = rng.integers(1, 5 * global_batch, size=int(rng.integers(1, 7)))
+    ids = rng.permutation(np.repeat(np.arange(len(sizes)), sizes)).astype(np.int64)
+    trainable = np.flatnonzero(rng.random(len(ids)) > 0.1)
+    return ids, trainable, global_batch, int(rng.integers(1, 6))
+
+
+def test_fuzz_plans_carried_items_lead_the_next_epoch_and_nothing_is_lost():
+    rng = np.random.default_rng(2026)
+    for case in range(300):
+        ids, trainable, global_batch, accumulation = random_layout(rng)
+        planner = EpochPlanner(ids, trainable, global_batch, accumulation, seed=case)
+        trainable_buckets, bucket_sizes = np.unique(ids[trainable], return_counts=True)
+        batchable = set(trainable[np.isin(ids[trainable], trainable_buckets[bucket_sizes >= global_batch])].tolist())
+        plans = planner.plans(4)
+        context = f"buckets {np.bincount(ids).tolist()}, global batch {global_batch}, accumulation {accumulation}"
+        for plan in plans:
+            used = used_items(plan)
+            assert len(used) == len(set(used)), context
+            assert sorted(used + plan.carried_out.tolist()) == sorted(trainable.tolist()), context
+            # Every item of a bucket that can form a batch is trained in every epoch but for its bucket's remainder.
+            assert len(batchable - set(used)) <= sum(
+                int(np.sum(ids[trainable] == bucket)) % global_batch for bucket in trainable_buckets
+            ), context
+        for previous, current in zip(plans, plans[1:]):
+            waiting = [int(item) for item in previous.carried_out if int(item) in batchable]
+            trained = set(used_items(current))
+            missing = [item for item in waiting if item not in trained]
+            assert not missing, f"items {missing} carried out of an epoch not trained in the next: {context}"
+            # ... and trained first: the batches holding them lead the epoch.
+            holds_waiting = [bool(np.isin(batch, waiting).any()) for batch in current.batches]
+            assert holds_waiting == sorted(holds_waiting, reverse=True), context
+
+
+def test_fuzz_a_resumed_epoch_trains_exactly_the_rest():
+    rng = np.random.default_rng(7)
+    for case in range(200):
+        ids, trainable, global_batch, accumulation = random_layout(rng)
+        planner = EpochPlanner(ids, trainable, global_batch, accumulation, seed=case)
+        straight = planner.plans(3)
+        if not straight[1].batches:
+            continue
+        stop_after = int(rng.integers(0, straight[1].num_updates + 1))
+        consumed = [batch for update in range(stop_after) for batch in straight[1].update_batches(update)]
+        consumed = np.concatenate(consumed) if consumed else np.zeros(0, dtype=np.int64)
+        resumed = planner.plans(3, start_epoch=1, carried_in=straight[0].carried_out, consumed=consumed)
+        remaining = straight[1].batches[sum(len(straight[1].update_batches(u)) for u in range(stop_after)) :]
+        assert [batch.tolist() for batch in resumed[0].batches] == [batch.tolist() for batch in remaining]
+        assert np.array_equal(resumed[0].carried_out, straight[1].carried_out)
+        assert [batch.tolist() for batch in resumed[1].batches] == [batch.tolist() for batch in straight[2].batches]

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, run_processes
+from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, run_processes, scalars
 
 
 def test_each_rank_holds_half_of_the_unet(tmp_path, tiny_pipeline_dir):
@@ -28,12 +27,6 @@ def test_each_rank_holds_half_of_the_unet(tmp_path, tiny_pipeline_dir):
     assert all(0.45 <= share <= 0.55 for share in shares), shares
     assert abs(sum(report["local_bytes"] for report in reports) - full_bytes) / full_bytes < 0.02
     print(f"per-rank parameter share: {shares}")
-
-
-def scalars(run_dir: Path, tag: str) -> list[float]:
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    return [event.value for event in events.Scalars(tag)]
 
 
 def _train(num_processes: int, per_rank_batch: int, cache_dir: Path, pipeline_dir: Path, output_dir: Path) -> dict[str, torch.Tensor]:

@@ -168,7 +168,7 @@ def test_clipping_bounds_the_true_gradient(world, tiny_pipeline_dir, loss_scale)
     assert moved == pytest.approx(1e-3, rel=1e-3)
 
 
-def test_nonfinite_update_is_skipped_without_touching_weights_state_or_schedule(world, tiny_pipeline_dir):
+def test_nonfinite_update_is_skipped_without_touching_weights_or_state_but_counts_toward_the_schedule(world, tiny_pipeline_dir):
     unet = sharded_unet(tiny_pipeline_dir, world)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-3)
     ema = ShardedEMA(unet, decay=0.9, on_cpu=False)
@@ -180,17 +180,17 @@ def test_nonfinite_update_is_skipped_without_touching_weights_state_or_schedule(
     assert not result.stepped and np.isnan(result.loss)
     assert largest_difference(before, weights(unet)) == 0.0
     assert optimizer.state == {} or all(not state for state in optimizer.state.values())
-    assert step.lr_scheduler.last_epoch == 0 and ema.updates == 0
+    assert step.updates_done == 1 and ema.updates == 0  # its batches are spent: the schedule moves on
     assert (step.skipped_updates, step.consecutive_skipped_updates) == (1, 1)
     assert all(parameter.grad is None for parameter in unet.parameters())  # nothing left to leak into the next update
 
     assert step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0).stepped
     assert largest_difference(before, weights(unet)) > 0
-    assert step.lr_scheduler.last_epoch == 1 and ema.updates == 1
+    assert step.updates_done == 2 and ema.updates == 1
     assert (step.skipped_updates, step.consecutive_skipped_updates) == (1, 0)
 
 
-def test_fp16_scaler_overflow_lowers_the_scale_and_does_not_advance_the_schedule(world, tiny_pipeline_dir):
+def test_fp16_scaler_overflow_lowers_the_scale_and_skips_the_step(world, tiny_pipeline_dir):
     unet = sharded_unet(tiny_pipeline_dir, world, param_dtype=torch.float16)
     before = weights(unet)
     optimizer = torch.optim.SGD(unet.parameters(), lr=1e-3)
@@ -199,11 +199,11 @@ def test_fp16_scaler_overflow_lowers_the_scale_and_does_not_advance_the_schedule
     result = step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0)
     assert not result.stepped and np.isfinite(result.loss)
     assert step.scaler.get_scale() == 2.0**39
-    assert step.lr_scheduler.last_epoch == 0
+    assert step.updates_done == 1
     assert largest_difference(before, weights(unet)) == 0.0
     step.scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
     assert step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0).stepped
-    assert step.lr_scheduler.last_epoch == 1
+    assert step.updates_done == 2
 
 
 # --- the objective --------------------------------------------------------------------------------------

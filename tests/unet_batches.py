@@ -9,6 +9,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
+from sdxl_trainer.lr_schedule import LearningRateSchedule
 from sdxl_trainer.train_step import TrainStep
 
 TEXT_LENGTH = 77
@@ -42,11 +43,11 @@ def empty_prompt_for(unet: UNet2DConditionModel) -> tuple[torch.Tensor, torch.Te
 
 
 def make_train_step(unet, optimizer, pipeline_dir: Path, settings: NoiseSettings | None = None, max_grad_norm: float = 1.0, ema=None, prediction_type="epsilon") -> TrainStep:
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
+    constant_rate = LearningRateSchedule("constant", float(optimizer.param_groups[0]["lr"]), warmup_updates=0, total_updates=1)
     return TrainStep(
         unet,
         optimizer,
-        lr_scheduler,
+        constant_rate,
         build_noise_scheduler(str(pipeline_dir), prediction_type, zero_terminal_snr=False),
         settings or NoiseSettings(conditional_dropout_percent=0.0),
         empty_prompt_for(unet),

@@ -1,0 +1,82 @@
+"""Stop and resume is invisible: for every learning-rate schedule, with warm-up, "k updates, stop, resume,
+N-k updates" on 2 processes equals "N updates straight" bitwise (weights, learning rate and loss of every
+update); a --learning_rate changed on resume applies from the next update; the schedules are diffusers'."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers.optimization import get_scheduler
+from safetensors.torch import load_file
+
+from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
+from sdxl_trainer.lr_schedule import SCHEDULE_NAMES, LearningRateSchedule
+
+RESUME_AT = 2  # of 6 updates: inside the warm-up (3 updates) and in the middle of the first epoch
+
+
+def train(run_root: Path, cache_dir: Path, pipeline_dir: Path, schedule: str, *extra: str) -> Path:
+    # Accumulation 5 over 12 batches an epoch: updates of 5, 5 and 2 microbatches, 6 updates in 2 epochs.
+    run_processes(
+        2,
+        REPO_ROOT / "sdxl_FSDP_train.py",
+        [
+            *trainer_flags(cache_dir, pipeline_dir, run_root, "run", "--optimizer", "adamw", "--no-validation_loss"),
+            "--learning_rate_scheduler", schedule, "--percent_lr_warm_up_steps", "0.5", "--lr_num_cycles", "2",
+            "--polynomial_power", "2", "--gradient_accumulation_steps", "5", "--num_train_epochs", "2",
+            "--save_state_every_n_updates", str(RESUME_AT), "--checkpoints_total_limit", "0", "--save_precision", "fp32",
+            *extra,
+        ],
+    )
+    return run_root / "run"
+
+
+def resumed_copy(straight_run: Path, run_root: Path) -> None:
+    """The straight run's folder as it was right after update RESUME_AT was saved."""
+    shutil.copytree(straight_run, run_root / "run", ignore=shutil.ignore_patterns("tensorboard", "pipeline", "update_*"))
+    checkpoint = f"update_{RESUME_AT:08d}"
+    shutil.copytree(straight_run / "checkpoints" / checkpoint, run_root / "run" / "checkpoints" / checkpoint)
+
+
+def exported_unet(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_resume_equals_the_uninterrupted_run(tmp_path, sample_cache_dir, tiny_pipeline_dir, schedule):
+    straight = train(tmp_path / "straight", sample_cache_dir, tiny_pipeline_dir, schedule)
+    resumed_copy(straight, tmp_path / "resumed")
+    resumed = train(tmp_path / "resumed", sample_cache_dir, tiny_pipeline_dir, schedule, "--load_saved_state", "latest")
+
+    straight_rates, resumed_rates = scalars(straight, "train/lr"), scalars(resumed, "train/lr")
+    assert len(straight_rates) == 6
+    assert resumed_rates == straight_rates[RESUME_AT:]
+    assert scalars(resumed, "train/loss") == scalars(straight, "train/loss")[RESUME_AT:]
+    expected = exported_unet(straight)
+    got = exported_unet(resumed)
+    assert all(torch.equal(expected[key], got[key]) for key in expected), "resumed weights differ from the straight run's"
+    if schedule != "constant":
+        assert straight_rates[0] == 0.0 and max(straight_rates) == pytest.approx(1e-4)  # warm-up from 0 to the peak
+
+
+def test_a_learning_rate_lowered_on_resume_applies_from_the_next_update(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    straight = train(tmp_path / "straight", sample_cache_dir, tiny_pipeline_dir, "cosine")
+    resumed_copy(straight, tmp_path / "lowered")
+    lowered = train(tmp_path / "lowered", sample_cache_dir, tiny_pipeline_dir, "cosine", "--load_saved_state", "latest", "--learning_rate", "5e-5")
+    assert scalars(lowered, "train/lr") == pytest.approx([rate / 2 for rate in scalars(straight, "train/lr")[RESUME_AT:]], rel=1e-6)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_schedules_match_diffusers(schedule):
+    peak, warmup, total = 3e-4, 7, 40
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    extra = {"num_cycles": 3} if schedule == "cosine_with_restarts" else {}
+    reference = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total, power=2.0, **extra)
+    ours = LearningRateSchedule(schedule, peak, warmup, total, num_cycles=3, polynomial_power=2.0)
+    for update in range(total + 3):
+        assert ours(update) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12, abs=1e-18), update
+        optimizer.step()
+        reference.step()
