@@ -29,7 +29,9 @@ from sdxl_trainer.cache import CacheError, read_cache_info, read_empty_prompt, s
 from sdxl_trainer.checkpoint import (
     CheckpointError,
     DataPosition,
+    TrainerState,
     checkpoint_name,
+    checkpoint_problem,
     find_latest_checkpoint,
     load_training_state,
     read_trainer_state,
@@ -48,13 +50,14 @@ from sdxl_trainer.sample_grid import DEFAULT_SAMPLE_PROMPTS, choose_sample_promp
 from sdxl_trainer.sampling import GenerationSettings
 from sdxl_trainer.validation import ImageValidator
 from sdxl_trainer.encoding import model_fingerprint
-from sdxl_trainer.export import save_pipeline
+from sdxl_trainer.export import ExportError, save_pipeline
 from sdxl_trainer.monitor import MetricsWriter, Throughput, gather_floats, peak_memory_gib
 from sdxl_trainer.optimizers import build_optimizer
-from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed
-from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, load_unet
+from sdxl_trainer.parallel import World, broadcast_text, init_distributed, shard_unet, shutdown_distributed
+from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_unet, model_location_problem
 from sdxl_trainer.stop_request import StopRequest, ignore_stop_signals
 from sdxl_trainer.train_step import TrainStep
+from sdxl_trainer.watchdog import JobWatchdog
 
 @dataclass
 class TrainConfig:
@@ -193,6 +196,26 @@ class TrainConfig:
             problems.append(f"need 0 <= --min_timestep < --max_timestep <= 1000, got {self.min_timestep} and {self.max_timestep}")
         if self.zero_terminal_snr and self.prediction_type != "v_prediction":
             problems.append("--zero_terminal_snr needs --prediction_type v_prediction (epsilon cannot be predicted at zero SNR)")
+        problems += self._number_problems()
+        if self.load_saved_state not in (None, "latest") and not Path(self.load_saved_state).is_dir():
+            problems.append(f"--load_saved_state {self.load_saved_state} is not a folder: give a checkpoint folder (OUTPUT_DIR/PROJECT_NAME/checkpoints/update_N) or 'latest'")
+        return problems
+
+    def _number_problems(self) -> list[str]:
+        problems = []
+        for name in ("learning_rate", "adam_epsilon", "polynomial_power"):
+            if not getattr(self, name) > 0:
+                problems.append(f"--{name} must be > 0, got {getattr(self, name)}")
+        for name in ("weight_decay", "dataloader_num_workers", "guidance_scale", "polynomial_lr_end"):
+            if getattr(self, name) < 0:
+                problems.append(f"--{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                problems.append(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.lr_num_cycles < 1:
+            problems.append(f"--lr_num_cycles must be at least 1, got {self.lr_num_cycles}")
+        if self.learning_rate_scheduler == "polynomial" and self.polynomial_lr_end >= self.learning_rate:
+            problems.append(f"--polynomial_lr_end ({self.polynomial_lr_end}) must be below --learning_rate ({self.learning_rate})")
         return problems
 
 
@@ -202,6 +225,14 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def model_problems(config: TrainConfig) -> list[str]:
+    """A model that cannot be found, named by its flag (checked before anything reads it)."""
+    problems = [model_location_problem(config.pretrained_model_name_or_path, "--pretrained_model_name_or_path")]
+    if is_single_file(config.pretrained_model_name_or_path):
+        problems.append(model_location_problem(config.single_file_config, "--single_file_config"))
+    return [problem for problem in problems if problem]
 
 
 def check_caches(config: TrainConfig) -> list[str]:
@@ -250,44 +281,54 @@ def agree_on_seed(seed: int | None, device: torch.device) -> int:
     return int(chosen.item())
 
 
-def resolve_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path) -> Path | None:
-    """The checkpoint folder to resume from: a path, or the newest complete one for 'latest' (None if none yet)."""
+def resolve_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path, is_main: bool) -> tuple[Path | None, list[str]]:
+    """The checkpoint folder to resume from, and what is wrong with it. 'latest' takes the newest intact
+    checkpoint (None if there is none yet) and says which damaged ones it skipped; a named folder must be intact."""
     if load_saved_state is None:
-        return None
+        return None, []
     if load_saved_state == "latest":
-        return find_latest_checkpoint(checkpoints_dir)
-    return Path(load_saved_state)
+        latest, skipped = find_latest_checkpoint(checkpoints_dir)
+        if is_main:
+            for path, reason in skipped.items():
+                print(f"Skipping damaged checkpoint {path}: {reason}")
+        return latest, []
+    path = Path(load_saved_state)
+    problem = checkpoint_problem(path)
+    return path, [f"--load_saved_state {path}: {problem}"] if problem else []
 
 
-def resume_problems(saved: dict, config: TrainConfig) -> list[str]:
+def resume_problems(saved: TrainerState, config: TrainConfig) -> list[str]:
     """What would make the checkpoint's tensors or data order not fit this run; checked before any work."""
     problems = []
-    if saved["optimizer"] != config.optimizer:
-        problems.append(f"the checkpoint holds {saved['optimizer']} optimizer state: resume with --optimizer {saved['optimizer']}")
-    if saved["use_ema"] != config.use_ema:
-        flag = "--use_ema" if saved["use_ema"] else "--no-use_ema"
-        problems.append(f"the checkpoint was saved {'with' if saved['use_ema'] else 'without'} an EMA: resume with {flag}")
-    if config.set_seed is not None and config.set_seed != saved["seed"]:
-        problems.append(f"the checkpoint's run used seed {saved['seed']} (data order and noise follow it): drop --set_seed or pass {saved['seed']}")
+    if saved.optimizer != config.optimizer:
+        problems.append(f"the checkpoint holds {saved.optimizer} optimizer state: resume with --optimizer {saved.optimizer}")
+    if saved.use_ema != config.use_ema:
+        flag = "--use_ema" if saved.use_ema else "--no-use_ema"
+        problems.append(f"the checkpoint was saved {'with' if saved.use_ema else 'without'} an EMA: resume with {flag}")
+    if config.set_seed is not None and config.set_seed != saved.seed:
+        problems.append(f"the checkpoint's run used seed {saved.seed} (data order and noise follow it): drop --set_seed or pass {saved.seed}")
     return problems
 
 
-def save_checkpoint(run_dir: Path, config: TrainConfig, train_step: TrainStep, update: int, seed: int, position: DataPosition) -> Path:
+def save_checkpoint(run_dir: Path, config: TrainConfig, train_step: TrainStep, seed: int, position: DataPosition) -> Path:
     """Collective: save the whole training state as checkpoints/update_N, then keep the newest
     --checkpoints_total_limit. Raises CheckpointError (on every rank) if the save failed."""
-    trainer_state = {
-        "update": update,
-        "seed": seed,
-        "optimizer": config.optimizer,
-        "use_ema": config.use_ema,
-        "global_batch_size": config.train_batch_size * dist.get_world_size(),
-        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+    trainer_state = TrainerState(
         **train_step.state_dict(),
-    }
+        epoch=position.epoch,
+        updates_in_epoch=position.updates_in_epoch,
+        seed=seed,
+        optimizer=config.optimizer,
+        use_ema=config.use_ema,
+        ema_updates=train_step.ema.updates if train_step.ema is not None else 0,
+        world_size=dist.get_world_size(),
+        global_batch_size=config.train_batch_size * dist.get_world_size(),
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+    )
     checkpoints_dir = run_dir / "checkpoints"
     started = time.perf_counter()
     checkpoint_dir = save_training_state(
-        checkpoints_dir / checkpoint_name(update), train_step.unet, train_step.optimizer, train_step.ema, trainer_state, position
+        checkpoints_dir / checkpoint_name(trainer_state.update), train_step.unet, train_step.optimizer, train_step.ema, trainer_state, position
     )
     if dist.get_rank() == 0:
         removed = remove_old_checkpoints(checkpoints_dir, config.checkpoints_total_limit)
@@ -359,33 +400,50 @@ def evaluate(evaluator: Evaluator, epochs_done: int, unet, ema: ShardedEMA | Non
 
 def export_model(config: TrainConfig, world, unet, ema: ShardedEMA | None, pipeline_dir: Path) -> None:
     """Collective: gather the trained UNet (EMA weights with --use_ema) on rank 0 and write the pipeline
-    (and the single-file checkpoint beside it with --save_single_file)."""
+    (and the single-file checkpoint beside it with --save_single_file). Raises ExportError on every rank
+    if the export failed; nothing at pipeline_dir is replaced then."""
     state_dict = exported_weights_on_rank0(unet, ema, world.is_main)
+    failure = ""
     if world.is_main:
         started = time.perf_counter()
         single_file = pipeline_dir.with_suffix(".safetensors") if config.save_single_file else None
-        save_pipeline(
-            state_dict, config.pretrained_model_name_or_path, pipeline_dir, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config, single_file
-        )
-        weights = "EMA weights" if ema is not None else "weights"
-        also = f" and {single_file}" if single_file else ""
-        tqdm.write(f"Saved the trained pipeline ({weights}, {config.save_precision}) to {pipeline_dir}{also} in {time.perf_counter() - started:.1f} s.")
-    dist.barrier()
+        try:
+            save_pipeline(
+                state_dict, config.pretrained_model_name_or_path, pipeline_dir, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config, single_file
+            )
+            weights = "EMA weights" if ema is not None else "weights"
+            also = f" and {single_file}" if single_file else ""
+            tqdm.write(f"Saved the trained pipeline ({weights}, {config.save_precision}) to {pipeline_dir}{also} in {time.perf_counter() - started:.1f} s.")
+        except ExportError as error:
+            failure = str(error)
+    failure = broadcast_text(failure, world.device)
+    if failure:
+        raise ExportError(failure)
+
+
+EXPECTED_ERRORS = (CacheError, CheckpointError, ExportError, HoldoutError, MetricWeightsError)  # their messages say it all
 
 
 def main(argv: list[str] | None = None) -> int:
-    # ---- configuration -------------------------------------------------------------------------
-    config = parse_config(TrainConfig, argv, description=__doc__)
+    # Every process reads the flags; only the first says what is wrong with them.
+    config = parse_config(TrainConfig, argv, description=__doc__, quiet=os.environ.get("RANK", "0") != "0")
     world = init_distributed()
+    # Any error on any rank ends every process of the job (see watchdog.py).
+    with JobWatchdog(world.rank, world.world_size, EXPECTED_ERRORS):
+        return train(config, world)
+
+
+def train(config: TrainConfig, world: World) -> int:
     run_dir = config.output_dir / config.project_name
     log_dir = config.log_dir or run_dir / "tensorboard"
     compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device)
 
     # ---- validate everything before loading the model --------------------------------------------
-    problems = check_caches(config)
-    resume_dir = resolve_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints")
+    problems = model_problems(config) or check_caches(config)
+    resume_dir, checkpoint_problems = resolve_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints", world.is_main)
+    problems += checkpoint_problems
     saved = None
-    if resume_dir is not None:
+    if resume_dir is not None and not checkpoint_problems:
         try:
             saved = read_trainer_state(resume_dir)
             problems += resume_problems(saved, config)
@@ -393,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(str(error))
     if problems:
         raise SystemExit("Cannot start training:\n  " + "\n  ".join(problems))
-    seed = agree_on_seed(saved["seed"] if saved else config.set_seed, world.device)
+    seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
     config.set_seed = seed
     torch.manual_seed(seed + world.rank)
 
@@ -420,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             f"will not be trained on: {too_small}. Lower --train_batch_size or add images of those shapes to use them."
         )
     planner = EpochPlanner(bucket_ids, trainable, global_batch_size, config.gradient_accumulation_steps, seed)
-    first_update = saved["update"] if saved else 0
+    first_update = saved.update if saved else 0
     position = DataPosition.epoch_start(0)
     empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cached_dataset_dirs[0]))
 
@@ -453,12 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     if resume_dir is not None:
         # DCP reshards on load, so the checkpoint may come from another number of processes.
         started = time.perf_counter()
-        _, saved_position = load_training_state(resume_dir, unet, optimizer, ema)
-        position = saved_position or DataPosition.epoch_start(saved["epoch"])
+        _, position = load_training_state(resume_dir, unet, optimizer, ema)
         if world.is_main:
             print(
                 f"Resumed from {resume_dir} in {time.perf_counter() - started:.1f} s: update {first_update}, epoch {position.epoch + 1} "
-                f"after {position.updates_in_epoch} of its updates (saved on {saved['world_size']} processes, now {world.world_size})."
+                f"after {position.updates_in_epoch} of its updates (saved on {saved.world_size} processes, now {world.world_size})."
             )
     elif world.is_main and config.load_saved_state == "latest":
         print(f"No complete checkpoint in {run_dir / 'checkpoints'} yet: starting from the base model.")
@@ -483,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         ema=ema,
     )
     if saved:
-        train_step.load_state_dict(saved)
+        train_step.load_state_dict(dataclasses.asdict(saved))
     if world.is_main:
         write_resolved_config(config, run_dir / "config.json")
         print(
@@ -499,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save_state(position: DataPosition) -> Path | None:
         try:
-            return save_checkpoint(run_dir, config, train_step, update, seed, position)
+            return save_checkpoint(run_dir, config, train_step, seed, position)
         except CheckpointError as error:
             if world.is_main:
                 tqdm.write(f"Warning: {error} Training goes on.")
@@ -558,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                     tqdm.write(f"Warning: update {update} skipped: loss {result.loss}, gradient norm {result.grad_norm} (NaN/inf).")
                 if train_step.consecutive_skipped_updates >= config.max_consecutive_skipped_updates:
                     metrics.close()
-                    checkpoint_dir = save_checkpoint(run_dir, config, train_step, update, seed, position)
+                    checkpoint_dir = save_checkpoint(run_dir, config, train_step, seed, position)
                     raise SystemExit(
                         f"Stopped at update {update}: the last {train_step.consecutive_skipped_updates} updates all had a NaN/inf loss or "
                         f"gradient. State saved to {checkpoint_dir}. Lower --learning_rate, use --mixed_precision bf16 instead of fp16, "
@@ -568,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress.close()
                 metrics.close()
                 try:
-                    checkpoint_dir = save_checkpoint(run_dir, config, train_step, update, seed, position)
+                    checkpoint_dir = save_checkpoint(run_dir, config, train_step, seed, position)
                 except CheckpointError as error:
                     raise SystemExit(f"Stop requested at update {update}, and the state could not be saved: {error}") from error
                 if world.is_main:
@@ -590,24 +647,32 @@ def main(argv: list[str] | None = None) -> int:
             and finished_epochs % config.save_model_every_n_epochs == 0
         ):
             if config.save_diffusers:
-                export_model(config, world, unet, ema, run_dir / f"pipeline_epoch_{finished_epochs:04d}")
+                try:
+                    export_model(config, world, unet, ema, run_dir / f"pipeline_epoch_{finished_epochs:04d}")
+                except ExportError as error:
+                    if world.is_main:
+                        tqdm.write(f"Warning: {error} Training goes on.")
             if config.save_state and last_saved_update != update and save_state(position):
                 last_saved_update = update
     progress.close()
 
     # ---- end: state and export -------------------------------------------------------------------
+    metrics.close()
+    final_state_error = None
     if config.save_state and last_saved_update != update:
         try:
-            save_checkpoint(run_dir, config, train_step, update, seed, position)
+            save_checkpoint(run_dir, config, train_step, seed, position)
         except CheckpointError as error:
+            final_state_error = error
             if world.is_main:
                 print(f"Warning: {error} The model export below goes on.")
     if config.save_diffusers:
         export_model(config, world, unet, ema, run_dir / "pipeline")
+    if final_state_error is not None:
+        raise SystemExit(f"Training finished, but its final state could not be saved: {final_state_error}")
     if world.is_main:
         print(f"TensorBoard logs: {log_dir}   (view with: tensorboard --logdir {log_dir})")
     stop.restore_handlers()
-    metrics.close()
     shutdown_distributed()
     return 0
 

@@ -3,12 +3,18 @@
 A checkpoint folder `checkpoints/update_<N>` holds:
 - the DCP shards of every rank: UNet, optimizer state (torchao's 8-bit state included) and EMA. DCP
   writes each rank's shards without gathering and reshards on load (a run saved on 2 processes resumes
-  on 1 or 4). Its index is written as JSON (`.metadata.json`) instead of DCP's default pickle, so
-  opening a checkpoint never runs code; tensor files are read with torch.load(weights_only=True);
+  on 1 or 4);
 - `rng/rank<R>.safetensors`: every rank's torch / CUDA / numpy / Python RNG states;
 - `data_position.safetensors`: where the run is inside its epoch (items carried into the epoch and
   items already trained on), so a resume continues the epoch instead of replaying it;
-- `trainer_state.json`, written last: counters, LR schedule, loss scaler, and the facts a resume checks.
+- `trainer_state.json`, written last: counters, loss scaler, and the facts a resume checks.
+
+Nothing in a checkpoint can run code when it is opened. DCP stores every non-tensor value with pickle
+and reads it back with torch.load(weights_only=False); so only tensors go through DCP (the optimizer's
+per-parameter state, never its param_groups: those come from the resuming run's flags), DCP's index is
+written as JSON (`.metadata.json`) instead of a pickle, and the reader refuses an index that names a
+non-tensor entry, an unknown dtype or a file outside the checkpoint. Tensors are read with
+torch.load(weights_only=True); everything else is JSON or safetensors.
 
 Crash safety: all ranks write into `update_<N>.tmp`; only after every rank reports success does rank 0
 write trainer_state.json and rename the folder. A folder without `.tmp` that holds trainer_state.json is
@@ -17,6 +23,7 @@ complete; a save that dies halfway (killed, disk full) never touches the earlier
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -30,9 +37,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file as load_numpy_file
 from safetensors.numpy import save_file as save_numpy_file
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -46,11 +55,19 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .ema import ShardedEMA
+from .files import write_durably, write_error_reason
 
 TRAINER_STATE_FILE = "trainer_state.json"
 DATA_POSITION_FILE = "data_position.safetensors"
 METADATA_FILE = ".metadata.json"
 CHECKPOINT_NAME = re.compile(r"^update_(\d+)$")
+SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")  # the only files DCP's file writer creates
+FORMAT_VERSION = 2  # 1: before tensor-only DCP state (its checkpoints hold pickled entries)
+DTYPES = {str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+DISK_FULL_ADVICE = (
+    "Free disk space (a checkpoint takes the UNet's fp32 size x 3 with adamw, x 1.5 with adamw8bit, plus x 1 "
+    "with --use_ema: about 16 GB for SDXL with adamw8bit), lower --checkpoints_total_limit, or point --output_dir elsewhere."
+)
 
 
 class CheckpointError(RuntimeError):
@@ -64,8 +81,7 @@ def _metadata_to_json(metadata: Metadata) -> dict[str, Any]:
     entries = {}
     for fqn, storage in metadata.state_dict_metadata.items():
         if isinstance(storage, BytesStorageMetadata):
-            entries[fqn] = {"bytes": True}
-            continue
+            raise CheckpointError(f"{fqn} is not a tensor and would be pickled: this is a bug, please report it")
         if storage.properties.layout != torch.strided:
             raise CheckpointError(f"{fqn}: only strided tensors can be checkpointed, got {storage.properties.layout}")
         entries[fqn] = {
@@ -82,7 +98,6 @@ def _metadata_to_json(metadata: Metadata) -> dict[str, Any]:
             "path": info.relative_path,
             "start": info.offset,
             "length": info.length,
-            "transforms": None if info.transform_descriptors is None else list(info.transform_descriptors),
         }
         for index, info in metadata.storage_data.items()
     ]
@@ -96,19 +111,35 @@ def _metadata_to_json(metadata: Metadata) -> dict[str, Any]:
     }
 
 
-def _metadata_from_json(data: dict[str, Any]) -> Metadata:
+def _metadata_from_json(data: dict[str, Any], index_file: Path) -> Metadata:
+    """DCP's index from our JSON, refusing anything a checkpoint of ours never holds: a non-tensor entry (DCP
+    would unpickle it, which can run code), an unknown dtype, a storage transform, a file outside the folder."""
+
+    def refuse(why: str) -> CheckpointError:
+        return CheckpointError(
+            f"{index_file} is refused: {why}. This trainer never writes such a checkpoint: it was altered or made by "
+            "something else. Do not resume from it; use another checkpoint (or start from an exported pipeline)."
+        )
+
     entries: dict[str, Any] = {}
     for fqn, entry in data["state_dict_metadata"].items():
-        if entry.get("bytes"):
-            entries[fqn] = BytesStorageMetadata()
-            continue
-        properties = TensorProperties(dtype=getattr(torch, entry["dtype"]), requires_grad=entry["requires_grad"])
+        if set(entry) != {"dtype", "requires_grad", "size", "chunks"}:
+            raise refuse(f"entry {fqn!r} is not a tensor (reading it would mean unpickling it, which can run code)")
+        if entry["dtype"] not in DTYPES:
+            raise refuse(f"entry {fqn!r} has the unknown dtype {entry['dtype']!r}")
+        properties = TensorProperties(dtype=DTYPES[entry["dtype"]], requires_grad=bool(entry["requires_grad"]))
         chunks = [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes in entry["chunks"]]
         entries[fqn] = TensorStorageMetadata(properties, torch.Size(entry["size"]), chunks)
-    storage_data = {
-        MetadataIndex(item["fqn"], item["offset"], item["index"]): _StorageInfo(item["path"], item["start"], item["length"], item["transforms"])
-        for item in data["storage_data"]
-    }
+    storage_data = {}
+    for item in data["storage_data"]:
+        if set(item) != {"fqn", "offset", "index", "path", "start", "length"}:
+            raise refuse(f"the storage of {item.get('fqn')!r} has unexpected fields {sorted(set(item) - {'fqn', 'offset', 'index', 'path', 'start', 'length'})}")
+        if not SHARD_FILE.match(str(item["path"])):
+            raise refuse(f"entry {item['fqn']!r} points at {item['path']!r}, not a shard file of this checkpoint")
+        if item["fqn"] not in entries:
+            raise refuse(f"the storage names {item['fqn']!r}, which the index does not list")
+        index = MetadataIndex(item["fqn"], None if item["offset"] is None else torch.Size(item["offset"]), item["index"])
+        storage_data[index] = _StorageInfo(item["path"], int(item["start"]), int(item["length"]))
     meta = data["storage_meta"]
     return Metadata(
         state_dict_metadata=entries,
@@ -119,6 +150,17 @@ def _metadata_from_json(data: dict[str, Any]) -> Metadata:
     )
 
 
+def read_index(checkpoint_dir: Path) -> Metadata:
+    index_file = checkpoint_dir / METADATA_FILE
+    try:
+        data = json.loads(index_file.read_text(encoding="utf-8"))
+        return _metadata_from_json(data, index_file)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{index_file} is damaged ({type(error).__name__}: {error})") from error
+
+
 class JsonIndexWriter(FileSystemWriter):
     """DCP's file writer, with the checkpoint index written as JSON instead of a pickle."""
 
@@ -126,20 +168,14 @@ class JsonIndexWriter(FileSystemWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {result.index: result.storage_data for rank_results in results for result in rank_results}
         metadata.storage_meta = self.storage_meta()
-        final_path = Path(self.path) / METADATA_FILE
-        tmp_path = final_path.with_name(final_path.name + ".tmp")
-        with open(tmp_path, "w", encoding="utf-8") as index_file:
-            json.dump(_metadata_to_json(metadata), index_file)
-            index_file.flush()
-            os.fsync(index_file.fileno())
-        tmp_path.replace(final_path)
+        write_durably(Path(self.path) / METADATA_FILE, json.dumps(_metadata_to_json(metadata)))
 
 
 class JsonIndexReader(FileSystemReader):
-    """Reads checkpoints written by JsonIndexWriter."""
+    """Reads checkpoints written by JsonIndexWriter, through the strict index reader."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = _metadata_from_json(json.loads((Path(self.path) / METADATA_FILE).read_text(encoding="utf-8")))
+        metadata = read_index(Path(self.path))
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -167,8 +203,6 @@ def _save_rng_states(path: Path) -> None:
 
 
 def _restore_rng_states(path: Path) -> None:
-    from safetensors import safe_open
-
     arrays = load_numpy_file(str(path))
     with safe_open(str(path), framework="numpy") as handle:
         details = json.loads(handle.metadata()["details"])
@@ -181,7 +215,7 @@ def _restore_rng_states(path: Path) -> None:
     random.setstate((python_version, tuple(int(value) for value in arrays["python_state"]), python_gauss))
 
 
-# ---- save and load ----------------------------------------------------------------------------------
+# ---- what a checkpoint holds besides tensors -----------------------------------------------------------
 
 
 @dataclass
@@ -200,19 +234,83 @@ class DataPosition:
         return cls(epoch, 0, nothing if carried_in is None else carried_in, nothing)
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """trainer_state.json: the run's counters and the facts a resume checks. Read strictly: a missing, extra
+    or mistyped field is a damaged checkpoint."""
+
+    update: int  # optimizer updates done (skipped ones included): the LR schedule's position
+    epoch: int  # the epoch to continue (counted from 0)
+    updates_in_epoch: int  # its updates already done
+    seed: int
+    optimizer: str
+    use_ema: bool
+    ema_updates: int
+    world_size: int
+    global_batch_size: int
+    gradient_accumulation_steps: int
+    skipped_updates: int
+    consecutive_skipped_updates: int
+    loss_scaler: dict[str, float | int] | None  # the fp16 gradient scaler's state
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: Path) -> TrainerState:
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise CheckpointError(f"{source} is damaged (not JSON: {error})") from error
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{source} is damaged (not a JSON object)")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{source} was written by an earlier version of this trainer, whose checkpoints hold pickled entries that "
+                "could run code, so it cannot be resumed. Fine-tune on from its exported pipeline instead "
+                "(--pretrained_model_name_or_path RUN/pipeline), or finish that run with the earlier version."
+            )
+        fields = {field.name: field for field in dataclasses.fields(cls)}
+        if set(data) != set(fields):
+            raise CheckpointError(f"{source} is damaged (fields missing: {sorted(set(fields) - set(data))}, unknown: {sorted(set(data) - set(fields))})")
+        for name, value in data.items():
+            expected = fields[name].type
+            if expected == "bool":
+                valid = isinstance(value, bool)
+            elif expected == "int":
+                valid = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            elif expected == "str":
+                valid = isinstance(value, str)
+            else:  # the loss scaler
+                valid = value is None or (isinstance(value, dict) and all(isinstance(item, (int, float)) for item in value.values()))
+            if not valid:
+                raise CheckpointError(f"{source} is damaged ({name} = {value!r} is not a valid {expected})")
+        return cls(**data)
+
+
+def read_trainer_state(checkpoint_dir: Path) -> TrainerState:
+    state_file = checkpoint_dir / TRAINER_STATE_FILE
+    if not state_file.is_file():
+        raise CheckpointError(f"{checkpoint_dir} is not a complete checkpoint (no {TRAINER_STATE_FILE}): pick another one, or --load_saved_state latest")
+    try:
+        text = state_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{state_file} cannot be read ({error})") from error
+    return TrainerState.from_json(text, state_file)
+
+
+# ---- save and load ----------------------------------------------------------------------------------
+
+
 def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: ShardedEMA | None) -> dict[str, Any]:
+    """What goes through DCP: tensors only. The optimizer's param_groups (learning rate, betas, ...) stay out:
+    DCP would pickle them, and a resume takes them from its own flags."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": {"state": optimizer_state["state"]}}
     if ema is not None:
         state["ema"] = ema.sharded_state_dict()
     return state
-
-
-def _plain_number(value: Any) -> Any:
-    """JSON for the one-element tensors some optimizers keep as hyperparameters (torchao's lr)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    raise TypeError(f"cannot write {type(value).__name__} to {TRAINER_STATE_FILE}")
 
 
 def _all_ranks_succeeded(succeeded: bool) -> bool:
@@ -228,8 +326,8 @@ def save_training_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     ema: ShardedEMA | None,
-    trainer_state: dict[str, Any],
-    position: DataPosition | None = None,
+    trainer_state: TrainerState,
+    position: DataPosition,
     writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter,
 ) -> Path:
     """Collective: every rank calls it. Returns the final folder, or raises CheckpointError on every rank
@@ -243,65 +341,91 @@ def save_training_state(
     try:
         dcp.save(_tensor_state(model, optimizer, ema), storage_writer=writer_factory(tmp_dir))
         _save_rng_states(_rng_file(tmp_dir, rank))
-        if rank == 0 and position is not None:
+        if rank == 0:
             save_numpy_file(
                 {"carried_in": position.carried_in.astype(np.int64), "consumed": position.consumed.astype(np.int64)},
                 str(tmp_dir / DATA_POSITION_FILE),
             )
-    except Exception as caught:  # noqa: BLE001 - every rank must learn of a failure on any rank
+    # DCP's CheckpointException is a BaseException: caught by name, so a disk-full save is a warning, not a crash.
+    except (Exception, CheckpointException) as caught:  # noqa: BLE001 - every rank must learn of a failure on any rank
         error = caught
     if _all_ranks_succeeded(error is None) and rank == 0:
         try:
-            state = dict(trainer_state, ema_updates=ema.updates if ema is not None else 0, world_size=dist.get_world_size())
-            if position is not None:
-                state.update(epoch=position.epoch, updates_in_epoch=position.updates_in_epoch)
-            (tmp_dir / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2, default=_plain_number) + "\n", encoding="utf-8")
+            write_durably(tmp_dir / TRAINER_STATE_FILE, trainer_state.to_json())
             if checkpoint_dir.exists():
                 shutil.rmtree(checkpoint_dir)
             tmp_dir.rename(checkpoint_dir)
         except Exception as caught:  # noqa: BLE001
             error = caught
     if not _all_ranks_succeeded(error is None):
+        reason = write_error_reason(error, checkpoint_dir.parent)  # before the partial folder frees its space
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-        reason = f"{type(error).__name__}: {error}" if error is not None else "another process failed to write its part"
-        advice = (
-            "Free disk space (a checkpoint takes the UNet's fp32 size x 3 with adamw, x 1.5 with adamw8bit, "
-            "plus x 1 with --use_ema: about 16 GB for SDXL with adamw8bit) or point --output_dir elsewhere."
-            if error is None or isinstance(error, OSError)
-            else "This is a bug: please report it with this message."
-        )
-        raise CheckpointError(f"Could not save a checkpoint to {checkpoint_dir} ({reason}). Earlier checkpoints are untouched. {advice}") from error
+        disk_full = error is None or reason == "the disk is full" or isinstance(error, OSError)
+        advice = DISK_FULL_ADVICE if disk_full else "This is a bug: please report it with this message."
+        raise CheckpointError(
+            f"Could not save a checkpoint to {checkpoint_dir} ({reason}). Earlier checkpoints are untouched. {advice}"
+        ) from (error if isinstance(error, Exception) else None)
     return checkpoint_dir
 
 
-def read_trainer_state(checkpoint_dir: Path) -> dict[str, Any]:
-    state_file = checkpoint_dir / TRAINER_STATE_FILE
-    if not state_file.is_file():
-        raise CheckpointError(f"{checkpoint_dir} is not a complete checkpoint (no {TRAINER_STATE_FILE}): pick another one, or --load_saved_state latest")
-    return json.loads(state_file.read_text(encoding="utf-8"))
+def checkpoint_problem(checkpoint_dir: Path) -> str | None:
+    """Why the checkpoint cannot be resumed (damaged, incomplete, refused), or None if it looks intact.
+    Checks every file it needs without reading the tensors: a truncated shard shows in its size."""
+    try:
+        state = read_trainer_state(checkpoint_dir)
+        index = read_index(checkpoint_dir)
+    except CheckpointError as error:
+        return str(error)
+    needed: dict[str, int] = {}
+    for info in index.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = checkpoint_dir / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size < size:
+            return f"{path} is truncated ({path.stat().st_size} of at least {size} bytes)"
+    wanted = {checkpoint_dir / DATA_POSITION_FILE: {"carried_in", "consumed"}}
+    wanted |= {_rng_file(checkpoint_dir, rank): None for rank in range(state.world_size)}
+    for path, keys in wanted.items():
+        try:
+            with safe_open(str(path), framework="numpy") as handle:
+                if keys is not None and set(handle.keys()) != keys:
+                    return f"{path} is damaged (holds {sorted(handle.keys())}, not {sorted(keys)})"
+        except (OSError, SafetensorError) as error:
+            return f"{path} is missing or damaged ({error})"
+    return None
 
 
 def load_training_state(
     checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: ShardedEMA | None
-) -> tuple[dict[str, Any], DataPosition | None]:
-    """Collective: restore model, optimizer, EMA and this rank's RNG states in place; returns
-    trainer_state.json's values and the data position (None if the checkpoint has none).
+) -> tuple[TrainerState, DataPosition]:
+    """Collective: restore model, optimizer state, EMA and this rank's RNG states in place; returns
+    trainer_state.json's values and the data position. The optimizer's hyperparameters stay this run's.
     (get_state_dict creates a fresh optimizer's state with a zero-learning-rate step, as DCP needs a template.)
     A rank with no saved RNG state (the run now has more processes) keeps its own seeded RNG."""
+    problem = checkpoint_problem(checkpoint_dir)
+    if problem:
+        raise CheckpointError(f"Cannot resume from {checkpoint_dir}: {problem}")
     trainer_state = read_trainer_state(checkpoint_dir)
     state = _tensor_state(model, optimizer, ema)
-    dcp.load(state, storage_reader=JsonIndexReader(checkpoint_dir))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    param_groups = get_state_dict(model, optimizer)[1]["param_groups"]
+    try:
+        dcp.load(state, storage_reader=JsonIndexReader(checkpoint_dir))
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP wraps every rank's read error
+        raise CheckpointError(
+            f"Cannot resume from {checkpoint_dir}: its tensors could not be read ({write_error_reason(error)}). "
+            "The checkpoint is damaged or does not fit this model: resume from another one (--load_saved_state latest skips damaged ones)."
+        ) from (error if isinstance(error, Exception) else None)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict={"state": state["optimizer"]["state"], "param_groups": param_groups})
     if ema is not None:
-        ema.load_sharded_state_dict(state["ema"], trainer_state["ema_updates"])
+        ema.load_sharded_state_dict(state["ema"], trainer_state.ema_updates)
     rng_file = _rng_file(checkpoint_dir, dist.get_rank())
     if rng_file.is_file():
         _restore_rng_states(rng_file)
-    position = None
-    if (checkpoint_dir / DATA_POSITION_FILE).is_file():
-        arrays = load_numpy_file(str(checkpoint_dir / DATA_POSITION_FILE))
-        position = DataPosition(trainer_state["epoch"], trainer_state["updates_in_epoch"], arrays["carried_in"], arrays["consumed"])
+    arrays = load_numpy_file(str(checkpoint_dir / DATA_POSITION_FILE))
+    position = DataPosition(trainer_state.epoch, trainer_state.updates_in_epoch, arrays["carried_in"], arrays["consumed"])
     return trainer_state, position
 
 
@@ -324,9 +448,15 @@ def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def find_latest_checkpoint(checkpoints_dir: Path) -> Path | None:
-    checkpoints = complete_checkpoints(checkpoints_dir)
-    return checkpoints[-1] if checkpoints else None
+def find_latest_checkpoint(checkpoints_dir: Path) -> tuple[Path | None, dict[Path, str]]:
+    """The newest intact checkpoint (None if there is none), and the newer damaged ones skipped, with why."""
+    skipped: dict[Path, str] = {}
+    for path in reversed(complete_checkpoints(checkpoints_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped[path] = problem
+    return None, skipped
 
 
 def remove_old_checkpoints(checkpoints_dir: Path, keep: int) -> list[Path]:

@@ -83,11 +83,20 @@ def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
     return value
 
 
-def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, description: str = "") -> ConfigT:
-    """Build `config_class` from defaults, then `--config FILE.toml`, then command-line flags."""
+class _QuietParser(argparse.ArgumentParser):
+    """Exits like ArgumentParser but prints nothing (help, usage, errors)."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        pass
+
+
+def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, description: str = "", quiet: bool = False) -> ConfigT:
+    """Build `config_class` from defaults, then `--config FILE.toml`, then command-line flags. With `quiet`
+    (every process of a job but one), a bad configuration exits without printing the same message again."""
     hints = typing.get_type_hints(config_class)
     fields = dataclasses.fields(config_class)  # type: ignore[arg-type]
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser_class = _QuietParser if quiet else argparse.ArgumentParser
+    parser = parser_class(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=None, help="TOML file with any of the options below; flags override it")
     for field in fields:
         _add_argument(parser, field, hints[field.name])

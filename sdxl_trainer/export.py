@@ -7,9 +7,14 @@ from pathlib import Path
 
 import torch
 
+from .files import write_error_reason
 from .single_file import SDXL_CONFIG_SOURCE, load_pipeline, save_single_file
 
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class ExportError(RuntimeError):
+    """The model could not be written; the message names the place and the reason, and nothing there was replaced."""
 
 
 def save_pipeline(
@@ -36,7 +41,12 @@ def save_pipeline(
         pipeline.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config, **scheduler_overrides)
     tmp_dir = output_dir.with_name(f".{output_dir.name}.tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    pipeline.save_pretrained(tmp_dir)
+    try:
+        pipeline.save_pretrained(tmp_dir)
+    except Exception as error:  # diffusers passes safetensors' SafetensorError (not an OSError) for a full disk
+        reason = write_error_reason(error, output_dir.parent)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise ExportError(f"Could not export the model to {output_dir} ({reason}); nothing there was replaced.") from error
     if output_dir.exists():
         old_dir = output_dir.with_name(f".{output_dir.name}.old")
         shutil.rmtree(old_dir, ignore_errors=True)
@@ -46,5 +56,8 @@ def save_pipeline(
     else:
         tmp_dir.rename(output_dir)
     if single_file is not None:
-        save_single_file(pipeline, single_file)
+        try:
+            save_single_file(pipeline, single_file)
+        except Exception as error:  # noqa: BLE001 - as above
+            raise ExportError(f"Could not export the model to {single_file} ({write_error_reason(error, single_file.parent)}); nothing there was replaced.") from error
     return output_dir

@@ -72,6 +72,17 @@ def use_rank_own_compile_cache(rank: int, world_size: int) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(base) / own)
 
 
+def broadcast_text(text: str, device: torch.device, src: int = 0) -> str:
+    """Collective: rank `src`'s text on every rank (as bytes in tensors: no pickling)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src)
+    if dist.get_rank() != src:
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src)
+    return bytes(data.cpu().tolist()).decode()
+
+
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -13,10 +13,13 @@ diffusers' own single-file loader, an independent implementation, which the roun
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors.torch import save_file
 
 SDXL_CONFIG_SOURCE = "stabilityai/stable-diffusion-xl-base-1.0"
@@ -41,6 +44,25 @@ VAE_ATTENTION_NAMES = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "
 
 def is_single_file(model_name_or_path: str) -> bool:
     return model_name_or_path.endswith(".safetensors")
+
+
+def model_location_problem(name_or_path: str, flag: str) -> str | None:
+    """Why `name_or_path` cannot be a model (None if it can): a local file or folder that does not exist, a
+    name that is no Hugging Face model id, or a hub model missing from the local cache while offline."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return None if path.is_dir() or is_single_file(name_or_path) else f"{flag} {name_or_path} is a file but not a .safetensors model"
+    looks_local = is_single_file(name_or_path) or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local:
+        return f"{flag} {name_or_path} does not exist: give an existing diffusers folder, .safetensors file, or Hugging Face model id"
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        return f"{flag} {name_or_path!r} is neither an existing file or folder nor a Hugging Face model id (like stabilityai/stable-diffusion-xl-base-1.0)"
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")
+    if offline and not isinstance(try_to_load_from_cache(name_or_path, "model_index.json"), str):
+        return f"{flag} {name_or_path} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: download it first, or give a local path"
+    return None
 
 
 def config_source(model_name_or_path: str, single_file_config: str) -> str:
@@ -179,7 +201,11 @@ def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path) -> 
     output_file.parent.mkdir(parents=True, exist_ok=True)
     tmp_file = output_file.with_name(f".{output_file.name}.tmp")
     state = {key: value.contiguous() for key, value in pipeline_to_single_file(pipeline).items()}
-    save_file(state, str(tmp_file), metadata={"format": "pt", "modelspec.architecture": "stable-diffusion-xl-v1-base"})
+    try:
+        save_file(state, str(tmp_file), metadata={"format": "pt", "modelspec.architecture": "stable-diffusion-xl-v1-base"})
+    except BaseException:
+        tmp_file.unlink(missing_ok=True)
+        raise
     tmp_file.replace(output_file)
     return output_file
 

@@ -61,10 +61,11 @@ class TrainStep:
         self.consecutive_skipped_updates = 0
 
     def state_dict(self) -> dict:
-        """Plain (JSON-able) state beside the tensors: updates done, loss scaler, skip counters."""
+        """Plain (JSON-able) state beside the tensors: updates done, loss scaler, skip counters (named as in
+        the checkpoint's TrainerState)."""
         return {
-            "updates_done": self.updates_done,
-            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "update": self.updates_done,
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
             "skipped_updates": self.skipped_updates,
             "consecutive_skipped_updates": self.consecutive_skipped_updates,
         }
@@ -72,9 +73,9 @@ class TrainStep:
     def load_state_dict(self, state: dict) -> None:
         """Restore after the optimizer. The rate of the next update follows from updates_done and this
         run's schedule settings, so a resume may change --learning_rate (or the schedule) from then on."""
-        self.updates_done = state["updates_done"]
-        if self.scaler and state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
+        self.updates_done = state["update"]
+        if self.scaler and state["loss_scaler"]:
+            self.scaler.load_state_dict(state["loss_scaler"])
         self.skipped_updates = state["skipped_updates"]
         self.consecutive_skipped_updates = state["consecutive_skipped_updates"]
 

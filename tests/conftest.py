@@ -44,17 +44,27 @@ def sample_cache_dir(tmp_path_factory, tiny_pipeline_dir) -> Path:
     return cache_dir
 
 
-def run_processes(num_processes: int, script: Path, args: list[str], timeout: float = 600, expect_success: bool = True) -> subprocess.CompletedProcess:
-    """Run `script` on num_processes CPU processes (gloo) with torchrun, as train.sh does."""
-    command = [
+def launcher_command(num_processes: int, script: Path, args: list[str]) -> list[str]:
+    """torchrun with num_processes CPU processes (gloo), as train.sh runs it."""
+    return [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(num_processes),
         "--master_addr", "127.0.0.1",
         "--master_port", str(free_port()),
         str(script), *args,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO_ROOT))
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def process_env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO_ROOT))
+
+
+def run_processes(
+    num_processes: int, script: Path, args: list[str], timeout: float = 600, expect_success: bool = True, prefix: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """Run `script` on num_processes CPU processes (gloo) with torchrun, as train.sh does; `prefix` wraps the launcher."""
+    command = [*prefix, *launcher_command(num_processes, script, args)]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=timeout)
     if expect_success:
         assert result.returncode == 0, f"{script.name} failed on {num_processes} processes:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result
@@ -80,3 +90,16 @@ def scalars(run_dir: Path, tag: str) -> list[float]:
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     return [event.value for event in events.Scalars(tag)]
+
+
+def small_filesystem_prefix(mount_dir: Path, copy_to: Path, size: str) -> tuple[str, ...]:
+    """A command prefix that runs the command with a fresh tmpfs of `size` mounted at mount_dir (a full disk
+    on demand), in a private mount namespace, then copies what was written there to copy_to. Skips the test
+    where this machine allows no user namespaces."""
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here for a small filesystem: {probe.stderr.decode().strip()}")
+    mount_dir.mkdir(parents=True, exist_ok=True)
+    copy_to.mkdir(parents=True, exist_ok=True)
+    script = 'size=$1 mount_dir=$2 copy_to=$3; shift 3; mount -t tmpfs -o size="$size" tmpfs "$mount_dir" || exit 99; "$@"; code=$?; cp -a "$mount_dir/." "$copy_to"; exit $code'
+    return ("unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", size, str(mount_dir), str(copy_to))

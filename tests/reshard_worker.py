@@ -26,7 +26,7 @@ from sdxl_trainer.handoff import PipelineHandoff
 from sdxl_trainer.optimizers import build_optimizer
 from sdxl_trainer.parallel import full_state_dict_on_rank0, init_distributed, shutdown_distributed
 from train_step_worker import LEARNING_RATES, full_weights, rank_batch, sharded_unet
-from unet_batches import make_train_step
+from unet_batches import make_train_step, saved_state_of
 
 
 def full_optimizer_state(unet, optimizer) -> dict[str, torch.Tensor]:
@@ -97,14 +97,14 @@ def main(mode: str, pipeline_dir: str, output_dir: str, optimizers: str) -> None
         unet, optimizer, ema, step = fresh(name, pipeline, world)
         if mode in ("save", "die_during_save"):
             step(rank_batch(unet, world, 0), epoch=0)
-            save_training_state(output / name, unet, optimizer, ema, {"optimizer": name})
+            save_training_state(output / name, unet, optimizer, ema, *saved_state_of(step, name, world.world_size))
             reference = {**full_weights(unet), **{f"ema/{key}": value for key, value in ema.full_state_dict_on_rank0(True).items()}}
             reference.update(full_optimizer_state(unet, optimizer))
             if world.is_main:
                 save_file({key: value.contiguous() for key, value in reference.items()}, output / f"{name}_reference.safetensors")
             if mode == "die_during_save":
                 step(rank_batch(unet, world, 1), epoch=0)
-                save_training_state(output / f"{name}_update_2", unet, optimizer, ema, {"optimizer": name}, writer_factory=DyingWriter)
+                save_training_state(output / f"{name}_update_2", unet, optimizer, ema, *saved_state_of(step, name, world.world_size), writer_factory=DyingWriter)
             continue
         load_training_state(output / name, unet, optimizer, ema)
         restored = {**full_weights(unet), **{f"ema/{key}": value for key, value in ema.full_state_dict_on_rank0(True).items()}}

@@ -72,9 +72,8 @@ def test_checkpoint_folder_holds_every_part_and_no_pickle(straight_and_resumed):
     assert ".metadata" not in names  # DCP's pickled index is replaced by JSON
     json.loads((checkpoint / METADATA_FILE).read_text())
     state = read_trainer_state(checkpoint)
-    assert state["update"] == 5 and state["epoch"] == 0 and state["updates_in_epoch"] == 5
-    assert state["optimizer"] == "adamw8bit" and state["use_ema"] and state["ema_updates"] == 5 and state["world_size"] == 2
-    assert state["updates_done"] == 5
+    assert state.update == 5 and state.epoch == 0 and state.updates_in_epoch == 5
+    assert state.optimizer == "adamw8bit" and state.use_ema and state.ema_updates == 5 and state.world_size == 2
     position = load_file(checkpoint / "data_position.safetensors")
     assert len(position["consumed"]) == 5 * 2  # 5 updates of a global batch of 2
 
@@ -82,7 +81,7 @@ def test_checkpoint_folder_holds_every_part_and_no_pickle(straight_and_resumed):
 def test_scheduled_saves_and_total_limit(straight_and_resumed):
     output_dir, _, _ = straight_and_resumed
     straight = [path.name for path in complete_checkpoints(output_dir / "straight" / "checkpoints")]
-    total = read_trainer_state(output_dir / "straight" / "checkpoints" / straight[-1])["update"]
+    total = read_trainer_state(output_dir / "straight" / "checkpoints" / straight[-1]).update
     assert straight == [checkpoint_name(update) for update in range(5, total, 5)] + [checkpoint_name(total)]  # every 5 and at the end
     resumed = [path.name for path in complete_checkpoints(output_dir / "resumed" / "checkpoints")]
     assert resumed == straight[-2:]
@@ -131,11 +130,14 @@ def test_latest_skips_incomplete_checkpoints_and_pruning_removes_dead_saves(tmp_
         if complete:
             (folder / TRAINER_STATE_FILE).write_text("{}")
     (tmp_path / (checkpoint_name(14) + ".tmp")).mkdir()
-    assert find_latest_checkpoint(tmp_path) == tmp_path / checkpoint_name(10)
+    latest, skipped = find_latest_checkpoint(tmp_path)
+    assert latest is None  # "{}" is no trainer state: both complete-looking folders are damaged, and said so
+    assert sorted(path.name for path in skipped) == [checkpoint_name(3), checkpoint_name(10)]
+    assert all("is damaged" in reason or "earlier version" in reason for reason in skipped.values())
     removed = remove_old_checkpoints(tmp_path, keep=1)
     assert sorted(path.name for path in removed) == [checkpoint_name(3), checkpoint_name(14) + ".tmp"]
     assert sorted(path.name for path in tmp_path.iterdir()) == [checkpoint_name(10), checkpoint_name(12)]
-    assert find_latest_checkpoint(tmp_path / "missing") is None
+    assert find_latest_checkpoint(tmp_path / "missing") == (None, {})
 
 
 # ---- signals -------------------------------------------------------------------------------------------
@@ -151,16 +153,16 @@ def test_sigterm_saves_state_and_exits_zero_then_latest_resumes(tmp_path, sample
     launcher = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     checkpoints = tmp_path / "signalled" / "checkpoints"
     deadline = time.monotonic() + 300
-    while find_latest_checkpoint(checkpoints) is None and time.monotonic() < deadline and launcher.poll() is None:
+    while find_latest_checkpoint(checkpoints)[0] is None and time.monotonic() < deadline and launcher.poll() is None:
         time.sleep(0.5)
-    assert find_latest_checkpoint(checkpoints) is not None, "training never saved its first checkpoint"
+    assert find_latest_checkpoint(checkpoints)[0] is not None, "training never saved its first checkpoint"
     workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()]
     os.kill(workers[-1], signal.SIGTERM)  # one rank only: the ranks must agree to stop together
     output, _ = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, output[-3000:]
     stopped_at = int(output.split("Stopped on request after update ")[1].split(".")[0])
     assert stopped_at >= 2
-    assert find_latest_checkpoint(checkpoints).name == checkpoint_name(stopped_at)
+    assert find_latest_checkpoint(checkpoints)[0].name == checkpoint_name(stopped_at)
     assert not (tmp_path / "signalled" / "pipeline").exists()
     # The same command (fewer epochs, to finish quickly) picks the newest complete checkpoint and says so.
     resumed = run_processes(2, TRAINER, flags(1))

@@ -17,7 +17,7 @@ from sdxl_trainer.checkpoint import load_training_state, save_training_state
 from sdxl_trainer.ema import ShardedEMA
 from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer, local_optimizer_state_bytes
 from sdxl_trainer.parallel import init_distributed, local_parameter_bytes, shard_unet, shutdown_distributed
-from unet_batches import make_train_step, synthetic_batch
+from unet_batches import make_train_step, saved_state_of, synthetic_batch
 
 LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4}
 
@@ -45,7 +45,7 @@ def optimizer_round_trip(name: str, pipeline_dir: Path, checkpoint_dir: Path, wo
 
     unet, optimizer, step = fresh()
     first = step(rank_batch(unet, world, 0), epoch=0)
-    save_training_state(checkpoint_dir, unet, optimizer, None, {"update": 1})
+    save_training_state(checkpoint_dir, unet, optimizer, None, *saved_state_of(step, "adamw", world.world_size))
     step(rank_batch(unet, world, 1), epoch=0)
     straight = full_weights(unet)
     report = {"local_param_bytes": local_parameter_bytes(unet), "local_state_bytes": local_optimizer_state_bytes(optimizer)}
@@ -56,7 +56,7 @@ def optimizer_round_trip(name: str, pipeline_dir: Path, checkpoint_dir: Path, wo
     resumed = full_weights(unet)
     report["max_difference"] = max((straight[key] - resumed[key]).abs().max().item() for key in straight)
     report["first_loss"] = first.loss
-    report["restored_update"] = trainer_state["update"]
+    report["restored_update"] = trainer_state.update
     return report
 
 

@@ -9,6 +9,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
+from sdxl_trainer.checkpoint import DataPosition, TrainerState
 from sdxl_trainer.lr_schedule import LearningRateSchedule
 from sdxl_trainer.train_step import TrainStep
 
@@ -55,3 +56,20 @@ def make_train_step(unet, optimizer, pipeline_dir: Path, settings: NoiseSettings
         max_grad_norm=max_grad_norm,
         ema=ema,
     )
+
+
+def saved_state_of(step: TrainStep, optimizer_name: str, world_size: int) -> tuple[TrainerState, DataPosition]:
+    """What the trainer would write beside the tensors after `step`'s updates (at the start of epoch 0)."""
+    state = TrainerState(
+        **step.state_dict(),
+        epoch=0,
+        updates_in_epoch=step.updates_done,
+        seed=step.run_seed,
+        optimizer=optimizer_name,
+        use_ema=step.ema is not None,
+        ema_updates=step.ema.updates if step.ema is not None else 0,
+        world_size=world_size,
+        global_batch_size=2 * world_size,
+        gradient_accumulation_steps=1,
+    )
+    return state, DataPosition.epoch_start(0)

@@ -1,0 +1,70 @@
+"""Writing files safely: errors that mean "the disk is full", whatever library reports them, and small
+files written so that a crash never leaves a torn one."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from safetensors import SafetensorError
+from torch.distributed.checkpoint.api import CheckpointException
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+LOW_SPACE_BYTES = 1 << 30  # less than one SDXL checkpoint shard or export
+
+
+def _causes(error: BaseException | None):
+    """The error, what caused it, and for DCP's CheckpointException every rank's error."""
+    seen = set()
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        pending += [current.__cause__, current.__context__]
+        if isinstance(current, CheckpointException):
+            pending += [failure for failure, _ in current.failures.values()]
+
+
+def is_disk_full(error: BaseException | None) -> bool:
+    """OSError ENOSPC/EDQUOT, also when wrapped by DCP or reported by safetensors (SafetensorError is not an
+    OSError: its message reads "... No space left on device (os error 28)")."""
+    for cause in _causes(error):
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL_ERRNOS:
+            return True
+        if isinstance(cause, SafetensorError) and any(f"(os error {number})" in str(cause) for number in DISK_FULL_ERRNOS):
+            return True
+    return False
+
+
+def free_bytes(folder: Path) -> int:
+    """Free space on the filesystem that holds `folder` (or its nearest existing parent)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def write_error_reason(error: BaseException | None, folder: Path | None = None) -> str:
+    """A one-line reason for a failed write: the disk being full, else the first error's class and message.
+    Some writers report a full disk as something else (torch's zip writer: "unexpected pos ..."), so with
+    `folder` given, a write that failed where less than LOW_SPACE_BYTES are free counts as a full disk too."""
+    if is_disk_full(error) or (folder is not None and free_bytes(folder) < LOW_SPACE_BYTES):
+        return "the disk is full"
+    for cause in _causes(error):
+        if not isinstance(cause, CheckpointException):
+            return f"{type(cause).__name__}: {cause}"
+    return "another process failed to write its part"
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Write a small file so that a crash leaves the old content or the new one, never a torn one."""
+    tmp_path = path.with_name(path.name + ".tmp")
+    with open(tmp_path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp_path.replace(path)

@@ -1,0 +1,321 @@
+"""The trainer under the faults real machines produce: a checkpoint with a planted pickle or damaged files, an
+error in one rank, a killed launcher, a full disk, bad flags. Each ends in bounded time with a message that
+names the file or flag, and never loses what was already saved. Distributed parts run on 2 CPU processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import (
+    REPO_ROOT,
+    launcher_command,
+    process_env,
+    run_processes,
+    scalars,
+    small_filesystem_prefix,
+    trainer_flags,
+)
+from sdxl_trainer.checkpoint import (
+    METADATA_FILE,
+    TRAINER_STATE_FILE,
+    CheckpointError,
+    JsonIndexReader,
+    checkpoint_name,
+    checkpoint_problem,
+    find_latest_checkpoint,
+)
+from sdxl_trainer.config import parse_config
+
+TRAINER = REPO_ROOT / "sdxl_FSDP_train.py"
+QUICK = ("--optimizer", "adamw", "--no-validation_loss", "--num_train_epochs", "1")
+
+
+def train_flags(cache_dir: Path, pipeline_dir: Path, output_dir: Path, *extra: str) -> list[str]:
+    return trainer_flags(cache_dir, pipeline_dir, output_dir, "run", *QUICK, *extra)
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> Path:
+    """A finished 2-process run of 12 updates with checkpoints after updates 4, 8 and 12."""
+    output_dir = tmp_path_factory.mktemp("saved_run")
+    run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, "--save_state_every_n_updates", "4", "--checkpoints_total_limit", "0", "--no-save_diffusers"))
+    return output_dir / "run"
+
+
+def copy_of(run: Path, destination: Path) -> Path:
+    shutil.copytree(run, destination / "run", ignore=shutil.ignore_patterns("tensorboard"))
+    return destination / "run"
+
+
+# ---- nothing in a checkpoint runs code ----------------------------------------------------------------
+
+
+class OpensAFile:
+    """Unpickling this creates the file: proof that code from the checkpoint ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def plant_pickle(checkpoint: Path, marker: Path) -> None:
+    """What a malicious shared checkpoint would do: point an entry DCP reads as bytes (so with
+    torch.load(weights_only=False)) at a pickle that runs code."""
+    payload = pickle.dumps(OpensAFile(marker))
+    shard = checkpoint / "__0_0.distcp"
+    start = shard.stat().st_size
+    with open(shard, "ab") as handle:
+        handle.write(payload)
+    index = json.loads((checkpoint / METADATA_FILE).read_text())
+    fqn = "optimizer.param_groups.0.lr"
+    index["state_dict_metadata"][fqn] = {"bytes": True}
+    index["storage_data"] = [item for item in index["storage_data"] if item["fqn"] != fqn]
+    index["storage_data"].append({"fqn": fqn, "offset": None, "index": None, "path": "__0_0.distcp", "start": start, "length": len(payload), "transforms": None})
+    (checkpoint / METADATA_FILE).write_text(json.dumps(index))
+
+
+def test_every_entry_of_a_checkpoint_is_a_tensor(saved_run):
+    for checkpoint in (saved_run / "checkpoints").iterdir():
+        entries = json.loads((checkpoint / METADATA_FILE).read_text())["state_dict_metadata"]
+        assert entries and all("dtype" in entry for entry in entries.values()), checkpoint
+        assert not any(".param_groups." in name for name in entries)  # hyperparameters come from the flags
+
+
+def test_a_planted_pickle_never_runs_and_the_load_fails_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    run = copy_of(saved_run, tmp_path)
+    planted = run / "checkpoints" / checkpoint_name(12)
+    marker = tmp_path / "code_ran"
+    plant_pickle(planted, marker)
+    with pytest.raises(CheckpointError, match="is not a tensor .reading it would mean unpickling it, which can run code") as refused:
+        JsonIndexReader(planted).read_metadata()
+    assert str(planted / METADATA_FILE) in str(refused.value)
+
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", str(planted)), expect_success=False)
+    assert result.returncode != 0
+    assert "Cannot start training" in result.stderr and f"{planted / METADATA_FILE} is refused" in result.stderr
+    assert result.stderr.count("is refused") == 1  # printed once, by one rank
+    assert not marker.exists(), "code planted in the checkpoint ran"
+
+
+def damage(checkpoint: Path, kind: str) -> str:
+    """Damage the checkpoint in one way; returns a piece of the message that must name it."""
+    index_file = checkpoint / METADATA_FILE
+    if kind == "truncated shard":
+        shard = checkpoint / "__1_0.distcp"
+        os.truncate(shard, shard.stat().st_size // 2)
+        return f"{shard} is truncated"
+    if kind == "missing shard":
+        (checkpoint / "__0_0.distcp").unlink()
+        return f"{checkpoint / '__0_0.distcp'} is missing"
+    if kind == "index not JSON":
+        index_file.write_text(index_file.read_text()[:1000])
+        return f"{index_file} is damaged"
+    if kind == "unknown dtype":
+        index = json.loads(index_file.read_text())
+        next(iter(index["state_dict_metadata"].values()))["dtype"] = "load"
+        index_file.write_text(json.dumps(index))
+        return "has the unknown dtype 'load'"
+    if kind == "file outside the checkpoint":
+        index = json.loads(index_file.read_text())
+        index["storage_data"][0]["path"] = "../../../etc/passwd"
+        index_file.write_text(json.dumps(index))
+        return "points at '../../../etc/passwd', not a shard file of this checkpoint"
+    if kind == "trainer state not JSON":
+        (checkpoint / TRAINER_STATE_FILE).write_text('{"update": 1')
+        return f"{checkpoint / TRAINER_STATE_FILE} is damaged (not JSON"
+    if kind == "trainer state field missing":
+        state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
+        del state["seed"]
+        (checkpoint / TRAINER_STATE_FILE).write_text(json.dumps(state))
+        return "fields missing: ['seed']"
+    if kind == "rng state damaged":
+        (checkpoint / "rng" / "rank1.safetensors").write_bytes(b"\x00" * 20)
+        return f"{checkpoint / 'rng' / 'rank1.safetensors'} is missing or damaged"
+    if kind == "earlier version":
+        state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
+        del state["format_version"]
+        (checkpoint / TRAINER_STATE_FILE).write_text(json.dumps(state))
+        return "was written by an earlier version of this trainer"
+    raise ValueError(kind)
+
+
+DAMAGE_KINDS = ["truncated shard", "missing shard", "index not JSON", "unknown dtype", "file outside the checkpoint",
+                "trainer state not JSON", "trainer state field missing", "rng state damaged", "earlier version"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE_KINDS)
+def test_damaged_checkpoints_are_named(tmp_path, saved_run, kind):
+    checkpoint = copy_of(saved_run, tmp_path) / "checkpoints" / checkpoint_name(12)
+    assert checkpoint_problem(checkpoint) is None
+    expected = damage(checkpoint, kind)
+    problem = checkpoint_problem(checkpoint)
+    assert problem is not None and expected in problem, problem
+
+
+def test_latest_skips_damaged_checkpoints_says_so_and_resumes_from_the_newest_intact_one(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    run = copy_of(saved_run, tmp_path)
+    marker = tmp_path / "code_ran"
+    plant_pickle(run / "checkpoints" / checkpoint_name(12), marker)
+    damage(run / "checkpoints" / checkpoint_name(8), "truncated shard")
+    assert find_latest_checkpoint(run / "checkpoints")[0] == run / "checkpoints" / checkpoint_name(4)
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers"))
+    assert f"Skipping damaged checkpoint {run / 'checkpoints' / checkpoint_name(12)}" in result.stdout
+    assert f"Skipping damaged checkpoint {run / 'checkpoints' / checkpoint_name(8)}" in result.stdout
+    assert f"Resumed from {run / 'checkpoints' / checkpoint_name(4)}" in result.stdout
+    assert scalars(run, "train/loss") == scalars(saved_run, "train/loss")[4:]  # the run went on from update 4
+    assert not marker.exists()
+
+
+# ---- a fault in one rank, a killed launcher ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_item_per_shard_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
+    import sdxl_process_data_dir
+
+    cache_dir = tmp_path_factory.mktemp("cache") / "one_per_shard"
+    assert sdxl_process_data_dir.main(
+        ["--data_dir", str(REPO_ROOT / "sample_dataset"), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+         "--min_resolution", "256", "--max_resolution", "512", "--items_per_shard", "1"]
+    ) == 0
+    return cache_dir
+
+
+def test_an_error_in_one_rank_ends_every_process_at_once_with_its_message_printed_once(tmp_path, one_item_per_shard_cache, tiny_pipeline_dir):
+    cache = tmp_path / "cache"
+    shutil.copytree(one_item_per_shard_cache, cache)
+    # The shard of one item of the largest bucket disappears: the rank that draws it fails, the other waits in
+    # a collective. DataLoader workers (which ignore SIGTERM) are on, as in real runs.
+    manifest = pq.read_table(next((cache / "manifest").glob("*.parquet"))).to_pylist()
+    buckets = Counter((row["bucket_width"], row["bucket_height"]) for row in manifest)
+    largest = max(buckets, key=buckets.get)
+    lost = cache / "shards" / next(row["shard"] for row in manifest if (row["bucket_width"], row["bucket_height"]) == largest)
+    lost.unlink()
+    started = time.monotonic()
+    result = run_processes(
+        2, TRAINER, train_flags(cache, tiny_pipeline_dir, tmp_path, "--no-validation_image", "--dataloader_num_workers", "2", "--no-save_diffusers"),
+        expect_success=False, timeout=300,
+    )
+    elapsed = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count(f"{lost}") >= 1 and output.count("The whole job is stopping (exit code 1)") == 1, output[-3000:]
+    assert "Stopping because rank" in output or output.count("The whole job is stopping") == 1
+    print(f"job ended {elapsed:.1f} s after start")
+    assert elapsed < 120
+
+
+def run_processes_of(marker: str) -> list[int]:
+    """Processes whose command line holds `marker` (the ranks and their DataLoader workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command_line = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in command_line and int(entry.name) != os.getpid():
+                found.append(int(entry.name))
+    return found
+
+
+def test_killing_only_the_launcher_leaves_no_rank_training_on(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    output_dir = tmp_path / "killed_launcher_output"
+    command = launcher_command(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, "--num_train_epochs", "50", "--dataloader_num_workers", "2",
+                                                       "--save_state_every_n_updates", "5", "--no-save_diffusers"))
+    launcher = subprocess.Popen(command, cwd=REPO_ROOT, env=process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    checkpoints = output_dir / "run" / "checkpoints"
+    deadline = time.monotonic() + 240
+    while find_latest_checkpoint(checkpoints)[0] is None and time.monotonic() < deadline and launcher.poll() is None:
+        time.sleep(0.5)
+    assert find_latest_checkpoint(checkpoints)[0] is not None, "training never got going"
+    assert len(run_processes_of(str(output_dir))) >= 3  # the launcher and two ranks (and their workers)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while run_processes_of(str(output_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = run_processes_of(str(output_dir))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes {left} trained on after their launcher was killed"
+    saved = sorted(path.name for path in checkpoints.iterdir())
+    time.sleep(3)
+    assert sorted(path.name for path in checkpoints.iterdir()) == saved  # nothing writes into the run any more
+
+
+# ---- a full disk ----------------------------------------------------------------------------------------
+
+
+def test_a_full_disk_warns_at_state_saves_keeps_the_last_checkpoint_and_stops_cleanly_at_the_export(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    """A checkpoint of the tiny model takes about 15 MB and its fp32 export 28 MB: on a 24 MB disk the save
+    after update 4 fits, the one after update 8 does not, and neither does the export."""
+    mounted, copied = tmp_path / "disk", tmp_path / "copied"
+    result = run_processes(
+        2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, mounted, "--save_state_every_n_updates", "4", "--checkpoints_total_limit", "0"),
+        expect_success=False, prefix=small_filesystem_prefix(mounted, copied, "24m"),
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    checkpoints = copied / "run" / "checkpoints"
+    assert f"Could not save a checkpoint to {mounted / 'run' / 'checkpoints' / checkpoint_name(8)} (the disk is full). Earlier checkpoints are untouched." in output
+    assert "Training goes on." in output
+    assert f"Could not export the model to {mounted / 'run' / 'pipeline'} (the disk is full); nothing there was replaced." in output
+    assert output.count("nothing there was replaced") == 1
+    assert sorted(path.name for path in checkpoints.iterdir()) == [checkpoint_name(4)]  # no partial .tmp folder left
+    assert checkpoint_problem(checkpoints / checkpoint_name(4)) is None
+    assert not [path for path in (copied / "run").iterdir() if path.name.startswith((".pipeline", "pipeline"))]
+    assert len(scalars(copied / "run", "train/loss")) == 12  # training went on after the failed saves
+
+
+# ---- bad flags -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--learning_rate=-1e-5"], "--learning_rate must be > 0, got -1e-05"),
+        (["--dataloader_num_workers=-1"], "--dataloader_num_workers must be >= 0, got -1"),
+        (["--weight_decay=-0.1"], "--weight_decay must be >= 0"),
+        (["--adam_beta2", "1.5"], "--adam_beta2 must be in [0, 1), got 1.5"),
+        (["--adam_epsilon", "0"], "--adam_epsilon must be > 0"),
+        (["--lr_num_cycles", "0"], "--lr_num_cycles must be at least 1"),
+        (["--learning_rate_scheduler", "polynomial", "--polynomial_lr_end", "1e-3"], "--polynomial_lr_end (0.001) must be below --learning_rate"),
+        (["--load_saved_state", "/nonexistent/update_00000004"], "--load_saved_state /nonexistent/update_00000004 is not a folder"),
+    ],
+)
+def test_bad_numbers_are_refused_naming_the_flag(flags, message, capsys):
+    from sdxl_FSDP_train import TrainConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--cached_dataset_dirs", "c", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_a_wrong_model_path_is_named_before_anything_loads(tmp_path, sample_cache_dir):
+    from sdxl_trainer.single_file import model_location_problem
+
+    assert "is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" in model_location_problem("someone/not-downloaded", "--flag")
+    assert "is neither an existing file or folder nor a Hugging Face model id" in model_location_problem("bad name!", "--flag")
+    missing = tmp_path / "models" / "sdxl.safetensors"
+    result = subprocess.run(
+        [sys.executable, str(TRAINER), "--cached_dataset_dirs", str(sample_cache_dir), "--pretrained_model_name_or_path", str(missing), "--output_dir", str(tmp_path)],
+        cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1
+    assert f"--pretrained_model_name_or_path {missing} does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
