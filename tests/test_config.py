@@ -270,3 +270,15 @@ def test_cache_config_checks_folders(cache_config_class, tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_config(cache_config_class, ["--data_dir", str(tmp_path / "missing"), "--cache_dir", str(tmp_path / "cache")])
     assert "is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config_file", sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml")), ids=lambda path: path.stem)
+def test_example_configs_parse_and_validate(config_file, train_config_class):
+    config = parse_config(train_config_class, ["--config", str(config_file)])
+    assert config.mixed_precision == "bf16" and config.optimizer == "adamw8bit" and config.gradient_checkpointing
+    assert config.train_batch_size >= 1 and config.cached_dataset_dirs
+
+
+def test_there_is_an_example_config_per_common_machine():
+    names = {path.stem for path in (Path(__file__).resolve().parent.parent / "configs").glob("*.toml")}
+    assert {"2x24gb_consumer", "8x80gb_datacenter", "multinode_4x8x80gb"} <= names
