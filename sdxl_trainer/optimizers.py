@@ -3,7 +3,7 @@
 Which implementation, and why (each was tried on 2 gloo ranks with FSDP2 parameters):
 - adamw8bit: torchao's AdamW8bit. bitsandbytes' kernels have no DTensor sharding rule
   (`NotImplementedError: ... optimizer_update_32bit ... does not have a sharding strategy registered`),
-  while torchao steps DTensor shards directly and DCP saves its quantized state (DESIGN.md §2).
+  while torchao steps DTensor shards directly and DCP saves its quantized state (docs/design.md §2).
 - adamw: torch.optim.AdamW, fp32 state.
 - adafactor: our own, below. torch.optim.Adafactor fails on DTensors (an in-place pow_ on a partial
   norm) and transformers' Adafactor mixes plain tensors into DTensor ops.
