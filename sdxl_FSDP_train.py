@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from sdxl_trainer.buckets import BUCKET_TABLE_VERSION, categories
@@ -30,16 +28,14 @@ from sdxl_trainer.checkpoint import (
     CheckpointError,
     DataPosition,
     TrainerState,
-    checkpoint_name,
     checkpoint_problem,
     find_latest_checkpoint,
     load_training_state,
     read_trainer_state,
-    remove_old_checkpoints,
-    save_training_state,
 )
-from sdxl_trainer.config import option, parse_config, write_resolved_config
-from sdxl_trainer.data import CachedDataset, EpochPlanner, collate, rank_slice, small_buckets
+from sdxl_trainer.checkpointer import Checkpointer, SavePolicy
+from sdxl_trainer.config import config_to_dict, option, parse_config, write_resolved_config
+from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, small_buckets
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
 from sdxl_trainer.ema import ShardedEMA, exported_weights_on_rank0
 from sdxl_trainer.evaluation import Evaluator, PipelineSource, Schedule
@@ -51,13 +47,14 @@ from sdxl_trainer.sampling import GenerationSettings
 from sdxl_trainer.validation import ImageValidator
 from sdxl_trainer.encoding import model_fingerprint
 from sdxl_trainer.export import ExportError, save_pipeline
-from sdxl_trainer.monitor import MetricsWriter, Throughput, gather_floats, peak_memory_gib
+from sdxl_trainer.monitor import ConsoleLog, MetricsWriter, TrainingMonitor, WandbSettings
 from sdxl_trainer.optimizers import build_optimizer
 from sdxl_trainer.parallel import World, broadcast_text, init_distributed, shard_unet, shutdown_distributed
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_unet, model_location_problem
-from sdxl_trainer.stop_request import StopRequest, ignore_stop_signals
+from sdxl_trainer.stop_request import StopRequest
 from sdxl_trainer.train_step import TrainStep
 from sdxl_trainer.watchdog import JobWatchdog
+
 
 @dataclass
 class TrainConfig:
@@ -72,6 +69,9 @@ class TrainConfig:
     output_dir: Path = option(Path("output"), help="runs are written to OUTPUT_DIR/PROJECT_NAME")
     project_name: str = option("sdxl_finetune", help="name of this run's folder inside --output_dir")
     log_dir: Path | None = option(None, help="TensorBoard folder; None = OUTPUT_DIR/PROJECT_NAME/tensorboard")
+    log_every_n_updates: int = option(1, help="write the training scalars every N updates (loss and gradient norm averaged over them)")
+    report_to_wandb: bool = option(False, help="also log scalars, sample grids and the config to Weights & Biases (run `wandb login` first, or set WANDB_MODE=offline)")
+    wandb_project: str = option("sdxl_finetune", help="Weights & Biases project of the run (the run's name is --project_name)")
     min_resolution: int = option(512, help="smallest bucket category in px; must equal the caches'")
     max_resolution: int = option(1024, help="largest bucket category in px; must equal the caches'")
     train_batch_size: int = option(1, help="images per GPU per microbatch")
@@ -118,6 +118,9 @@ class TrainConfig:
     allow_tf32: bool = option(True, help="TF32 matmuls and convolutions for fp32 work on Ampere and newer GPUs")
     set_seed: int | None = option(None, help="seed for data order, noise and dropout; None = a random seed, recorded in the run's config.json")
     dataloader_num_workers: int = option(2, help="background processes reading cache shards per rank; 0 = read in the training process")
+    validation_every_n_updates: int = option(
+        0, help="also run every validation that is on (loss, images, sample row) after every N updates; 0 = by epochs only"
+    )
     validation_loss: bool = option(True, help="validation loss on held-out items (fixed noise and timesteps) before training and every N epochs")
     validation_loss_every_n_epochs: int = option(1, help="epochs between validation losses (0 = only before training)")
     validation_loss_percent: float = option(0.10, help="share (0-1) of items held out for the validation loss (never trained on)")
@@ -167,7 +170,7 @@ class TrainConfig:
             categories(self.min_resolution, self.max_resolution)
         except ValueError as error:
             problems.append(str(error))
-        for name in ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "start_save_model_epoch", "num_sample_images", "num_inference_steps"):
+        for name in ("train_batch_size", "gradient_accumulation_steps", "log_every_n_updates", "num_train_epochs", "start_save_model_epoch", "num_sample_images", "num_inference_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1")
         for name in ("percent_lr_warm_up_steps", "conditional_dropout_percent", "validation_loss_percent", "validation_image_percent"):
@@ -181,7 +184,8 @@ class TrainConfig:
         if not self.sample_prompts.is_file():
             problems.append(f"--sample_prompts {self.sample_prompts} does not exist")
         for name in ("save_model_every_n_epochs", "save_state_every_n_updates", "checkpoints_total_limit", "validation_loss_every_n_epochs",
-                     "validation_image_every_n_epochs", "save_samples_every_n_epochs", "max_validation_loss_items", "max_validation_images"):
+                     "validation_image_every_n_epochs", "save_samples_every_n_epochs", "max_validation_loss_items", "max_validation_images",
+                     "validation_every_n_updates"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0 (0 turns it off)")
         if self.max_grad_norm < 0:
@@ -297,6 +301,24 @@ def resolve_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Pat
     return path, [f"--load_saved_state {path}: {problem}"] if problem else []
 
 
+def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tuple[Path | None, TrainerState | None]:
+    """Model, caches and the checkpoint to resume from, all checked before anything loads; every problem
+    is reported at once. Returns the checkpoint folder and its trainer state (None, None for a fresh start)."""
+    problems = model_problems(config) or check_caches(config)
+    resume_dir, checkpoint_problems = resolve_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints", world.is_main)
+    problems += checkpoint_problems
+    saved = None
+    if resume_dir is not None and not checkpoint_problems:
+        try:
+            saved = read_trainer_state(resume_dir)
+            problems += resume_problems(saved, config)
+        except CheckpointError as error:
+            problems.append(str(error))
+    if problems:
+        raise SystemExit("Cannot start training:\n  " + "\n  ".join(problems))
+    return resume_dir, saved
+
+
 def resume_problems(saved: TrainerState, config: TrainConfig) -> list[str]:
     """What would make the checkpoint's tensors or data order not fit this run; checked before any work."""
     problems = []
@@ -308,32 +330,6 @@ def resume_problems(saved: TrainerState, config: TrainConfig) -> list[str]:
     if config.set_seed is not None and config.set_seed != saved.seed:
         problems.append(f"the checkpoint's run used seed {saved.seed} (data order and noise follow it): drop --set_seed or pass {saved.seed}")
     return problems
-
-
-def save_checkpoint(run_dir: Path, config: TrainConfig, train_step: TrainStep, seed: int, position: DataPosition) -> Path:
-    """Collective: save the whole training state as checkpoints/update_N, then keep the newest
-    --checkpoints_total_limit. Raises CheckpointError (on every rank) if the save failed."""
-    trainer_state = TrainerState(
-        **train_step.state_dict(),
-        epoch=position.epoch,
-        updates_in_epoch=position.updates_in_epoch,
-        seed=seed,
-        optimizer=config.optimizer,
-        use_ema=config.use_ema,
-        ema_updates=train_step.ema.updates if train_step.ema is not None else 0,
-        world_size=dist.get_world_size(),
-        global_batch_size=config.train_batch_size * dist.get_world_size(),
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-    )
-    checkpoints_dir = run_dir / "checkpoints"
-    started = time.perf_counter()
-    checkpoint_dir = save_training_state(
-        checkpoints_dir / checkpoint_name(trainer_state.update), train_step.unet, train_step.optimizer, train_step.ema, trainer_state, position
-    )
-    if dist.get_rank() == 0:
-        removed = remove_old_checkpoints(checkpoints_dir, config.checkpoints_total_limit)
-        tqdm.write(f"Saved state to {checkpoint_dir} in {time.perf_counter() - started:.1f} s" + (f"; removed {len(removed)} older" if removed else "") + ".")
-    return checkpoint_dir
 
 
 def sampling_scheduler_overrides(config: TrainConfig) -> dict:
@@ -389,11 +385,12 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
     )
 
 
-def evaluate(evaluator: Evaluator, epochs_done: int, unet, ema: ShardedEMA | None, metrics: MetricsWriter, update: int) -> None:
+def evaluate(evaluator: Evaluator, epochs_done: int | None, unet, ema: ShardedEMA | None, metrics: MetricsWriter, update: int) -> None:
+    """Collective: what is due after `epochs_done` epochs, or everything that is on (None: every N updates)."""
     started = time.perf_counter()
-    scores = evaluator(epochs_done, unet, ema, metrics, update)
+    scores = evaluator.after_updates(unet, ema, metrics, update) if epochs_done is None else evaluator(epochs_done, unet, ema, metrics, update)
     if scores and dist.get_rank() == 0:
-        what = "base model" if epochs_done == 0 else f"after epoch {epochs_done}"
+        what = f"after update {update}" if epochs_done is None else "base model" if epochs_done == 0 else f"after epoch {epochs_done}"
         numbers = ", ".join(f"{tag.removeprefix('val/')} {value:.4g}" for tag, value in scores.items())
         tqdm.write(f"Validation ({what}, {time.perf_counter() - started:.1f} s): {numbers}")
 
@@ -429,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(TrainConfig, argv, description=__doc__, quiet=os.environ.get("RANK", "0") != "0")
     world = init_distributed()
     # Any error on any rank ends every process of the job (see watchdog.py).
-    with JobWatchdog(world.rank, world.world_size, EXPECTED_ERRORS):
+    # Rank 0's console also goes to train.log in the run folder (the watchdog's last words included).
+    with ConsoleLog(config.output_dir / config.project_name / "train.log", world.is_main), JobWatchdog(world.rank, world.world_size, EXPECTED_ERRORS):
         return train(config, world)
 
 
@@ -439,18 +437,7 @@ def train(config: TrainConfig, world: World) -> int:
     compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device)
 
     # ---- validate everything before loading the model --------------------------------------------
-    problems = model_problems(config) or check_caches(config)
-    resume_dir, checkpoint_problems = resolve_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints", world.is_main)
-    problems += checkpoint_problems
-    saved = None
-    if resume_dir is not None and not checkpoint_problems:
-        try:
-            saved = read_trainer_state(resume_dir)
-            problems += resume_problems(saved, config)
-        except CheckpointError as error:
-            problems.append(str(error))
-    if problems:
-        raise SystemExit("Cannot start training:\n  " + "\n  ".join(problems))
+    resume_dir, saved = check_before_start(config, run_dir, world)
     seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
     config.set_seed = seed
     torch.manual_seed(seed + world.rank)
@@ -548,133 +535,104 @@ def train(config: TrainConfig, world: World) -> int:
             f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
             f"compute {str(compute_dtype).removeprefix('torch.')}."
         )
-    metrics = MetricsWriter(log_dir, enabled=world.is_main)
-    throughput = Throughput()
-    progress = tqdm(total=total_updates, initial=first_update, desc="training", unit="update", disable=not world.is_main, dynamic_ncols=True)
+    wandb_settings = WandbSettings(config.wandb_project, config.project_name, run_dir, config_to_dict(config)) if config.report_to_wandb else None
+    metrics = MetricsWriter(log_dir, world.is_main, wandb_settings)
+    monitor = TrainingMonitor(metrics, total_updates, first_update, world.device, world.is_main, config.log_every_n_updates)
     evaluator = build_evaluator(config, world, run_dir, dataset, holdout, noise_scheduler, empty_prompt, compute_dtype, seed)
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints",
+        SavePolicy(config.save_state, config.save_state_every_n_updates, config.checkpoints_total_limit),
+        train_step,
+        run_facts=lambda: dict(
+            seed=seed,
+            optimizer=config.optimizer,
+            use_ema=config.use_ema,
+            global_batch_size=global_batch_size,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+        ),
+        report=monitor.say,
+        last_saved_update=first_update if saved else None,
+    )
+    stream = DataStream(dataset, plans, position, world.rank, config.train_batch_size, config.dataloader_num_workers, world.device)
     stop = StopRequest()
 
-    def save_state(position: DataPosition) -> Path | None:
-        try:
-            return save_checkpoint(run_dir, config, train_step, seed, position)
-        except CheckpointError as error:
-            if world.is_main:
-                tqdm.write(f"Warning: {error} Training goes on.")
-            return None
-
     # ---- training loop ---------------------------------------------------------------------------
-    update = first_update
-    if not saved:
-        evaluate(evaluator, 0, unet, ema, metrics, update)
-    last_saved_update = first_update if saved else None
-    start_epoch = position.epoch
-    for plan_index, plan in enumerate(plans):
-        epoch = start_epoch + plan_index
-        if plan_index:
-            position = DataPosition.epoch_start(epoch, plans[plan_index - 1].carried_out)
-        consumed = [position.consumed]
-        loader = DataLoader(
-            dataset,
-            batch_sampler=[rank_slice(batch, world.rank, config.train_batch_size) for batch in plan.batches],
-            num_workers=config.dataloader_num_workers,
-            collate_fn=collate,
-            pin_memory=world.device.type == "cuda",
-            worker_init_fn=ignore_stop_signals,
-        )
-        batches = iter(loader)
-        epoch_losses = []
-        for update_in_plan in range(plan.num_updates):
-            throughput.start()
-            update_batches = plan.update_batches(update_in_plan)
-            microbatches = [{key: value.to(world.device, non_blocking=True) for key, value in next(batches).items()} for _ in update_batches]
-            throughput.data_ready()
-            result = train_step(microbatches, epoch)
-            throughput.stop(global_batch_size * len(update_batches))
-            update = train_step.updates_done
-            consumed.extend(update_batches)
-            position = DataPosition(epoch, position.updates_in_epoch + 1, position.carried_in, np.concatenate(consumed))
-            memory = gather_floats(peak_memory_gib(world.device), world.device)
-            metrics.scalars(
-                {
-                    "train/loss": result.loss,
-                    "train/lr": result.learning_rate,
-                    "train/grad_norm": result.grad_norm,
-                    "train/skipped_updates": train_step.skipped_updates,
-                    "perf/images_per_s": throughput.images_per_second,
-                    "perf/data_wait_share": throughput.data_wait_share,
-                    **{f"perf/peak_memory_gib/rank{rank}": value for rank, value in enumerate(memory)},
-                },
-                update,
-            )
-            progress.set_postfix(epoch=epoch + 1, loss=f"{result.loss:.4f}", img_s=f"{throughput.images_per_second:.2f}")
-            progress.update()
-            if result.stepped:
-                epoch_losses.append(result.loss)
-            else:
-                if world.is_main:
-                    tqdm.write(f"Warning: update {update} skipped: loss {result.loss}, gradient norm {result.grad_norm} (NaN/inf).")
-                if train_step.consecutive_skipped_updates >= config.max_consecutive_skipped_updates:
-                    metrics.close()
-                    checkpoint_dir = save_checkpoint(run_dir, config, train_step, seed, position)
-                    raise SystemExit(
-                        f"Stopped at update {update}: the last {train_step.consecutive_skipped_updates} updates all had a NaN/inf loss or "
-                        f"gradient. State saved to {checkpoint_dir}. Lower --learning_rate, use --mixed_precision bf16 instead of fp16, "
-                        "or check the cache with sdxl_process_data_dir.py --verify."
-                    )
+    try:
+        if not saved:
+            evaluate(evaluator, 0, unet, ema, monitor.metrics, first_update)
+        monitor.throughput.start()
+        for update in stream:
+            monitor.throughput.data_ready()
+            result = train_step(update.microbatches, update.epoch)
+            monitor.throughput.stop(update.images)
+            monitor.log_update(train_step.updates_done, update.epoch, result.loss, result.learning_rate, result.grad_norm, result.stepped, train_step.skipped_updates)
+            if train_step.consecutive_skipped_updates >= config.max_consecutive_skipped_updates:
+                checkpoint_dir = checkpointer.before_exit(update.position_after, even_without_save_state=True)
+                raise SystemExit(
+                    f"Stopped at update {train_step.updates_done}: the last {train_step.consecutive_skipped_updates} updates all had a NaN/inf "
+                    f"loss or gradient. State saved to {checkpoint_dir}. Lower --learning_rate, use --mixed_precision bf16 instead of fp16, "
+                    "or check the cache with sdxl_process_data_dir.py --verify."
+                )
             if stop.agreed(world.device):
-                progress.close()
-                metrics.close()
                 try:
-                    checkpoint_dir = save_checkpoint(run_dir, config, train_step, seed, position)
+                    checkpoint_dir = checkpointer.before_exit(update.position_after, even_without_save_state=True)
                 except CheckpointError as error:
-                    raise SystemExit(f"Stop requested at update {update}, and the state could not be saved: {error}") from error
-                if world.is_main:
-                    print(f"Stopped on request after update {update}. Resume with: --load_saved_state latest (or {checkpoint_dir}).")
-                shutdown_distributed()
-                return 0
-            if config.save_state and config.save_state_every_n_updates and update % config.save_state_every_n_updates == 0:
-                if save_state(position):
-                    last_saved_update = update
-        if epoch_losses:
-            metrics.scalars({"train/epoch_loss": sum(epoch_losses) / len(epoch_losses)}, epoch + 1)
-        position = DataPosition.epoch_start(epoch + 1, plan.carried_out)
-        finished_epochs = epoch + 1
-        evaluate(evaluator, finished_epochs, unet, ema, metrics, update)
-        if (
-            finished_epochs < config.num_train_epochs
-            and config.save_model_every_n_epochs
-            and finished_epochs >= config.start_save_model_epoch
-            and finished_epochs % config.save_model_every_n_epochs == 0
-        ):
-            if config.save_diffusers:
-                try:
-                    export_model(config, world, unet, ema, run_dir / f"pipeline_epoch_{finished_epochs:04d}")
-                except ExportError as error:
-                    if world.is_main:
-                        tqdm.write(f"Warning: {error} Training goes on.")
-            if config.save_state and last_saved_update != update and save_state(position):
-                last_saved_update = update
-    progress.close()
-
-    # ---- end: state and export -------------------------------------------------------------------
-    metrics.close()
-    final_state_error = None
-    if config.save_state and last_saved_update != update:
-        try:
-            save_checkpoint(run_dir, config, train_step, seed, position)
-        except CheckpointError as error:
-            final_state_error = error
-            if world.is_main:
-                print(f"Warning: {error} The model export below goes on.")
-    if config.save_diffusers:
-        export_model(config, world, unet, ema, run_dir / "pipeline")
-    if final_state_error is not None:
-        raise SystemExit(f"Training finished, but its final state could not be saved: {final_state_error}")
-    if world.is_main:
-        print(f"TensorBoard logs: {log_dir}   (view with: tensorboard --logdir {log_dir})")
-    stop.restore_handlers()
+                    raise SystemExit(f"Stop requested at update {train_step.updates_done}, and the state could not be saved: {error}") from error
+                monitor.say(f"Stopped on request after update {train_step.updates_done}. Resume with: --load_saved_state latest (or {checkpoint_dir}).")
+                break
+            checkpointer.after_update(update.position_after)
+            if config.validation_every_n_updates and train_step.updates_done % config.validation_every_n_updates == 0:
+                evaluate(evaluator, None, unet, ema, monitor.metrics, train_step.updates_done)
+            if update.ends_epoch:
+                finished_epochs = update.epoch + 1
+                monitor.log_epoch(finished_epochs)
+                evaluate(evaluator, finished_epochs, unet, ema, monitor.metrics, train_step.updates_done)
+                if finished_epochs < config.num_train_epochs and epoch_save_due(config, finished_epochs):
+                    export_epoch_model(config, world, unet, ema, run_dir / f"pipeline_epoch_{finished_epochs:04d}", monitor)
+                    checkpointer.at_epoch_save(update.position_after)
+            monitor.throughput.start()
+        else:
+            finish(config, world, unet, ema, run_dir, checkpointer, stream.position, monitor)
+    finally:
+        monitor.close()
+        stop.restore_handlers()
     shutdown_distributed()
     return 0
+
+
+def epoch_save_due(config: TrainConfig, finished_epochs: int) -> bool:
+    """Epoch saves (the exported model and the state) after every --save_model_every_n_epochs epochs."""
+    every = config.save_model_every_n_epochs
+    return bool(every) and finished_epochs >= config.start_save_model_epoch and finished_epochs % every == 0
+
+
+def export_epoch_model(config: TrainConfig, world: World, unet, ema: ShardedEMA | None, pipeline_dir: Path, monitor: TrainingMonitor) -> None:
+    """An export after an epoch; if it fails (a full disk), training goes on."""
+    if not config.save_diffusers:
+        return
+    try:
+        export_model(config, world, unet, ema, pipeline_dir)
+    except ExportError as error:
+        monitor.say(f"Warning: {error} Training goes on.")
+
+
+def finish(config: TrainConfig, world: World, unet, ema: ShardedEMA | None, run_dir: Path, checkpointer: Checkpointer,
+           position: DataPosition, monitor: TrainingMonitor) -> None:
+    """The end of a run: its state, then the model. A state that cannot be saved still lets the model be
+    exported, then ends the job with exit code 1."""
+    monitor.close()
+    try:
+        checkpointer.before_exit(position)
+        state_error = None
+    except CheckpointError as error:
+        state_error = error
+        monitor.say(f"Warning: {error} The model export below goes on.")
+    if config.save_diffusers:
+        export_model(config, world, unet, ema, run_dir / "pipeline")
+    if state_error is not None:
+        raise SystemExit(f"Training finished, but its final state could not be saved: {state_error}")
+    log_dir = config.log_dir or run_dir / "tensorboard"
+    monitor.say(f"TensorBoard logs: {log_dir}   (view with: tensorboard --logdir {log_dir})")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from .cache import CacheReader, load_manifest
+from .checkpoint import DataPosition
+from .stop_request import ignore_stop_signals
 
 # Rows of a global batch plan are item indices into the dataset.
 GlobalBatch = np.ndarray
@@ -173,3 +176,57 @@ def rank_slice(batch: GlobalBatch, rank: int, per_rank_batch: int) -> list[int]:
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
+
+
+@dataclass
+class Update:
+    """One optimizer update's data for this rank, and where the run stands once it is trained."""
+
+    epoch: int
+    microbatches: list[dict[str, torch.Tensor]]
+    images: int  # in the whole update, all ranks together
+    position_after: DataPosition  # what a checkpoint saved after this update must hold
+    ends_epoch: bool
+
+
+class DataStream:
+    """The run's remaining optimizer updates in order, each with the data position a checkpoint needs.
+
+    One DataLoader reads the whole run's plan (every epoch's rank slices in a row), so its worker processes
+    start once instead of at every epoch."""
+
+    def __init__(self, dataset: CachedDataset, plans: list[EpochPlan], position: DataPosition, rank: int, per_rank_batch: int,
+                 num_workers: int, device: torch.device):
+        self.plans = plans
+        self.position = position
+        self.device = device
+        self.loader = DataLoader(
+            dataset,
+            batch_sampler=[rank_slice(batch, rank, per_rank_batch) for plan in plans for batch in plan.batches],
+            num_workers=num_workers,
+            collate_fn=collate,
+            pin_memory=device.type == "cuda",
+            worker_init_fn=ignore_stop_signals,
+        )
+
+    @property
+    def num_updates(self) -> int:
+        return sum(plan.num_updates for plan in self.plans)
+
+    def __iter__(self) -> Iterator[Update]:
+        batches = iter(self.loader)
+        start = self.position
+        for index, plan in enumerate(self.plans):
+            epoch = start.epoch + index
+            position = start if index == 0 else DataPosition.epoch_start(epoch, self.plans[index - 1].carried_out)
+            consumed = [position.consumed]
+            for update_in_plan in range(plan.num_updates):
+                update_batches = plan.update_batches(update_in_plan)
+                microbatches = [{key: value.to(self.device, non_blocking=True) for key, value in next(batches).items()} for _ in update_batches]
+                consumed.extend(update_batches)
+                ends_epoch = update_in_plan == plan.num_updates - 1
+                if ends_epoch:
+                    self.position = DataPosition.epoch_start(epoch + 1, plan.carried_out)
+                else:
+                    self.position = DataPosition(epoch, position.updates_in_epoch + update_in_plan + 1, position.carried_in, np.concatenate(consumed))
+                yield Update(epoch, microbatches, sum(len(batch) for batch in update_batches), self.position, ends_epoch)

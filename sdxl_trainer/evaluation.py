@@ -92,11 +92,19 @@ class Evaluator:
     def __call__(self, epochs_done: int, unet: torch.nn.Module, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
         """Collective. Runs what is due after `epochs_done` epochs and logs it at `step`; returns the scores
         (on rank 0; other ranks get the loss only)."""
+        due = [schedule.due(epochs_done, self.num_epochs) for schedule in (self.loss_schedule, self.image_schedule, self.sample_schedule)]
+        return self._run(*due, "base" if epochs_done == 0 else f"epoch {epochs_done}", unet, ema, metrics, step)
+
+    def after_updates(self, unet: torch.nn.Module, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
+        """Collective. Everything that is on (--validation_every_n_updates), after update `step`."""
+        on = [schedule.enabled for schedule in (self.loss_schedule, self.image_schedule, self.sample_schedule)]
+        return self._run(*on, f"update {step}", unet, ema, metrics, step)
+
+    def _run(self, loss_due: bool, images_due: bool, samples_due: bool, label: str, unet: torch.nn.Module, ema: ShardedEMA | None,
+             metrics: MetricsWriter, step: int) -> dict[str, float]:
         scores: dict[str, float] = {}
-        if self.loss_schedule.due(epochs_done, self.num_epochs) and len(self.holdout.loss_items):
+        if loss_due and len(self.holdout.loss_items):
             scores.update(validation_loss(unet, self.dataset, self.holdout.loss_items, self.noise_scheduler, self.holdout.seed, self.world.device))
-        images_due = self.image_schedule.due(epochs_done, self.num_epochs)
-        samples_due = self.sample_schedule.due(epochs_done, self.num_epochs)
         if images_due or samples_due:
             state = exported_weights_on_rank0(unet, ema, self.world.is_main)
             source = self.source
@@ -109,14 +117,14 @@ class Evaluator:
                 if images_due:
                     scores.update(self.validator(pipeline, self.negative))
                 if samples_due:
-                    self._add_sample_row(pipeline, epochs_done, metrics, step)
+                    self._add_sample_row(pipeline, label, metrics, step)
                 del pipeline
             if self.world.device.type == "cuda":
                 torch.cuda.empty_cache()
         metrics.scalars(scores, step)
         return scores
 
-    def _add_sample_row(self, pipeline, epochs_done: int, metrics: MetricsWriter, step: int) -> None:
+    def _add_sample_row(self, pipeline, label: str, metrics: MetricsWriter, step: int) -> None:
         with torch.no_grad():
             prompt_embeds, _, pooled, _ = pipeline.encode_prompt(
                 self.sample_prompts, device=self.world.device, num_images_per_prompt=1, do_classifier_free_guidance=False
@@ -128,7 +136,6 @@ class Evaluator:
         mine = rank_share(requests, self.world.rank, self.world.world_size)
         images = gather_images(generate(pipeline, mine, self.generation, self.negative, self.world.device), self.world.device)
         if self.world.is_main:
-            label = "base" if epochs_done == 0 else f"epoch {epochs_done}"
             grid = append_grid_row(self.grid_path, [images[position] for position in range(len(requests))], label, self.sample_prompts)
             metrics.image("samples/grid", np.asarray(grid), step)
         dist.barrier()

@@ -5,11 +5,16 @@ from __future__ import annotations
 import resource
 import sys
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
+
+WANDB_ID_FILE = "wandb_run_id.txt"
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -61,26 +66,164 @@ class Throughput:
         return self.data_seconds / self.seconds if self.seconds else 0.0
 
 
-class MetricsWriter:
-    """TensorBoard scalars and images, written by rank 0 only; other ranks hold a no-op writer."""
+@dataclass(frozen=True)
+class WandbSettings:
+    """Weights & Biases as a second backend. The run id is kept in the run folder, so a resumed training
+    run continues the same W&B run; WANDB_MODE=offline writes it locally (sync later with `wandb sync`)."""
 
-    def __init__(self, log_dir: Path, enabled: bool):
+    project: str
+    run_name: str
+    run_dir: Path
+    config: dict
+
+
+class MetricsWriter:
+    """TensorBoard scalars and images (and the same in Weights & Biases if asked), written by rank 0 only;
+    other ranks hold a no-op writer."""
+
+    def __init__(self, log_dir: Path, enabled: bool, wandb_settings: WandbSettings | None = None):
         self._writer = None
+        self._wandb = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(log_dir))
+            if wandb_settings is not None:
+                self._wandb = _start_wandb(wandb_settings)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         if self._writer is not None:
             for tag, value in values.items():
                 self._writer.add_scalar(tag, value, step)
+        if self._wandb is not None and values:
+            self._wandb.log(dict(values), step=step)
 
     def image(self, tag: str, image, step: int) -> None:
         """One RGB image (PIL image or uint8 (H, W, 3) array), e.g. the sample grid under "samples/grid"."""
         if self._writer is not None:
             self._writer.add_image(tag, np.asarray(image), step, dataformats="HWC")
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({tag: wandb.Image(np.asarray(image))}, step=step)
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._writer = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(settings: WandbSettings):
+    import wandb
+
+    id_file = settings.run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text(encoding="utf-8").strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    id_file.write_text(run_id + "\n", encoding="utf-8")
+    return wandb.init(project=settings.project, name=settings.run_name, id=run_id, resume="allow", dir=str(settings.run_dir), config=settings.config)
+
+
+class ConsoleLog:
+    """Rank 0's console messages, also appended to a plain text file (train.log in the run folder); the
+    progress bar's redraws (lines with carriage returns) stay on the console only."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path = path
+        self.enabled = enabled
+        self._file = None
+        self._originals: tuple = ()
+
+    def __enter__(self) -> ConsoleLog:
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8", buffering=1)
+            self._originals = (sys.stdout, sys.stderr)
+            sys.stdout, sys.stderr = (_Tee(stream, self._file) for stream in self._originals)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._file is not None:
+            sys.stdout, sys.stderr = self._originals
+            self._file.close()
+            self._file = None
+
+
+class _Tee:
+    def __init__(self, stream, log_file):
+        self._stream = stream
+        self._log_file = log_file
+
+    def write(self, text: str) -> int:
+        if "\r" not in text:
+            self._log_file.write(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+        self._log_file.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+class TrainingMonitor:
+    """What a run reports: the progress bar and messages (rank 0), the per-update scalars, epoch losses,
+    throughput and every rank's peak memory."""
+
+    def __init__(self, metrics: MetricsWriter, total_updates: int, first_update: int, device: torch.device, is_main: bool, every_n_updates: int = 1):
+        """Scalars are written every `every_n_updates` updates: loss and gradient norm averaged over them,
+        the learning rate and counters as of the last one."""
+        self.metrics = metrics
+        self.every_n_updates = every_n_updates
+        self._pending: list[tuple[float, float]] = []
+        self.throughput = Throughput()
+        self.device = device
+        self.is_main = is_main
+        self.epoch_losses: list[float] = []
+        self.progress = tqdm(total=total_updates, initial=first_update, desc="training", unit="update", disable=not is_main, dynamic_ncols=True)
+
+    def say(self, message: str) -> None:
+        """A message printed once (by rank 0), above the progress bar."""
+        if self.is_main:
+            tqdm.write(message)
+
+    def log_update(self, update: int, epoch: int, loss: float, learning_rate: float, grad_norm: float, stepped: bool, skipped_updates: int) -> None:
+        """Collective (every rank's peak memory is gathered)."""
+        self._pending.append((loss, grad_norm))
+        if update % self.every_n_updates == 0:
+            self._write_scalars(update, learning_rate, skipped_updates)
+        self.progress.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", img_s=f"{self.throughput.images_per_second:.2f}")
+        self.progress.update()
+        if stepped:
+            self.epoch_losses.append(loss)
+        else:
+            self.say(f"Warning: update {update} skipped: loss {loss}, gradient norm {grad_norm} (NaN/inf).")
+
+    def _write_scalars(self, update: int, learning_rate: float, skipped_updates: int) -> None:
+        losses, grad_norms = zip(*self._pending)
+        self._pending = []
+        memory = gather_floats(peak_memory_gib(self.device), self.device)
+        self.metrics.scalars(
+            {
+                "train/loss": float(np.mean(losses)),
+                "train/lr": learning_rate,
+                "train/grad_norm": float(np.mean(grad_norms)),
+                "train/skipped_updates": skipped_updates,
+                "perf/images_per_s": self.throughput.images_per_second,
+                "perf/data_wait_share": self.throughput.data_wait_share,
+                **{f"perf/peak_memory_gib/rank{rank}": value for rank, value in enumerate(memory)},
+            },
+            update,
+        )
+
+    def log_epoch(self, finished_epochs: int) -> None:
+        if self.epoch_losses:
+            self.metrics.scalars({"train/epoch_loss": sum(self.epoch_losses) / len(self.epoch_losses)}, finished_epochs)
+        self.epoch_losses = []
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()
