@@ -52,7 +52,7 @@ def test_validation_every_n_updates_and_at_epochs(logged_run):
     steps = [event.step for event in events.Scalars("val/loss")]
     assert steps[0] == 0  # the base model
     assert {3, 6, 9} <= set(steps), steps
-    assert "Validation (after update 3" in stdout and f"Validation (after epoch 1" in stdout
+    assert "Validation (after update 3" in stdout and "Validation (after epoch 1" in stdout
     assert steps[-1] >= updates - 1
 
 
