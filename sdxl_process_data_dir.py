@@ -21,7 +21,6 @@ without loading any model. Several workers (one per GPU or machine) split the da
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 import threading
@@ -36,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from PIL import Image
+from safetensors import SafetensorError
 from tqdm import tqdm
 
 from sdxl_trainer.buckets import BUCKET_TABLE_VERSION, categories
@@ -47,6 +47,7 @@ from sdxl_trainer.cache import (
     CacheSettings,
     CachedItem,
     ShardWriter,
+    WorkerLock,
     merge_parts,
     part_files,
     quarantine,
@@ -61,7 +62,8 @@ from sdxl_trainer.config import option, parse_config
 from sdxl_trainer.encoding import Encoders, load_encoders, model_fingerprint
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
-from sdxl_trainer.sources import PreparedItem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_source, scan_images, worker_of
+from sdxl_trainer.files import write_error_reason
+from sdxl_trainer.sources import PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_source, scan_images, worker_of
 from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
 from sdxl_trainer.upscale import Upscaler, load_upscaler, weights_problems
 
@@ -169,10 +171,13 @@ class ErrorLog:
         self.counts: Counter[str] = Counter()
         self._handle = open(self.path, "a", encoding="utf-8")
 
-    def skip(self, skipped: SkippedItem) -> None:
-        self.counts[skipped.category] += 1
-        self._handle.write(f"{skipped.source.relative_path}: {skipped}\n")
-        self._handle.flush()
+    def skip(self, relative_path: str, reason: str, category: str) -> None:
+        self.counts[category] += 1
+        try:
+            self._handle.write(f"{relative_path}: {reason}\n")
+            self._handle.flush()
+        except OSError as error:
+            raise WriteFailed(error) from error
 
     def close(self) -> None:
         self._handle.close()
@@ -232,7 +237,7 @@ def bounded_map(pool: ThreadPoolExecutor, function: Callable, items: Iterable, w
             future.cancel()
 
 
-def dry_run(config: CacheConfig, sources: list[SourcePair], worker_name: str) -> int:
+def dry_run(config: CacheConfig, sources: list[SourcePair], scan_problems: list[ScanProblem], worker_name: str) -> int:
     """Bucket histogram and counts from image headers and captions only."""
 
     def plan(source: SourcePair):
@@ -248,7 +253,9 @@ def dry_run(config: CacheConfig, sources: list[SourcePair], worker_name: str) ->
             return skipped
 
     histogram: Counter[str] = Counter()
-    skipped: Counter[str] = Counter()
+    skipped: Counter[str] = Counter(problem.category for problem in scan_problems)
+    for problem in scan_problems:
+        print(f"[{worker_name}] skipping {problem.relative_path}: {problem.reason}")
     upscaled = 0
     with ThreadPoolExecutor(config.num_io_threads) as pool:
         for result in tqdm(bounded_map(pool, plan, sources, 4 * config.num_io_threads), total=len(sources), desc=f"scanning [{worker_name}]", unit="img"):
@@ -323,9 +330,37 @@ def main(argv: list[str] | None = None) -> int:
         return run_verify(config.cache_dir)
     worker_name = f"w{config.shard_index:04d}of{config.num_shards:04d}"
     started = time.perf_counter()
-    sources = [s for s in scan_images(config.data_dir) if worker_of(s.relative_path, config.num_shards) == config.shard_index]
+    scan = scan_images(config.data_dir)
+    sources = [pair for pair in scan.pairs if worker_of(pair.relative_path, config.num_shards) == config.shard_index]
+    scan_problems = [problem for problem in scan.problems if worker_of(problem.relative_path, config.num_shards) == config.shard_index]
     if config.dry_run:
-        return dry_run(config, sources, worker_name)
+        return dry_run(config, sources, scan_problems, worker_name)
+    try:
+        lock = WorkerLock(config.cache_dir, worker_name)
+    except CacheError as error:
+        print(f"[{worker_name}] refused: {error}")
+        return 2
+    except OSError as error:
+        print(stopped_message(worker_name, config.cache_dir, error, 0))
+        return 1
+    try:
+        return cache_images(config, sources, scan_problems, worker_name, started)
+    except WriteFailed as failure:
+        print(stopped_message(worker_name, config.cache_dir, failure.__cause__, 0))
+        return 1
+    finally:
+        lock.release()
+
+
+def stopped_message(worker_name: str, cache_dir: Path, error: BaseException, committed: int) -> str:
+    return (
+        f"\n[{worker_name}] stopped: cannot write into {cache_dir} ({write_error_reason(error, cache_dir)}: {error}). The {committed} items "
+        "committed in this run and everything cached before are kept; free space (or fix the folder) and re-run the same "
+        "command to cache the rest."
+    )
+
+
+def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: list[ScanProblem], worker_name: str, started: float) -> int:
 
     already_cached = valid_cached_items(config.cache_dir, {s.relative_path for s in sources}, config.num_io_threads, worker_name)
     print(f"[{worker_name}] {len(sources)} images to check in {config.data_dir}; {len(already_cached)} of them already in {config.cache_dir}")
@@ -348,10 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         write_cache_info(config.cache_dir, settings)
+        write_empty_prompt(config.cache_dir, *[tensor[0] for tensor in encoders.encode_captions([""])])
     except CacheError as error:
         print(f"[{worker_name}] refused: {error}")
         return 2
-    write_empty_prompt(config.cache_dir, *[tensor[0] for tensor in encoders.encode_captions([""])])
+    except (OSError, SafetensorError) as error:
+        raise WriteFailed(error) from error
     upscaler: Upscaler | None = None
     if config.upscale_to_resolution:
         upscaler = load_upscaler(
@@ -365,8 +402,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     samples = UpscaleSamples(config.save_upscale_samples, config.max_upscale_samples) if config.save_upscale_samples else None
 
-    writer = ShardWriter(config.cache_dir, worker_name)
-    errors = ErrorLog(config.cache_dir, worker_name)
+    try:
+        writer = ShardWriter(config.cache_dir, worker_name)
+        errors = ErrorLog(config.cache_dir, worker_name)
+    except OSError as error:
+        raise WriteFailed(error) from error
     counts: Counter[str] = Counter()
 
     def load(source: SourcePair) -> PreparedItem | SkippedItem | None:
@@ -385,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         encoded = encode_chunk(encoders, items, config.batch_size)
         try:
             writer.write(encoded)
-        except OSError as error:
+        except (OSError, SafetensorError) as error:  # safetensors reports a full disk as SafetensorError, not OSError
             raise WriteFailed(error) from error
         counts["cached"] += len(items)
         counts["upscaled"] += sum(item.upscaled for item in items)
@@ -396,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     pending: list[PreparedItem] = []
     exit_code = 0
     try:
+        for problem in scan_problems:
+            errors.skip(problem.relative_path, problem.reason, problem.category)
         with ThreadPoolExecutor(config.num_io_threads) as pool:
             # Enough decoded items in flight to fill a shard while the encoders work on the previous one.
             for result in bounded_map(pool, load, sources, config.items_per_shard + 2 * config.num_io_threads):
@@ -403,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                 if result is None:
                     counts["already cached"] += 1
                 elif isinstance(result, SkippedItem):
-                    errors.skip(result)
+                    errors.skip(result.source.relative_path, str(result), result.category)
                 else:
                     pending.append(result)
                 if len(pending) == config.items_per_shard:
@@ -412,13 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             if pending:
                 commit(pending)
     except WriteFailed as failure:
-        error = failure.__cause__
-        reason = "the disk is full" if error.errno == errno.ENOSPC else f"{error.strerror or error}"
-        print(
-            f"\n[{worker_name}] stopped: cannot write into {config.cache_dir} ({reason}: {error}). The {counts['cached']} items "
-            "committed in this run and everything cached before are kept; free space (or fix the folder) and re-run the same "
-            "command to cache the rest."
-        )
+        print(stopped_message(worker_name, config.cache_dir, failure.__cause__, counts["cached"]))
         exit_code = 1
     finally:
         progress.close()

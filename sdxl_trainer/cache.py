@@ -7,6 +7,7 @@ Layout of a cache folder (every path inside is relative, so the folder can be mo
     shards/<worker>-<seq>.safetensors     tensors of up to --items_per_shard items
     manifest/<worker>-<seq>.parquet       one row per item of the shard of the same name
     logs/                        one error log per worker run
+    locks/<worker>.lock          held (flock) by the process caching as that worker, released when it ends
     damaged/                     shards (and their manifest parts) a re-run found damaged, kept for inspection
 
 Each worker (one per GPU, or per machine) writes only files named after itself, so several writers
@@ -19,9 +20,11 @@ is ignored. Readers merge all parts.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import socket
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +38,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .files import make_shareable
+
 CACHE_FORMAT_VERSION = 1
 CACHE_INFO_FILE = "cache_info.json"
 EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
@@ -42,6 +47,8 @@ SHARD_DIR = "shards"
 MANIFEST_DIR = "manifest"
 LOG_DIR = "logs"
 DAMAGED_DIR = "damaged"
+LOCK_DIR = "locks"
+STALE_TMP_S = 60.0  # a temporary file older than this was left by a killed worker
 TENSOR_KEYS = ("latents", "prompt_embeds", "pooled_prompt_embeds")
 LATENT_DOWNSCALE = 8  # VAE: latent side = image side / 8
 VERIFY_COMMAND = "python sdxl_process_data_dir.py --verify --cache_dir {cache_dir}"
@@ -127,9 +134,20 @@ def _create_once(tmp_path: Path, final_path: Path) -> bool:
         tmp_path.unlink(missing_ok=True)
 
 
+def _remove_stale_tmp(final_path: Path) -> None:
+    """Temporary files of `final_path` that a killed worker left (a live writer renames its own within a second)."""
+    for tmp in final_path.parent.glob(f".{final_path.name}.*.tmp"):
+        try:
+            if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+                tmp.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def write_cache_info(cache_dir: Path, settings: CacheSettings) -> None:
     """Record the settings, or check them against an existing cache's (refusing to mix settings)."""
     path = cache_dir / CACHE_INFO_FILE
+    _remove_stale_tmp(path)
     if not path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = _tmp_name(path)
@@ -164,16 +182,22 @@ def settings_differences(cached: CacheSettings, wanted: CacheSettings, fields: t
 def write_empty_prompt(cache_dir: Path, prompt_embeds: torch.Tensor, pooled_prompt_embeds: torch.Tensor) -> None:
     """Written once: every worker computes the same tensors (same settings), so the first one keeps them."""
     path = cache_dir / EMPTY_PROMPT_FILE
+    _remove_stale_tmp(path)
     if path.exists():
         return
     tmp = _tmp_name(path)
-    save_file(
-        {
-            "prompt_embeds": prompt_embeds.to(STORAGE_DTYPE).contiguous(),
-            "pooled_prompt_embeds": pooled_prompt_embeds.to(STORAGE_DTYPE).contiguous(),
-        },
-        tmp,
-    )
+    try:
+        save_file(
+            {
+                "prompt_embeds": prompt_embeds.to(STORAGE_DTYPE).contiguous(),
+                "pooled_prompt_embeds": pooled_prompt_embeds.to(STORAGE_DTYPE).contiguous(),
+            },
+            tmp,
+        )
+        make_shareable(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _create_once(tmp, path)
 
 
@@ -193,6 +217,36 @@ class CachedItem:
     prompt_embeds: torch.Tensor  # (77, 2048): penultimate hidden states of both text encoders
     pooled_prompt_embeds: torch.Tensor  # (1280,): pooled output of text encoder 2
     row: dict  # manifest fields except shard and index_in_shard
+
+
+class WorkerLock:
+    """One process per worker name and cache folder: a second one started by mistake would redo all the work
+    and race on the same files. An flock on locks/<worker>.lock, which the kernel releases when the process
+    ends however it ends, so a killed run never leaves a stale lock (on NFS this needs its lock service,
+    which NFSv4 has)."""
+
+    def __init__(self, cache_dir: Path, worker_name: str):
+        path = cache_dir / LOCK_DIR / f"{worker_name}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self._handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._handle.seek(0)
+            holder = self._handle.read().strip() or "another process"
+            self._handle.close()
+            raise CacheError(
+                f"{holder} is already caching worker {worker_name} into {cache_dir}: wait for it to finish, or give this "
+                "process another --shard_index / --num_shards"
+            ) from None
+        self._handle.seek(0)
+        self._handle.truncate()
+        self._handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        self._handle.flush()
+
+    def release(self) -> None:
+        fcntl.flock(self._handle, fcntl.LOCK_UN)
+        self._handle.close()
 
 
 class ShardWriter:
@@ -232,6 +286,7 @@ class ShardWriter:
         tmp = _tmp_name(shard_path)
         try:
             save_file(tensors, tmp)
+            make_shareable(tmp)
             shard_sha256 = sha256_file(tmp)
             _atomic_replace(tmp, shard_path)
         finally:
@@ -396,6 +451,14 @@ def verify_cache(cache_dir: Path) -> tuple[int, dict[str, list[str]]]:
     problems: dict[str, list[str]] = {f"{MANIFEST_DIR}/{path.name}": [reason] for path, reason in damaged_parts.items()}
     if not (cache_dir / EMPTY_PROMPT_FILE).exists():
         problems[EMPTY_PROMPT_FILE] = ["missing"]
+    if not (cache_dir / MANIFEST_DIR).is_dir():
+        problems[MANIFEST_DIR] = ["missing: the cache lists no items at all"]
+    # A shard no manifest part lists: its part was lost (its items silently gone from the cache) or its write
+    # was cut short. (Run --verify while no cache worker is writing: a shard is listed a moment after it is written.)
+    listed = {part.shard for part, _ in parts}
+    for shard in sorted((cache_dir / SHARD_DIR).glob("*.safetensors")):
+        if shard.name not in listed:
+            problems[f"{SHARD_DIR}/{shard.name}"] = ["no manifest part lists it: its items are missing from the cache"]
     checked = 0
     for part, table in parts:
         name = f"{SHARD_DIR}/{part.shard}"

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .ema import ShardedEMA
-from .files import write_durably, write_error_reason
+from .files import make_shareable, write_durably, write_error_reason
 
 TRAINER_STATE_FILE = "trainer_state.json"
 DATA_POSITION_FILE = "data_position.safetensors"
@@ -199,6 +199,7 @@ def _save_rng_states(path: Path) -> None:
     details = {"numpy": [algorithm, int(numpy_position), int(has_gauss), float(cached_gauss)], "python": [python_version, python_gauss]}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_numpy_file(arrays, str(path), metadata={"details": json.dumps(details)})
+    make_shareable(path)
 
 
 def _restore_rng_states(path: Path) -> None:
@@ -345,6 +346,7 @@ def save_training_state(
                 {"carried_in": position.carried_in.astype(np.int64), "consumed": position.consumed.astype(np.int64)},
                 str(tmp_dir / DATA_POSITION_FILE),
             )
+            make_shareable(tmp_dir / DATA_POSITION_FILE)
     # DCP's CheckpointException is a BaseException: caught by name, so a disk-full save is a warning, not a crash.
     except (Exception, CheckpointException) as caught:  # noqa: BLE001 - every rank must learn of a failure on any rank
         error = caught

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .files import write_error_reason
+from .files import make_shareable, write_error_reason
 from .single_file import SDXL_CONFIG_SOURCE, load_pipeline, save_single_file
 
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -43,6 +43,7 @@ def save_pipeline(
     shutil.rmtree(tmp_dir, ignore_errors=True)
     try:
         pipeline.save_pretrained(tmp_dir)
+        make_shareable(tmp_dir)
     except Exception as error:  # diffusers passes safetensors' SafetensorError (not an OSError) for a full disk
         reason = write_error_reason(error, output_dir.parent)
         shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -13,6 +13,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 LOW_SPACE_BYTES = 1 << 30  # less than one SDXL checkpoint shard or export
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once: os.umask can only be read by setting it
+SHAREABLE_MODE = 0o666 & ~_UMASK
 
 
 def _causes(error: BaseException | None):
@@ -68,3 +71,13 @@ def write_durably(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     tmp_path.replace(path)
+
+
+def make_shareable(*paths: Path) -> None:
+    """Give files the mode any other file the user creates gets (0o666 less the umask: usually readable by
+    the group, so a team on a shared filesystem can read caches and models). safetensors creates its files
+    0o600 whatever the umask; everything we write with it goes through here. Folders: every file inside."""
+    for path in paths:
+        files = [path] if path.is_file() else [child for child in path.rglob("*") if child.is_file()]
+        for file in files:
+            os.chmod(file, SHAREABLE_MODE)

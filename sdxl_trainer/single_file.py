@@ -22,6 +22,8 @@ from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors.torch import save_file
 
+from .files import make_shareable
+
 SDXL_CONFIG_SOURCE = "stabilityai/stable-diffusion-xl-base-1.0"
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
@@ -203,6 +205,7 @@ def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path) -> 
     state = {key: value.contiguous() for key, value in pipeline_to_single_file(pipeline).items()}
     try:
         save_file(state, str(tmp_file), metadata={"format": "pt", "modelspec.architecture": "stable-diffusion-xl-v1-base"})
+        make_shareable(tmp_file)
     except BaseException:
         tmp_file.unlink(missing_ok=True)
         raise

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,6 +24,11 @@ UpscaleFunction = Callable[[Image.Image, float], Image.Image]
 class SourcePair:
     image_path: Path
     relative_path: str  # image path relative to the data folder, '/'-separated: the item's identity
+    caption_path: Path | None = None  # found by the scan (any case of .txt); None = the image's name with .txt
+
+    @property
+    def expected_caption(self) -> Path:
+        return self.caption_path or self.image_path.with_suffix(".txt")
 
 
 @dataclass
@@ -60,14 +67,85 @@ class SkippedItem(Exception):
         self.category = category  # short key for the end-of-run counts
 
 
-def scan_images(data_dir: Path) -> list[SourcePair]:
-    """Every image under data_dir (recursively, hidden folders skipped), sorted for a stable order."""
-    pairs = []
-    for path in sorted(data_dir.rglob("*")):
-        relative = path.relative_to(data_dir)
-        if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file() and not any(part.startswith(".") for part in relative.parts):
-            pairs.append(SourcePair(path, relative.as_posix()))
-    return pairs
+@dataclass(frozen=True)
+class ScanProblem:
+    """Something under the data folder that looks like data but cannot be used, with why."""
+
+    relative_path: str
+    reason: str
+    category: str
+
+
+@dataclass
+class DataScan:
+    pairs: list[SourcePair]  # sorted by relative path
+    problems: list[ScanProblem]
+
+
+def _image_rank(name: str) -> tuple[int, str]:
+    """Which of several images with one name gets the caption: the first extension of IMAGE_EXTENSIONS."""
+    return IMAGE_EXTENSIONS.index(Path(name).suffix.lower()), name
+
+
+def scan_images(data_dir: Path) -> DataScan:
+    """Every image under data_dir (recursively, hidden names skipped, symlinked folders followed once) with its
+    caption: the .txt file of the same name, in any case (photo.JPG + photo.TXT). What looks like data but
+    cannot be used is listed, not dropped: dangling or looping symlinks, FIFOs and other non-files named like
+    images, folders named like images, folders that cannot be listed, and images that share one name
+    (a.jpg + a.png + a.txt: the first extension of IMAGE_EXTENSIONS gets the caption)."""
+    pairs: list[SourcePair] = []
+    problems: list[ScanProblem] = []
+    visited: set[Path] = set()
+    pending = [data_dir]
+    while pending:
+        folder = pending.pop()
+        relative_folder = folder.relative_to(data_dir)
+        real = folder.resolve()
+        if real in visited:
+            continue
+        visited.add(real)
+        try:
+            entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+        except OSError as error:
+            problems.append(ScanProblem((relative_folder.as_posix() or "."), f"cannot list this folder ({error.strerror}): its images are not cached; fix its permissions", "unreadable folder"))
+            continue
+        images: dict[str, list[str]] = {}
+        captions: dict[str, str] = {}
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            relative = (relative_folder / entry.name).as_posix()
+            looks_like_image = Path(entry.name).suffix.lower() in IMAGE_EXTENSIONS
+            try:
+                mode = os.stat(entry.path).st_mode  # follows symlinks
+            except OSError as error:
+                problems.append(ScanProblem(relative, f"broken symlink ({error.strerror}): point it at an existing file or remove it", "broken symlink"))
+                continue
+            if stat.S_ISDIR(mode):
+                if looks_like_image:
+                    problems.append(ScanProblem(relative, "a folder named like an image (its contents are scanned as a folder)", "not a file"))
+                pending.append(Path(entry.path))
+            elif not stat.S_ISREG(mode):
+                if looks_like_image:
+                    problems.append(ScanProblem(relative, "not a regular file (a FIFO, socket or device)", "not a file"))
+            elif looks_like_image:
+                images.setdefault(Path(entry.name).stem, []).append(entry.name)
+            elif Path(entry.name).suffix.lower() == ".txt":
+                stem = Path(entry.name).stem
+                captions[stem] = min(captions.get(stem, entry.name), entry.name, key=lambda name: (name != f"{stem}.txt", name))
+        for stem, names in images.items():
+            chosen, *others = sorted(names, key=_image_rank)
+            caption = captions.get(stem)
+            pairs.append(SourcePair(folder / chosen, (relative_folder / chosen).as_posix(), folder / caption if caption else None))
+            for other in others:
+                problems.append(ScanProblem(
+                    (relative_folder / other).as_posix(),
+                    f"another image has the same name ({chosen}) and takes its caption: rename this one and give it its own caption",
+                    "duplicate name",
+                ))
+    pairs.sort(key=lambda pair: pair.relative_path)
+    problems.sort(key=lambda problem: problem.relative_path)
+    return DataScan(pairs, problems)
 
 
 def worker_of(relative_path: str, num_workers: int) -> int:
@@ -77,11 +155,13 @@ def worker_of(relative_path: str, num_workers: int) -> int:
 
 
 def read_caption(source: SourcePair) -> str:
-    caption_path = source.image_path.with_suffix(".txt")
+    caption_path = source.expected_caption
     if not caption_path.is_file():
         raise SkippedItem(source, f"no caption file {caption_path.name} next to the image: add one", "missing caption")
     try:
         caption = caption_path.read_bytes().decode("utf-8-sig")
+    except OSError as error:
+        raise SkippedItem(source, f"cannot read the caption file {caption_path.name} ({error.strerror or error}): fix its permissions", "unreadable caption") from error
     except UnicodeDecodeError as error:
         raise SkippedItem(source, f"caption {caption_path.name} is not UTF-8 ({error}): re-save it as UTF-8", "caption not UTF-8") from error
     caption = " ".join(caption.split())

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -103,3 +106,28 @@ def small_filesystem_prefix(mount_dir: Path, copy_to: Path, size: str) -> tuple[
     copy_to.mkdir(parents=True, exist_ok=True)
     script = 'size=$1 mount_dir=$2 copy_to=$3; shift 3; mount -t tmpfs -o size="$size" tmpfs "$mount_dir" || exit 99; "$@"; code=$?; cp -a "$mount_dir/." "$copy_to"; exit $code'
     return ("unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", size, str(mount_dir), str(copy_to))
+
+
+@contextlib.contextmanager
+def unprivileged():
+    """Run the block as an ordinary user, so file permissions apply (root reads anything): as user nobody
+    when the tests run as root, unchanged otherwise. Files it must reach need to be under public_tmp_path."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+@pytest.fixture
+def public_tmp_path(tmp_path_factory) -> Path:
+    """A temporary folder an ordinary user can enter (pytest's own are private to the user who runs the tests)."""
+    path = Path(tempfile.mkdtemp(prefix="public-", dir=tmp_path_factory.getbasetemp().parent.parent))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

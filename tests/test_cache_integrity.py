@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import shutil
 import time
 
 import numpy as np
@@ -69,11 +70,25 @@ def test_verify_names_every_kind_of_damage(tmp_path):
         "shards/w0-000001.safetensors",
         "shards/w0-000002.safetensors",
         "manifest/w0-000003.parquet",
+        "shards/w0-000003.safetensors",  # its part is unreadable, so nothing lists it
     }
     assert "checksum mismatch" in problems["shards/w0-000000.safetensors"][0]
     assert "size 100 bytes" in problems["shards/w0-000001.safetensors"][0]
     assert problems["shards/w0-000002.safetensors"] == ["missing (listed in manifest/w0-000002.parquet)"]
     assert "unreadable manifest part" in problems["manifest/w0-000003.parquet"][0]
+
+
+def test_verify_reports_a_missing_manifest_and_shards_no_part_lists(tmp_path):
+    small_cache(tmp_path, shards=3)
+    (tmp_path / MANIFEST_DIR / "w0-000001.parquet").unlink()  # its items would vanish silently
+    checked, problems = verify_cache(tmp_path)
+    assert checked == 4
+    assert problems == {"shards/w0-000001.safetensors": ["no manifest part lists it: its items are missing from the cache"]}
+    shutil.rmtree(tmp_path / MANIFEST_DIR)
+    checked, problems = verify_cache(tmp_path)
+    assert checked == 0
+    assert problems["manifest"] == ["missing: the cache lists no items at all"]
+    assert {f"shards/w0-00000{index}.safetensors" for index in range(3)} <= set(problems)
 
 
 def test_verify_checks_rows_against_shard(tmp_path):

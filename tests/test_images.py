@@ -9,6 +9,7 @@ import io
 import struct
 import zlib
 from collections import Counter
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import unprivileged
 from sdxl_trainer import images
 from sdxl_trainer.buckets import Bucket, crop_into, micro_conditioning, plan_crop
 from sdxl_trainer.cache import sha256_bytes
@@ -24,6 +26,7 @@ from sdxl_trainer.sources import (
     SkippedItem,
     SourcePair,
     prepare_item,
+    DataScan,
     read_caption,
     read_source,
     scan_images,
@@ -264,13 +267,63 @@ def test_scan_images_recursive_skips_hidden_and_non_images(tmp_path):
         (tmp_path / relative).write_text("x")
     (tmp_path / "folder.png").mkdir()  # a folder named like an image is not an image
 
-    pairs = scan_images(tmp_path)
-    assert [pair.relative_path for pair in pairs] == ["a.jpg", "b.png", "nested/D.JPEG", "nested/deeper/c.webp"]
-    assert pairs[0].image_path == tmp_path / "a.jpg"
+    scan = scan_images(tmp_path)
+    assert [pair.relative_path for pair in scan.pairs] == ["a.jpg", "b.png", "nested/D.JPEG", "nested/deeper/c.webp"]
+    assert scan.pairs[0].image_path == tmp_path / "a.jpg" and scan.pairs[0].caption_path == tmp_path / "a.txt"
+    assert [(problem.relative_path, problem.category) for problem in scan.problems] == [("folder.png", "not a file")]
 
 
 def test_scan_images_empty_folder(tmp_path):
-    assert scan_images(tmp_path) == []
+    assert scan_images(tmp_path) == DataScan([], [])
+
+
+def test_scan_names_and_counts_what_looks_like_data_but_cannot_be_used(public_tmp_path):
+    tmp_path = public_tmp_path
+    (tmp_path / "good.png").write_bytes(b"x")
+    (tmp_path / "dangling.png").symlink_to(tmp_path / "nowhere.png")
+    (tmp_path / "loop.jpg").symlink_to(tmp_path / "loop.jpg")
+    os.mkfifo(tmp_path / "pipe.png")
+    (tmp_path / "album.jpg").mkdir()
+    (tmp_path / "album.jpg" / "inside.png").write_bytes(b"x")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "hidden_from_us.png").write_bytes(b"x")
+    locked.chmod(0)
+    try:
+        with unprivileged():
+            scan = scan_images(tmp_path)
+    finally:
+        locked.chmod(0o755)
+    found = {problem.relative_path: problem for problem in scan.problems}
+    assert [pair.relative_path for pair in scan.pairs] == ["album.jpg/inside.png", "good.png"]
+    assert found["dangling.png"].category == "broken symlink" and "No such file or directory" in found["dangling.png"].reason
+    assert found["loop.jpg"].category == "broken symlink" and "symbolic links" in found["loop.jpg"].reason
+    assert found["pipe.png"].category == "not a file" and "FIFO" in found["pipe.png"].reason
+    assert found["album.jpg"].category == "not a file"
+    assert found["locked"].category == "unreadable folder" and "Permission denied" in found["locked"].reason
+
+
+def test_captions_match_in_any_case_and_images_sharing_a_name_are_reported(tmp_path):
+    (tmp_path / "x.JPG").write_bytes(b"x")
+    (tmp_path / "x.TXT").write_text("upper case caption")
+    for name in ("a.png", "a.jpg", "a.webp"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "a.txt").write_text("one caption")
+    scan = scan_images(tmp_path)
+    assert [(pair.relative_path, pair.caption_path.name) for pair in scan.pairs] == [("a.jpg", "a.txt"), ("x.JPG", "x.TXT")]
+    assert read_caption(scan.pairs[1]) == "upper case caption"
+    assert [(problem.relative_path, problem.category) for problem in scan.problems] == [("a.png", "duplicate name"), ("a.webp", "duplicate name")]
+    assert "same name (a.jpg)" in scan.problems[0].reason
+
+
+def test_unreadable_caption_is_skipped_with_its_reason(public_tmp_path):
+    tmp_path = public_tmp_path
+    source = write_pair(tmp_path, "cat", caption="a cat")
+    (tmp_path / "cat.txt").chmod(0)
+    with unprivileged(), pytest.raises(SkippedItem) as info:
+        read_caption(source)
+    assert info.value.category == "unreadable caption"
+    assert "cannot read the caption file cat.txt (Permission denied)" in str(info.value)
 
 
 def test_read_caption_collapses_whitespace(tmp_path):
