@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import sdxl_process_data_dir
 from conftest import REPO_ROOT, SAMPLE_DATASET, process_env, small_filesystem_prefix, unprivileged
