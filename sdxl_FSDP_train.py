@@ -90,7 +90,7 @@ class TrainConfig:
         "(4 bytes; use a 3-10x lower --learning_rate)",
     )
     adam_beta1: float = option(0.9, help="beta1 of AdamW and Lion")
-    adam_beta2: float = option(0.999, help="beta2 of AdamW and Lion (Lion's usual value is 0.99)")
+    adam_beta2: float | None = option(None, help="beta2 of AdamW and Lion; None = the optimizer's own default: 0.999 for AdamW, 0.99 for Lion (the paper's)")
     adam_epsilon: float = option(1e-8, help="AdamW epsilon")
     weight_decay: float = option(1e-2, help="decoupled weight decay of every optimizer")
     max_grad_norm: float = option(1.0, help="clip the global gradient norm to this; 0 = no clipping (the norm is still logged)")
@@ -214,7 +214,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0, got {getattr(self, name)}")
         for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1:
                 problems.append(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         if self.lr_num_cycles < 1:
             problems.append(f"--lr_num_cycles must be at least 1, got {self.lr_num_cycles}")

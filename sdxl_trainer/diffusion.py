@@ -1,7 +1,9 @@
 """The denoising objective: per-sample noise, timesteps and caption dropout, the prediction target and the loss.
 
-Every random draw for a sample comes from a generator seeded by (run seed, epoch, item index), not from
-the rank's global RNG. So a sample gets the same noise whichever rank or microbatch it lands in, which
+Every random draw for a sample comes from its own generator seeded by (run seed, epoch, item index), not
+from the rank's global RNG: numpy's PCG64 (128-bit state) seeded through a SeedSequence, which hashes the
+three numbers, so no two (run, epoch, item) share their draws. (torch's CPU generator keeps only 32 bits
+of a seed: with a linear seed, item i+2 in epoch e+2 repeated item i's noise of epoch e.) So a sample gets the same noise whichever rank or microbatch it lands in, which
 makes runs on 1 and N processes comparable step by step, and resumed runs identical to straight ones.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from diffusers import DDPMScheduler
 
@@ -34,9 +37,16 @@ def build_noise_scheduler(base_model: str, prediction_type: PredictionType, zero
     )
 
 
-def sample_seed(run_seed: int, epoch: int, item_index: int) -> int:
-    """A 63-bit seed unique to (run, epoch, item)."""
-    return ((run_seed * 1_000_003 + epoch) * 2_147_483_647 + item_index) % (2**63 - 1)
+def sample_generator(run_seed: int, epoch: int, item_index: int) -> np.random.Generator:
+    """The generator of one sample's draws in one epoch (see the module docstring)."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([run_seed, epoch, item_index])))
+
+
+def sample_seed(run_seed: int, key: int, item_index: int) -> int:
+    """A 63-bit torch seed for (run, key, item), hashed like sample_generator's: for the generators of
+    validation and sample images (CUDA's Philox uses all 64 bits; torch's CPU generator the low 32)."""
+    high, low = np.random.SeedSequence([run_seed, key, item_index]).generate_state(2, np.uint32)
+    return ((int(high) << 32) | int(low)) & (2**63 - 1)
 
 
 @dataclass
@@ -51,13 +61,13 @@ def draw_sample_randomness(latents: torch.Tensor, item_indices: torch.Tensor, ru
     noises, timesteps, drop = [], [], []
     channels = latents.shape[1]
     for item_index in item_indices.tolist():
-        generator = torch.Generator().manual_seed(sample_seed(run_seed, epoch, item_index))
-        noise = torch.randn(latents.shape[1:], generator=generator)
-        timesteps.append(torch.randint(settings.min_timestep, settings.max_timestep, (1,), generator=generator))
-        drop.append(torch.rand(1, generator=generator) < settings.conditional_dropout_percent)
+        generator = sample_generator(run_seed, epoch, item_index)
+        noise = torch.from_numpy(generator.standard_normal(tuple(latents.shape[1:]), dtype=np.float32))
+        timesteps.append(torch.from_numpy(generator.integers(settings.min_timestep, settings.max_timestep, (1,), dtype=np.int64)))
+        drop.append(torch.from_numpy(generator.random(1) < settings.conditional_dropout_percent))
         if settings.noise_offset:
             # A shift of each channel's mean lets the model learn very dark or bright images (Guttenberg 2023).
-            noise = noise + settings.noise_offset * torch.randn(channels, 1, 1, generator=generator)
+            noise = noise + settings.noise_offset * torch.from_numpy(generator.standard_normal((channels, 1, 1), dtype=np.float32))
         noises.append(noise)
     device = latents.device
     return SampleRandomness(torch.stack(noises).to(device), torch.cat(timesteps).to(device), torch.cat(drop).to(device))

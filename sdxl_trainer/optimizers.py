@@ -109,11 +109,18 @@ class Adafactor(torch.optim.Optimizer):
                 param.sub_(update.to(param.dtype) * group["lr"])
 
 
+# beta2 when --adam_beta2 is not given: AdamW's usual value, and the Lion paper's (Chen et al. 2023, 0.99:
+# Lion's update is the sign of an interpolation, and 0.999 makes its momentum too slow).
+DEFAULT_BETA2 = {"adamw8bit": 0.999, "adamw": 0.999, "lion": 0.99}
+
+
 def build_optimizer(
-    name: str, parameters: Iterable[torch.nn.Parameter], learning_rate: float, weight_decay: float, betas: tuple[float, float], eps: float
+    name: str, parameters: Iterable[torch.nn.Parameter], learning_rate: float, weight_decay: float, betas: tuple[float, float | None], eps: float
 ) -> torch.optim.Optimizer:
-    """betas and eps apply to the AdamW variants; Lion uses betas; Adafactor uses neither."""
+    """betas and eps apply to the AdamW variants; Lion uses betas; Adafactor uses neither. A beta2 of None
+    takes the optimizer's default (DEFAULT_BETA2)."""
     parameters = list(parameters)
+    betas = (betas[0], DEFAULT_BETA2.get(name, 0.999) if betas[1] is None else betas[1])
     if name == "adamw8bit":
         from torchao.optim import AdamW8bit
 

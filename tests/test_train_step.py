@@ -335,3 +335,30 @@ def test_train_config_accepts_v_prediction_with_zero_terminal_snr():
 
     config = parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--prediction_type", "v_prediction", "--zero_terminal_snr", "--optimizer", "lion"])
     assert (config.prediction_type, config.zero_terminal_snr, config.optimizer) == ("v_prediction", True, "lion")
+
+
+@pytest.mark.parametrize("optimizer,beta2", [("lion", 0.99), ("adamw", 0.999), ("adamw8bit", 0.999)])
+def test_beta2_defaults_to_each_optimizers_own(optimizer, beta2):
+    from sdxl_FSDP_train import TrainConfig
+    from sdxl_trainer.optimizers import build_optimizer
+
+    config = parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--optimizer", optimizer])
+    built = build_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(4))], 1e-4, 0.0, (config.adam_beta1, config.adam_beta2), 1e-8)
+    assert built.param_groups[0]["betas"] == (0.9, beta2)
+    explicit = build_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(4))], 1e-4, 0.0, (0.9, 0.95), 1e-8)
+    assert explicit.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+def test_no_two_samples_share_their_noise_across_epochs_and_items():
+    """torch's CPU generator keeps 32 bits of a seed; with the old linear seed, item i+2 in epoch e+2 drew
+    exactly item i's noise of epoch e."""
+    latents = torch.zeros(1, 4, 4, 4)
+    first_values = {}
+    for epoch in range(12):
+        for item in range(40):
+            noise = draw_sample_randomness(latents, torch.tensor([item]), 7, epoch, NoiseSettings(0.1)).noise
+            first_values[(epoch, item)] = tuple(noise.flatten()[:4].tolist())
+    assert first_values[(0, 0)] != first_values[(2, 2)]
+    assert len(set(first_values.values())) == len(first_values)
+    again = draw_sample_randomness(latents, torch.tensor([5]), 7, 3, NoiseSettings(0.1)).noise
+    assert tuple(again.flatten()[:4].tolist()) == first_values[(3, 5)]  # reproducible
