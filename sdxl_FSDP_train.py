@@ -148,7 +148,9 @@ class TrainConfig:
     handoff_dir: Path | None = option(None, help="folder through which the trained UNet reaches every process for images; None = /dev/shm, else the temp folder")
     save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the exported models")
     save_diffusers: bool = option(True, help="export the trained pipeline: OUTPUT_DIR/PROJECT_NAME/pipeline at the end, pipeline_epoch_NNNN at epoch saves")
-    save_single_file: bool = option(False, help="also export each model as one SDXL .safetensors file (A1111 / ComfyUI / kohya layout) beside the pipeline")
+    save_single_file: bool = option(
+        False, help="also export each model as one SDXL .safetensors file (A1111 / ComfyUI / kohya layout) beside the pipeline; with --no-save_diffusers, only that file"
+    )
     save_model_every_n_epochs: int = option(1, help="export the model (and save state, with --save_state) after every N epochs; 0 = only at the end")
     start_save_model_epoch: int = option(1, help="first epoch (counting from 1) after which the epoch saves happen")
     save_state: bool = option(
@@ -403,14 +405,15 @@ def export_model(config: TrainConfig, world, unet, ema: ShardedEMA | None, pipel
     failure = ""
     if world.is_main:
         started = time.perf_counter()
+        folder = pipeline_dir if config.save_diffusers else None
         single_file = pipeline_dir.with_suffix(".safetensors") if config.save_single_file else None
         try:
             save_pipeline(
-                state_dict, config.pretrained_model_name_or_path, pipeline_dir, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config, single_file
+                state_dict, config.pretrained_model_name_or_path, folder, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config, single_file
             )
             weights = "EMA weights" if ema is not None else "weights"
-            also = f" and {single_file}" if single_file else ""
-            tqdm.write(f"Saved the trained pipeline ({weights}, {config.save_precision}) to {pipeline_dir}{also} in {time.perf_counter() - started:.1f} s.")
+            written = " and ".join(str(path) for path in (folder, single_file) if path is not None)
+            tqdm.write(f"Saved the trained model ({weights}, {config.save_precision}) to {written} in {time.perf_counter() - started:.1f} s.")
         except ExportError as error:
             failure = str(error)
     failure = broadcast_text(failure, world.device)
@@ -608,7 +611,7 @@ def epoch_save_due(config: TrainConfig, finished_epochs: int) -> bool:
 
 def export_epoch_model(config: TrainConfig, world: World, unet, ema: ShardedEMA | None, pipeline_dir: Path, monitor: TrainingMonitor) -> None:
     """An export after an epoch; if it fails (a full disk), training goes on."""
-    if not config.save_diffusers:
+    if not (config.save_diffusers or config.save_single_file):
         return
     try:
         export_model(config, world, unet, ema, pipeline_dir)
@@ -627,7 +630,7 @@ def finish(config: TrainConfig, world: World, unet, ema: ShardedEMA | None, run_
     except CheckpointError as error:
         state_error = error
         monitor.say(f"Warning: {error} The model export below goes on.")
-    if config.save_diffusers:
+    if config.save_diffusers or config.save_single_file:
         export_model(config, world, unet, ema, run_dir / "pipeline")
     if state_error is not None:
         raise SystemExit(f"Training finished, but its final state could not be saved: {state_error}")

@@ -20,15 +20,15 @@ class ExportError(RuntimeError):
 def save_pipeline(
     unet_state_dict: dict[str, torch.Tensor],
     base_model: str,
-    output_dir: Path,
+    output_dir: Path | None,
     save_precision: str,
     scheduler_overrides: dict | None = None,
     single_file_config: str = SDXL_CONFIG_SOURCE,
     single_file: Path | None = None,
-) -> Path:
-    """Save base_model's pipeline with the trained UNet weights into output_dir (rank 0 only), and into
-    the single-file checkpoint `single_file` if given. A single-file base_model is read with
-    single_file_config describing it.
+) -> None:
+    """Save base_model's pipeline with the trained UNet weights into the folder output_dir (None: no folder)
+    and into the single-file checkpoint `single_file` if given (rank 0 only). A single-file base_model is
+    read with single_file_config describing it.
 
     scheduler_overrides change the sampling scheduler's config where training changed the model's
     objective (v-prediction, zero terminal SNR), so the exported pipeline samples correctly as it is.
@@ -39,6 +39,16 @@ def save_pipeline(
     pipeline.unet.load_state_dict(unet_state_dict, strict=True)  # copies (and casts) into the base weights
     if scheduler_overrides:
         pipeline.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config, **scheduler_overrides)
+    if output_dir is not None:
+        _save_folder(pipeline, output_dir)
+    if single_file is not None:
+        try:
+            save_single_file(pipeline, single_file)
+        except Exception as error:  # noqa: BLE001 - as below
+            raise ExportError(f"Could not export the model to {single_file} ({write_error_reason(error, single_file.parent)}); nothing there was replaced.") from error
+
+
+def _save_folder(pipeline, output_dir: Path) -> None:
     tmp_dir = output_dir.with_name(f".{output_dir.name}.tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     try:
@@ -56,9 +66,3 @@ def save_pipeline(
         shutil.rmtree(old_dir)
     else:
         tmp_dir.rename(output_dir)
-    if single_file is not None:
-        try:
-            save_single_file(pipeline, single_file)
-        except Exception as error:  # noqa: BLE001 - as above
-            raise ExportError(f"Could not export the model to {single_file} ({write_error_reason(error, single_file.parent)}); nothing there was replaced.") from error
-    return output_dir

@@ -13,6 +13,8 @@ diffusers' own single-file loader, an independent implementation, which the roun
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
 from pathlib import Path
 
@@ -190,11 +192,37 @@ def clip_g_to_openclip(state_dict: dict[str, torch.Tensor], num_layers: int) -> 
 
 
 def pipeline_to_single_file(pipeline: StableDiffusionXLPipeline) -> dict[str, torch.Tensor]:
+    """The single-file state: every component, the two keys official SDXL files carry beside the weights
+    (CLIP-L's position ids, OpenCLIP's logit scale), and the objective markers ComfyUI, Forge and A1111 read
+    from the keys (an empty `v_pred` tensor for v-prediction, `ztsnr` for zero terminal SNR: without them a
+    v-prediction model is sampled as epsilon)."""
     state = unet_to_ldm(pipeline.unet.state_dict(), dict(pipeline.unet.config))
     state.update(vae_to_ldm(pipeline.vae.state_dict(), dict(pipeline.vae.config)))
     state.update({CLIP_L_PREFIX + key: value for key, value in _hf_clip_names(pipeline.text_encoder.state_dict()).items()})
     state.update(clip_g_to_openclip(pipeline.text_encoder_2.state_dict(), pipeline.text_encoder_2.config.num_hidden_layers))
+    positions = pipeline.text_encoder.config.max_position_embeddings
+    state[CLIP_L_PREFIX + "text_model.embeddings.position_ids"] = torch.arange(positions, dtype=torch.int64)[None]
+    state[CLIP_G_PREFIX + "logit_scale"] = torch.tensor(math.log(100.0), dtype=pipeline.text_encoder_2.dtype)  # OpenCLIP's trained value
+    scheduler = pipeline.scheduler.config
+    if scheduler.get("prediction_type") == "v_prediction":
+        state["v_pred"] = torch.tensor([])
+    if scheduler.get("rescale_betas_zero_snr"):
+        state["ztsnr"] = torch.tensor([])
     return state
+
+
+def model_spec(pipeline: StableDiffusionXLPipeline, title: str) -> dict[str, str]:
+    """Stability's model-spec metadata (as kohya writes it): what the file is, for UIs and model hubs."""
+    size = pipeline.unet.config.sample_size * pipeline.vae_scale_factor
+    return {
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": "stable-diffusion-xl-v1-base",
+        "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
+        "modelspec.title": title,
+        "modelspec.resolution": f"{size}x{size}",
+        "modelspec.prediction_type": "v" if pipeline.scheduler.config.get("prediction_type") == "v_prediction" else "epsilon",
+        "modelspec.date": datetime.date.today().isoformat(),
+    }
 
 
 def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path) -> Path:
@@ -204,7 +232,7 @@ def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path) -> 
     tmp_file = output_file.with_name(f".{output_file.name}.tmp")
     state = {key: value.contiguous() for key, value in pipeline_to_single_file(pipeline).items()}
     try:
-        save_file(state, str(tmp_file), metadata={"format": "pt", "modelspec.architecture": "stable-diffusion-xl-v1-base"})
+        save_file(state, str(tmp_file), metadata={"format": "pt", **model_spec(pipeline, output_file.stem)})
         make_shareable(tmp_file)
     except BaseException:
         tmp_file.unlink(missing_ok=True)

@@ -215,6 +215,37 @@ def test_single_file_round_trip_through_diffusers_loader(tmp_path, tiny_pipeline
             assert torch.equal(tensor, actual[name]), f"{component}.{name} changed in the round trip"
 
 
+def test_single_file_carries_the_objective_markers_and_model_spec(tmp_path, tiny_pipeline_dir):
+    """ComfyUI and A1111/Forge tell a v-prediction (and zero-terminal-SNR) SDXL file by its `v_pred` and
+    `ztsnr` keys; without them such a fine-tune is sampled as epsilon."""
+    import math
+    import shutil
+
+    import sdxl_to_single_file
+    from safetensors import safe_open
+
+    v_pipeline = tmp_path / "v_pipeline"
+    shutil.copytree(tiny_pipeline_dir, v_pipeline)
+    scheduler_file = v_pipeline / "scheduler" / "scheduler_config.json"
+    scheduler = json.loads(scheduler_file.read_text())
+    scheduler.update(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
+    scheduler_file.write_text(json.dumps(scheduler))
+    for pipeline, name in ((tiny_pipeline_dir, "epsilon.safetensors"), (v_pipeline, "v.safetensors")):
+        assert sdxl_to_single_file.main(["--pipeline", str(pipeline), "--output", str(tmp_path / name), "--save_precision", "fp32"]) == 0
+    with safe_open(str(tmp_path / "v.safetensors"), framework="pt") as handle:
+        metadata, keys = handle.metadata(), set(handle.keys())
+        position_ids = handle.get_tensor("conditioner.embedders.0.transformer.text_model.embeddings.position_ids")
+        logit_scale = handle.get_tensor("conditioner.embedders.1.model.logit_scale")
+    assert {"v_pred", "ztsnr"} <= keys
+    assert metadata["modelspec.prediction_type"] == "v" and metadata["modelspec.architecture"] == "stable-diffusion-xl-v1-base"
+    assert metadata["modelspec.title"] == "v" and metadata["modelspec.implementation"] == "https://github.com/Stability-AI/generative-models"
+    assert metadata["modelspec.resolution"].count("x") == 1 and len(metadata["modelspec.date"]) == 10
+    assert position_ids.dtype == torch.int64 and position_ids.tolist() == [list(range(position_ids.shape[1]))]
+    assert logit_scale.item() == pytest.approx(math.log(100))
+    with safe_open(str(tmp_path / "epsilon.safetensors"), framework="pt") as handle:
+        assert not {"v_pred", "ztsnr"} & set(handle.keys()) and handle.metadata()["modelspec.prediction_type"] == "epsilon"
+
+
 def test_trains_from_a_single_file_base_and_exports_one(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     import sdxl_to_single_file
 

@@ -21,7 +21,7 @@ def logged_run(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> tuple[P
             REPO_ROOT / "sdxl_FSDP_train.py",
             trainer_flags(
                 sample_cache_dir, tiny_pipeline_dir, output_dir, "run",
-                "--optimizer", "adamw", "--num_train_epochs", "1", "--no-save_diffusers", "--no-save_state",
+                "--optimizer", "adamw", "--num_train_epochs", "1", "--no-save_diffusers", "--save_single_file", "--no-save_state",
                 "--log_every_n_updates", "2", "--validation_every_n_updates", "3", "--report_to_wandb", "--wandb_project", "tests",
             ),
         )
@@ -76,3 +76,10 @@ def test_weights_and_biases_offline_run_holds_scalars_and_config(logged_run):
     assert records.count(b"train/loss") >= len(scalars(run, "train/loss"))
     assert b"val/loss" in records and b"train/lr" in records
     assert b"learning_rate" in records and b"0.0001" in records  # the config
+
+
+def test_single_file_without_the_diffusers_folder(logged_run):
+    """--save_single_file --no-save_diffusers used to write nothing and say nothing."""
+    run, stdout = logged_run
+    assert (run / "pipeline.safetensors").is_file() and not (run / "pipeline").exists()
+    assert f"to {run / 'pipeline.safetensors'} in" in stdout
