@@ -8,7 +8,7 @@ Conventions (so figures compare with published ones):
     min(10, N) splits). One network forward per image gives all three.
   - LPIPS: torchmetrics' implementation with the AlexNet backbone (its linear layers ship in the wheel),
     inputs in [-1, 1], one distance per (generated, real) pair, averaged.
-  - HPSv2.1: open_clip ViT-H-14 with the official HPS_v2.1_compressed.pt weights; images resized to 224
+  - HPSv2.1: open_clip ViT-H-14 with the official HPS_v2.1_compressed.pt weights; images resized (longest side) and padded to 224
     (bicubic) on the short side, centre-cropped, OpenAI mean/std; score = cosine similarity of the image
     and caption embeddings (as HPSv2's own scorer: no logit scale).
 
@@ -195,9 +195,17 @@ class HPSScorer(nn.Module):
         self.image_size = size[0] if isinstance(size, (tuple, list)) else int(size)
 
     def preprocess(self, image: torch.Tensor) -> torch.Tensor:
-        """uint8 (3, H, W) -> normalised (3, S, S) exactly as HPSv2's validation transform (PIL bicubic resize)."""
+        """uint8 (3, H, W) -> normalised (3, S, S) exactly as HPSv2's validation transform (its open_clip's
+        ResizeMaxSize): the longest side resized to S (PIL bicubic), the rest padded with black, centred, so
+        the whole image is scored whatever its bucket's aspect ratio (a centre crop would cut a wide image)."""
         pil = Image.fromarray(image.permute(1, 2, 0).cpu().numpy())
-        pil = TF.center_crop(TF.resize(pil, self.image_size, interpolation=TF.InterpolationMode.BICUBIC), self.image_size)
+        size = self.image_size
+        scale = size / max(pil.width, pil.height)
+        if scale != 1.0:
+            height, width = round(pil.height * scale), round(pil.width * scale)
+            pil = TF.resize(pil, [height, width], interpolation=TF.InterpolationMode.BICUBIC)
+            pad_height, pad_width = size - height, size - width
+            pil = TF.pad(pil, [pad_width // 2, pad_height // 2, pad_width - pad_width // 2, pad_height - pad_height // 2], fill=0)
         return TF.normalize(TF.to_tensor(pil), open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD)
 
     @torch.no_grad()

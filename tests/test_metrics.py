@@ -12,7 +12,6 @@ import pytest
 import scipy.linalg
 import torch
 from PIL import Image
-from torchvision import transforms
 
 from metric_networks import TINY_CLIP, write_metric_weights
 from sdxl_trainer.metrics import (
@@ -112,14 +111,7 @@ def test_hps_is_the_cosine_similarity_of_clip_embeddings(metrics):
     shots = images(4)
     got = metrics.hps(shots, CAPTIONS)
     model = metrics.hps_scorer.model
-    preprocess = transforms.Compose(
-        [
-            transforms.Resize(224, interpolation=transforms.InterpolationMode.BICUBIC),
-            transforms.CenterCrop(224),
-            transforms.ToTensor(),
-            transforms.Normalize(open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD),
-        ]
-    )
+    preprocess = open_clip.image_transform(224, is_train=False, resize_mode="longest")  # HPSv2's: longest side + pad
     pixels = torch.stack([preprocess(Image.fromarray(image.permute(1, 2, 0).numpy())) for image in shots])
     with torch.no_grad():
         image_features = model.encode_image(pixels)
@@ -127,6 +119,24 @@ def test_hps_is_the_cosine_similarity_of_clip_embeddings(metrics):
     expected = torch.nn.functional.cosine_similarity(image_features, text_features, dim=-1)
     assert torch.allclose(got.float(), expected, atol=1e-5)
     assert got.abs().max() <= 1.0
+
+
+def test_hps_preprocessing_resizes_the_longest_side_and_pads_as_the_official_scorer(metrics):
+    """A 300x150 bucket: scaled by 224/300 to 224x112, then 56 black rows above and below (the official
+    HPSv2 transform); a centre crop would have cut off a quarter of the image on each side."""
+    rng = np.random.default_rng(3)
+    image = torch.from_numpy(rng.integers(0, 256, (150, 300, 3), dtype=np.uint8)).permute(2, 0, 1)
+    got = metrics.hps_scorer.preprocess(image)
+    mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN)[:, None, None]
+    std = torch.tensor(open_clip.OPENAI_DATASET_STD)[:, None, None]
+    resized = Image.fromarray(image.permute(1, 2, 0).numpy()).resize((224, 112), Image.BICUBIC)
+    middle = (torch.from_numpy(np.asarray(resized)).permute(2, 0, 1).float() / 255 - mean) / std
+    black = (0 - mean) / std
+    assert got.shape == (3, 224, 224)
+    assert torch.allclose(got[:, 56:168], middle, atol=1e-6)
+    assert torch.allclose(got[:, :56], black.expand(3, 56, 224)) and torch.allclose(got[:, 168:], black.expand(3, 56, 224))
+    reference = open_clip.image_transform(224, is_train=False, resize_mode="longest")(Image.fromarray(image.permute(1, 2, 0).numpy()))
+    assert torch.allclose(got, reference, atol=1e-6)  # open_clip's own "longest" mode agrees
 
 
 # ---- weight resolution ---------------------------------------------------------------------------------
