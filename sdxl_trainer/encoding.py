@@ -77,14 +77,19 @@ class Encoders:
 
 
 def load_encoders(
-    model_name_or_path: str, vae_name_or_path: str | None, device: torch.device, dtype: torch.dtype, single_file_config: str = SDXL_CONFIG_SOURCE
+    model_name_or_path: str,
+    vae_name_or_path: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    single_file_config: str = SDXL_CONFIG_SOURCE,
+    vae_dtype: torch.dtype = torch.float32,
 ) -> Encoders:
-    """Load both tokenizers and text encoders and the VAE (or a replacement VAE) for inference, from a
-    diffusers folder / hub id or a single-file checkpoint."""
+    """Load both tokenizers and text encoders (in `dtype`) and the VAE or a replacement VAE (in `vae_dtype`)
+    for inference, from a diffusers folder / hub id or a single-file checkpoint."""
     if is_single_file(model_name_or_path):
-        pipeline = load_pipeline(model_name_or_path, single_file_config, dtype)
+        pipeline = load_pipeline(model_name_or_path, single_file_config, torch.float32)
         tokenizers = (pipeline.tokenizer, pipeline.tokenizer_2)
-        text_encoders = (pipeline.text_encoder, pipeline.text_encoder_2)
+        text_encoders = (pipeline.text_encoder.to(dtype), pipeline.text_encoder_2.to(dtype))
         vae = pipeline.vae
     else:
         tokenizers = (
@@ -95,10 +100,11 @@ def load_encoders(
             CLIPTextModel.from_pretrained(model_name_or_path, subfolder="text_encoder", dtype=dtype),
             CLIPTextModelWithProjection.from_pretrained(model_name_or_path, subfolder="text_encoder_2", dtype=dtype),
         )
-        vae = AutoencoderKL.from_pretrained(model_name_or_path, subfolder="vae", torch_dtype=dtype)
+        vae = AutoencoderKL.from_pretrained(model_name_or_path, subfolder="vae")
     if vae_name_or_path:
-        vae = AutoencoderKL.from_pretrained(vae_name_or_path, torch_dtype=dtype)
-    if dtype == torch.float16 and vae.config.get("force_upcast", False):
+        vae = AutoencoderKL.from_pretrained(vae_name_or_path)
+    vae = vae.to(vae_dtype)
+    if vae_dtype == torch.float16 and vae.config.get("force_upcast", False):
         # SDXL's original VAE overflows in fp16; its config asks for fp32 (the fp16-fix VAE does not).
         vae = vae.float()
     for module in (*text_encoders, vae):

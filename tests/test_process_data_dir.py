@@ -272,3 +272,25 @@ def test_launcher_maps_machines_to_shards_and_fails_when_a_worker_fails(tmp_path
     failing = run_launcher({"NUM_WORKERS": "2"}, "--data_dir", str(tmp_path / "missing"), "--cache_dir", str(tmp_path / "cache"))
     assert failing.returncode == 1
     assert "worker 0 (shard 0 of 2) failed" in failing.stderr and "worker 1 (shard 1 of 2) failed" in failing.stderr
+
+
+def test_the_vae_encodes_in_fp32_by_default_whatever_the_text_encoders_precision(tiny_pipeline_dir):
+    """On a GPU the cache used to run SDXL's VAE in bf16 (encode_dtype auto); peers keep it in fp32."""
+    import torch
+
+    from sdxl_process_data_dir import CacheConfig
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.encoding import load_encoders
+
+    config = parse_config(CacheConfig, ["--data_dir", str(tiny_pipeline_dir), "--cache_dir", str(tiny_pipeline_dir.parent / "unused")])
+    assert config.vae_dtype == "fp32"
+    encoders = load_encoders(str(tiny_pipeline_dir), None, torch.device("cpu"), torch.bfloat16)  # as on a GPU: text encoders in bf16
+    assert encoders.vae.dtype == torch.float32
+    assert {encoder.dtype for encoder in encoders.text_encoders} == {torch.bfloat16}
+    pixels = torch.rand(1, 3, 64, 64) * 2 - 1
+    fp32_only = load_encoders(str(tiny_pipeline_dir), None, torch.device("cpu"), torch.float32)
+    assert torch.equal(encoders.encode_images(pixels), fp32_only.encode_images(pixels))
+    in_bf16 = load_encoders(str(tiny_pipeline_dir), None, torch.device("cpu"), torch.bfloat16, vae_dtype=torch.bfloat16)
+    difference = (in_bf16.encode_images(pixels) - fp32_only.encode_images(pixels)).abs().max().item()
+    print(f"bf16 VAE latents differ from fp32 by up to {difference:.4f}")
+    assert difference > 0
