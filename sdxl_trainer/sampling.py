@@ -95,8 +95,17 @@ def generate(
 @torch.no_grad()
 def decode_latents(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
     """Scaled latents (N, 4, h, w) -> uint8 images (N, 3, 8h, 8w), decoded in the VAE's own dtype (the UNet's
-    output may be bf16/fp16 under FSDP mixed precision)."""
-    pixels = vae.decode(latents.to(vae.device, vae.dtype) / vae.config.scaling_factor).sample
+    output may be bf16/fp16 under FSDP mixed precision). As diffusers' SDXL pipeline does: an fp16 VAE whose
+    config sets force_upcast (SDXL's own, which overflows in fp16 into black or NaN images) decodes in fp32."""
+    needs_upcasting = vae.dtype == torch.float16 and vae.config.get("force_upcast", False)
+    # nn.Module's own cast: diffusers' override of .to() logs a warning on every dtype change of this model.
+    if needs_upcasting:
+        torch.nn.Module.to(vae, torch.float32)
+    try:
+        pixels = vae.decode(latents.to(vae.device, vae.dtype) / vae.config.scaling_factor).sample
+    finally:
+        if needs_upcasting:
+            torch.nn.Module.to(vae, torch.float16)
     return ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 

@@ -133,3 +133,25 @@ def test_generation_with_bf16_compute_over_fp32_shards(runs):
     assert len(report["bf16_image_shapes"]) == 2  # one image per rank
     for key, shape in report["bf16_image_shapes"].items():
         assert shape == list(images[key].shape)
+
+
+def test_an_fp16_vae_that_asks_for_upcasting_decodes_in_fp32(tiny_pipeline_dir):
+    """SDXL's own VAE overflows in fp16 (its config sets force_upcast); decoding it in fp16, as validation and
+    sample images did under --mixed_precision fp16, gives NaN/black images. Here the tiny VAE's first decoder
+    layer is scaled up until fp16 overflows, standing in for SDXL's."""
+    from diffusers import AutoencoderKL
+
+    from sdxl_trainer.sampling import decode_latents
+
+    vae = AutoencoderKL.from_pretrained(tiny_pipeline_dir, subfolder="vae")
+    with torch.no_grad():
+        vae.decoder.conv_in.weight.mul_(3e4)
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    in_fp32 = decode_latents(vae, latents)
+    torch.nn.Module.to(vae, torch.float16)
+    assert vae.config.force_upcast
+    decoded = decode_latents(vae, latents)
+    assert vae.dtype == torch.float16  # cast back afterwards
+    assert (decoded.int() - in_fp32.int()).abs().max() <= 1
+    with torch.no_grad():
+        assert not torch.isfinite(vae.decode(latents.half() / vae.config.scaling_factor).sample).all()  # what fp16 gives
