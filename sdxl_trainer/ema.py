@@ -9,6 +9,9 @@ the full EMA UNet can be gathered one tensor at a time.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -57,6 +60,22 @@ class ShardedEMA:
         for name, shadow in zip(self.names, self.shadow):
             shadow.copy_(_local(state[name]))
         self.updates = updates
+
+    @contextlib.contextmanager
+    def weights_in_model(self) -> Iterator[None]:
+        """The EMA weights in the model's own parameters for the block (to score the weights that get
+        exported); the trained weights come back afterwards, bit for bit. Not collective: each rank swaps
+        its own shards. Costs one more copy of this rank's shards while it lasts."""
+        with torch.no_grad():
+            trained = [_local(parameter).detach().to(shadow.device, copy=True) for parameter, shadow in zip(self.parameters, self.shadow)]
+            for parameter, shadow in zip(self.parameters, self.shadow):
+                _local(parameter).copy_(shadow)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for parameter, weights in zip(self.parameters, trained):
+                    _local(parameter).copy_(weights)
 
     def full_state_dict_on_rank0(self, is_main: bool) -> dict[str, torch.Tensor]:
         """The full EMA UNet in CPU memory of rank 0 ({} elsewhere), gathered one tensor at a time."""

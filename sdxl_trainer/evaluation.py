@@ -104,7 +104,16 @@ class Evaluator:
              metrics: MetricsWriter, step: int) -> dict[str, float]:
         scores: dict[str, float] = {}
         if loss_due and len(self.holdout.loss_items):
-            scores.update(validation_loss(unet, self.dataset, self.holdout.loss_items, self.noise_scheduler, self.holdout.seed, self.world.device))
+            def loss() -> dict[str, float]:
+                return validation_loss(unet, self.dataset, self.holdout.loss_items, self.noise_scheduler, self.holdout.seed, self.world.device)
+
+            if ema is None:
+                scores.update(loss())
+            else:
+                # val/loss is that of the weights that are exported and sampled from: the EMA's.
+                with ema.weights_in_model():
+                    scores.update(loss())
+                scores["val/loss_raw"] = loss()["val/loss"]
         if images_due or samples_due:
             state = exported_weights_on_rank0(unet, ema, self.world.is_main)
             source = self.source

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, run_processes, trainer_flags
+from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
 from sdxl_trainer.checkpoint import (
     METADATA_FILE,
     TRAINER_STATE_FILE,
@@ -62,6 +62,15 @@ def test_resumed_run_ends_with_exactly_the_weights_of_the_straight_run(straight_
         assert torch.equal(tensor, resumed[name]), f"{name} differs after resume"
     base = load_file(tiny_pipeline_dir / "unet" / "diffusion_pytorch_model.safetensors")
     assert any(not torch.equal(tensor, base[name]) for name, tensor in straight.items())  # training moved the weights
+
+
+def test_with_ema_the_validation_loss_is_that_of_the_exported_ema_weights(straight_and_resumed):
+    output_dir, _, _ = straight_and_resumed
+    run = output_dir / "straight"
+    exported, raw = scalars(run, "val/loss"), scalars(run, "val/loss_raw")
+    assert len(exported) == len(raw) == 3  # base model, after epoch 1 and 2
+    assert exported[0] == raw[0]  # before training the EMA is the base model
+    assert exported[1:] != raw[1:]
 
 
 def test_checkpoint_folder_holds_every_part_and_no_pickle(straight_and_resumed):

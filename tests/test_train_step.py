@@ -362,3 +362,28 @@ def test_no_two_samples_share_their_noise_across_epochs_and_items():
     assert len(set(first_values.values())) == len(first_values)
     again = draw_sample_randomness(latents, torch.tensor([5]), 7, 3, NoiseSettings(0.1)).noise
     assert tuple(again.flatten()[:4].tolist()) == first_values[(3, 5)]  # reproducible
+
+
+def test_validation_loss_can_score_the_ema_weights_and_the_trained_ones_come_back(world, tiny_pipeline_dir, sample_cache_dir):
+    """With --use_ema the exported weights are the EMA's, so that is what val/loss must measure."""
+    from sdxl_trainer.data import CachedDataset
+    from sdxl_trainer.validation import validation_loss
+
+    unet = sharded_unet(tiny_pipeline_dir, world)
+    ema = ShardedEMA(unet, decay=0.5, on_cpu=True)
+    step = make_train_step(unet, torch.optim.SGD(unet.parameters(), lr=0.5), tiny_pipeline_dir, ema=ema)
+    for update in range(2):
+        step([synthetic_batch(unet, [update], seed=6)], epoch=0)
+    trained = weights(unet)
+    dataset = CachedDataset([sample_cache_dir])
+    scheduler = step.noise_scheduler
+
+    def loss() -> float:
+        return validation_loss(unet, dataset, np.arange(6), scheduler, seed=1, device=torch.device("cpu"))["val/loss"]
+
+    raw = loss()
+    with ema.weights_in_model():
+        assert largest_difference(weights(unet), ema.full_state_dict_on_rank0(is_main=True)) == 0.0
+        of_ema = loss()
+    assert largest_difference(weights(unet), trained) == 0.0  # bit for bit
+    assert of_ema != raw and loss() == raw
