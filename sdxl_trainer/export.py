@@ -39,6 +39,9 @@ def save_pipeline(
     pipeline.unet.load_state_dict(unet_state_dict, strict=True)  # copies (and casts) into the base weights
     if scheduler_overrides:
         pipeline.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config, **scheduler_overrides)
+    # Caption dropout trained the encoded empty caption (as kohya, SimpleTuner and ComfyUI use it), so the
+    # pipeline must encode "" too when no negative prompt is given, not substitute zeros (diffusers' default).
+    pipeline.register_to_config(force_zeros_for_empty_prompt=False)
     if output_dir is not None:
         _save_folder(pipeline, output_dir)
     if single_file is not None:

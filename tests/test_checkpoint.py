@@ -64,6 +64,22 @@ def test_resumed_run_ends_with_exactly_the_weights_of_the_straight_run(straight_
     assert any(not torch.equal(tensor, base[name]) for name, tensor in straight.items())  # training moved the weights
 
 
+def test_the_exported_pipeline_encodes_the_empty_caption_as_training_did(straight_and_resumed, sample_cache_dir):
+    """Caption dropout trained the encoded "" (the cache's empty_prompt); the stock SDXL pipeline config puts
+    zeros in its place when no negative prompt is given, embeddings the fine-tune never saw."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from sdxl_trainer.cache import read_empty_prompt
+
+    output_dir, _, _ = straight_and_resumed
+    pipeline = StableDiffusionXLPipeline.from_pretrained(output_dir / "straight" / "pipeline")
+    assert pipeline.config.force_zeros_for_empty_prompt is False
+    _, negative, _, negative_pooled = pipeline.encode_prompt("a photo", do_classifier_free_guidance=True)
+    trained_empty, trained_empty_pooled = read_empty_prompt(sample_cache_dir)  # stored in fp16
+    assert torch.allclose(negative[0], trained_empty.float(), atol=2e-3, rtol=2e-3)
+    assert torch.allclose(negative_pooled[0], trained_empty_pooled.float(), atol=2e-3, rtol=2e-3)
+
+
 def test_with_ema_the_validation_loss_is_that_of_the_exported_ema_weights(straight_and_resumed):
     output_dir, _, _ = straight_and_resumed
     run = output_dir / "straight"
