@@ -23,7 +23,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from tqdm import tqdm
 
 from sdxl_trainer.buckets import BUCKET_TABLE_VERSION, categories
-from sdxl_trainer.cache import CacheError, read_cache_info, read_empty_prompt, settings_differences
+from sdxl_trainer.cache import CacheError, CacheSettings, read_cache_info, read_empty_prompt, settings_differences
 from sdxl_trainer.checkpoint import (
     CheckpointError,
     DataPosition,
@@ -241,22 +241,30 @@ def model_problems(config: TrainConfig) -> list[str]:
     return [problem for problem in problems if problem]
 
 
+def cache_vae(info: CacheSettings) -> str | None:
+    """The VAE a cache was encoded with, where it is not its model's own (--vae_name_or_path at caching)."""
+    return None if info.vae_name_or_path == info.pretrained_model_name_or_path else info.vae_name_or_path
+
+
 def check_caches(config: TrainConfig) -> list[str]:
-    """Every cache must exist and match the trainer's model family, resolution range and bucket table.
-    The model is compared by the fingerprint of its VAE and text-encoder configs (read from config files
-    only), not by its path, so a moved or re-downloaded model still matches."""
+    """Every cache must exist and match the trainer's model family, resolution range and bucket table, and
+    all must share one VAE (the one validation decodes with and the export holds). The model is compared by
+    the fingerprint of its VAE and text-encoder configs (read from config files only), not by its path, so a
+    moved or re-downloaded model still matches."""
     problems = []
+    vaes = set()
     for cache_dir in config.cached_dataset_dirs:
         try:
             info = read_cache_info(cache_dir)
         except CacheError as error:
             problems.append(str(error))
             continue
+        vaes.add(cache_vae(info))
         wanted = dict(
             min_resolution=config.min_resolution,
             max_resolution=config.max_resolution,
             bucket_table_version=BUCKET_TABLE_VERSION,
-            model_fingerprint=model_fingerprint(config.pretrained_model_name_or_path, single_file_config=config.single_file_config),
+            model_fingerprint=model_fingerprint(config.pretrained_model_name_or_path, cache_vae(info), config.single_file_config),
         )
         differences = settings_differences(info, dataclasses.replace(info, **wanted), tuple(wanted))
         if differences:
@@ -264,6 +272,9 @@ def check_caches(config: TrainConfig) -> list[str]:
                 f"{cache_dir} was made with other settings ({'; '.join(differences)}): re-cache it with this model and "
                 "resolution range, or train with the cache's settings"
             )
+    if len(vaes) > 1:
+        names = sorted(vae or "the model's own" for vae in vaes)
+        problems.append(f"the caches were encoded with different VAEs ({', '.join(names)}): re-cache them with one")
     return problems
 
 
@@ -373,7 +384,8 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
         noise_scheduler,
         negative,
         PipelineSource(
-            config.pretrained_model_name_or_path, config.single_file_config, compute_dtype, sampling_scheduler_overrides(config), config.handoff_dir, config.project_name
+            config.pretrained_model_name_or_path, config.single_file_config, compute_dtype, sampling_scheduler_overrides(config), config.handoff_dir, config.project_name,
+            cache_vae(read_cache_info(config.cached_dataset_dirs[0])),
         ),
         generation,
         loss_schedule=Schedule(config.validation_loss, config.validation_loss_every_n_epochs),
@@ -409,7 +421,8 @@ def export_model(config: TrainConfig, world, unet, ema: ShardedEMA | None, pipel
         single_file = pipeline_dir.with_suffix(".safetensors") if config.save_single_file else None
         try:
             save_pipeline(
-                state_dict, config.pretrained_model_name_or_path, folder, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config, single_file
+                state_dict, config.pretrained_model_name_or_path, folder, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config,
+                single_file, cache_vae(read_cache_info(config.cached_dataset_dirs[0])),
             )
             weights = "EMA weights" if ema is not None else "weights"
             written = " and ".join(str(path) for path in (folder, single_file) if path is not None)

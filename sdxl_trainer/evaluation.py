@@ -50,6 +50,7 @@ class PipelineSource:
     scheduler_overrides: dict
     handoff_root: Path | None
     run_name: str
+    vae_name_or_path: str | None = None  # the VAE the caches were encoded with, where it is not the model's own
 
 
 class Evaluator:
@@ -117,7 +118,9 @@ class Evaluator:
         if images_due or samples_due:
             state = exported_weights_on_rank0(unet, ema, self.world.is_main)
             source = self.source
-            with PipelineHandoff(source.handoff_root, source.run_name, source.base_model, source.single_file_config, self.world.device, source.dtype) as handoff:
+            with PipelineHandoff(
+                source.handoff_root, source.run_name, source.base_model, source.single_file_config, self.world.device, source.dtype, source.vae_name_or_path
+            ) as handoff:
                 pipeline = handoff.pipeline(state)
                 del state
                 if source.scheduler_overrides:

@@ -25,17 +25,19 @@ def save_pipeline(
     scheduler_overrides: dict | None = None,
     single_file_config: str = SDXL_CONFIG_SOURCE,
     single_file: Path | None = None,
+    vae_name_or_path: str | None = None,
 ) -> None:
     """Save base_model's pipeline with the trained UNet weights into the folder output_dir (None: no folder)
     and into the single-file checkpoint `single_file` if given (rank 0 only). A single-file base_model is
-    read with single_file_config describing it.
+    read with single_file_config describing it; with vae_name_or_path, that VAE replaces the model's own
+    (the one the training caches were encoded with, so latents and decoder agree).
 
     scheduler_overrides change the sampling scheduler's config where training changed the model's
     objective (v-prediction, zero terminal SNR), so the exported pipeline samples correctly as it is.
 
     Written to a temporary sibling folder and renamed, so an interrupted export never leaves a folder
     that looks complete; an older export at output_dir is replaced only once the new one is whole."""
-    pipeline = load_pipeline(base_model, single_file_config, SAVE_DTYPES[save_precision])
+    pipeline = load_pipeline(base_model, single_file_config, SAVE_DTYPES[save_precision], vae_name_or_path)
     pipeline.unet.load_state_dict(unet_state_dict, strict=True)  # copies (and casts) into the base weights
     if scheduler_overrides:
         pipeline.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config, **scheduler_overrides)

@@ -33,12 +33,14 @@ class PipelineHandoff:
     """Collective context manager. Inside it, `pipeline(unet_state_on_rank0)` returns, on every rank, the
     base pipeline with the given UNet weights, on the rank's device and in `dtype`."""
 
-    def __init__(self, root: Path | None, run_name: str, base_model: str, single_file_config: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, root: Path | None, run_name: str, base_model: str, single_file_config: str, device: torch.device, dtype: torch.dtype,
+                 vae_name_or_path: str | None = None):
         token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(token, src=0)  # one folder name for every rank of this run
         self.folder = (root or default_handoff_root()) / f"sdxl_handoff_{run_name}_{token[0]}"
         self.base_model = base_model
         self.single_file_config = single_file_config
+        self.vae_name_or_path = vae_name_or_path
         self.device = device
         self.dtype = dtype
 
@@ -57,7 +59,7 @@ class PipelineHandoff:
             save_file({name: tensor.to(self.dtype).contiguous() for name, tensor in unet_state_on_rank0.items()}, str(tmp_file))
             tmp_file.replace(weights_file)
         dist.barrier()
-        pipeline = load_pipeline(self.base_model, self.single_file_config, self.dtype)
+        pipeline = load_pipeline(self.base_model, self.single_file_config, self.dtype, self.vae_name_or_path)
         pipeline.unet.load_state_dict(load_file(str(weights_file)), strict=True)
         dist.barrier()  # every rank has read the file before anyone may replace or remove it
         return pipeline.to(self.device)

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 import torch
-from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors.torch import save_file
@@ -241,11 +241,16 @@ def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path) -> 
     return output_file
 
 
-def load_pipeline(model_name_or_path: str, single_file_config: str, dtype: torch.dtype) -> StableDiffusionXLPipeline:
-    """A diffusers folder or hub id, or a single-file checkpoint described by `single_file_config`."""
+def load_pipeline(model_name_or_path: str, single_file_config: str, dtype: torch.dtype, vae_name_or_path: str | None = None) -> StableDiffusionXLPipeline:
+    """A diffusers folder or hub id, or a single-file checkpoint described by `single_file_config`; with
+    `vae_name_or_path`, that VAE in place of the model's own (the one a cache was encoded with)."""
     if is_single_file(model_name_or_path):
-        return StableDiffusionXLPipeline.from_single_file(model_name_or_path, config=single_file_config, torch_dtype=dtype)
-    return StableDiffusionXLPipeline.from_pretrained(model_name_or_path, torch_dtype=dtype)
+        pipeline = StableDiffusionXLPipeline.from_single_file(model_name_or_path, config=single_file_config, torch_dtype=dtype)
+    else:
+        pipeline = StableDiffusionXLPipeline.from_pretrained(model_name_or_path, torch_dtype=dtype)
+    if vae_name_or_path:
+        pipeline.vae = AutoencoderKL.from_pretrained(vae_name_or_path, torch_dtype=dtype)
+    return pipeline
 
 
 def load_unet(model_name_or_path: str, single_file_config: str, dtype: torch.dtype = torch.float32) -> UNet2DConditionModel:

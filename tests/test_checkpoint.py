@@ -291,6 +291,27 @@ def test_trains_from_a_single_file_base_and_exports_one(tmp_path, sample_cache_d
     assert not (tmp_path / "from_file" / "checkpoints").exists()
 
 
+def test_the_vae_a_cache_was_encoded_with_is_the_one_exported(tmp_path, tiny_pipeline_dir):
+    """Caching with --vae_name_or_path (README's fp16-fix example) used to export the base model's VAE,
+    which decodes those latents differently."""
+    import sdxl_process_data_dir
+    from sdxl_trainer.tiny_model import save_tiny_pipeline
+
+    other_vae = save_tiny_pipeline(tmp_path / "other", seed=1) / "vae"
+    cache_dir = tmp_path / "cache"
+    assert sdxl_process_data_dir.main(
+        ["--data_dir", str(REPO_ROOT / "sample_dataset"), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+         "--vae_name_or_path", str(other_vae), "--min_resolution", "256", "--max_resolution", "512"]
+    ) == 0
+    run_processes(1, TRAINER, trainer_flags(cache_dir, tiny_pipeline_dir, tmp_path, "other_vae", "--num_train_epochs", "1", "--optimizer", "adamw",
+                                            "--no-save_state", "--no-validation_loss"))
+    exported = load_file(tmp_path / "other_vae" / "pipeline" / "vae" / "diffusion_pytorch_model.safetensors")
+    cached_with = load_file(other_vae / "diffusion_pytorch_model.safetensors")
+    base = load_file(tiny_pipeline_dir / "vae" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(exported[name], cached_with[name]) for name in cached_with)
+    assert any(not torch.equal(exported[name], base[name]) for name in base)
+
+
 # ---- pipeline handoff ----------------------------------------------------------------------------------
 
 
