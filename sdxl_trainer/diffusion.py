@@ -114,7 +114,10 @@ def training_loss(
         noisy_latents,
         randomness.timesteps,
         encoder_hidden_states=prompt_embeds,
-        added_cond_kwargs={"text_embeds": pooled, "time_ids": batch["time_ids"].float()},
+        # Whole pixel counts as int64: FSDP2's mixed precision casts every floating-point forward input to
+        # bf16/fp16 (3000 px would arrive as 3008), integers it leaves alone; the UNet's Fourier embedding
+        # of the ids (and of the int64 timesteps) then runs in fp32, as in kohya's and diffusers' training.
+        added_cond_kwargs={"text_embeds": pooled, "time_ids": batch["time_ids"].round().long()},
     ).sample
     prediction_type = noise_scheduler.config.prediction_type
     if prediction_type == "v_prediction":

@@ -105,7 +105,21 @@ def test_micro_conditioning_of_every_sample_reaches_the_unet(world, tiny_pipelin
     columns = ("original_height", "original_width", "crop_top", "crop_left", "bucket_height", "bucket_width")
     expected = np.stack([manifest.column(name).to_numpy()[items] for name in columns], axis=1).astype(np.float32)
     assert seen["time_ids"].shape == (batch_size * 6,)
-    assert torch.equal(seen["time_ids"].view(batch_size, 6), torch.from_numpy(expected))
+    assert torch.equal(seen["time_ids"].view(batch_size, 6).float(), torch.from_numpy(expected))
+
+
+def test_sizes_reach_the_unet_exactly_under_bf16_compute(world, tiny_pipeline_dir):
+    """FSDP2's mixed precision casts floating-point forward inputs to bf16, which has 8 significant bits:
+    an original height of 3000 px arrived as 3008, 1023 as 1024."""
+    unet = sharded_unet(tiny_pipeline_dir, world, param_dtype=torch.bfloat16)
+    batch = synthetic_batch(unet, [0], seed=2)
+    sizes = [3000, 1023, 17, 5, 1024, 1024]
+    batch["time_ids"] = torch.tensor([sizes], dtype=torch.float32)
+    assert torch.tensor(sizes, dtype=torch.bfloat16).tolist() != sizes  # what a cast would have done
+    noise_scheduler = build_noise_scheduler(str(tiny_pipeline_dir), "epsilon", zero_terminal_snr=False)
+    seen = captured_unet_inputs(unet, lambda: training_loss(unet, batch, noise_scheduler, empty_prompt_for(unet), 1, 0, NoiseSettings(0.0)))
+    assert seen["time_ids"].tolist() == sizes
+    assert seen["encoder_hidden_states"].dtype == torch.bfloat16  # the rest is computed in bf16 as before
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.5, 1.0])
