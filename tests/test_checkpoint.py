@@ -80,6 +80,21 @@ def test_the_exported_pipeline_encodes_the_empty_caption_as_training_did(straigh
     assert torch.allclose(negative_pooled[0], trained_empty_pooled.float(), atol=2e-3, rtol=2e-3)
 
 
+def test_train_lr_is_the_rate_each_update_used_also_with_torchaos_tensor_rate(straight_and_resumed):
+    """torchao keeps the learning rate in a tensor; logging that tensor logged whatever the schedule wrote into
+    it afterwards (the next update's rate)."""
+    import math
+
+    from sdxl_trainer.lr_schedule import LearningRateSchedule
+
+    output_dir, _, _ = straight_and_resumed
+    logged = scalars(output_dir / "straight", "train/lr")
+    total = len(logged)
+    schedule = LearningRateSchedule("constant_with_warmup", 1e-4, math.ceil(0.05 * total), total)  # the defaults, lr 1e-4
+    assert logged == pytest.approx([schedule(update) for update in range(total)], rel=1e-6)
+    assert logged[0] == 0.0
+
+
 def test_with_ema_the_validation_loss_is_that_of_the_exported_ema_weights(straight_and_resumed):
     output_dir, _, _ = straight_and_resumed
     run = output_dir / "straight"
