@@ -17,7 +17,7 @@ from torch import nn
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,12 @@ def shutdown_distributed() -> None:
 
 
 def shard_unet(
-    unet: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool = True, compile_blocks: bool = False
+    unet: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    reshard_after_forward: bool = True,
+    compile_blocks: bool = False,
+    cpu_offload: bool = False,
 ) -> FSDPModule:
     """Apply FSDP2 to the UNet in place; parameters stay fp32 (the sharded master copy).
 
@@ -102,12 +107,17 @@ def shard_unet(
       False keeps them gathered between forward and backward (SHARD_GRAD_OP: faster, more memory).
     - Precision: compute in param_dtype (bf16/fp16) with fp32 gradient reduction, over fp32 shards.
       No autocast in the loop. The frozen VAE and text encoders never reach here: training reads the cache.
+    - cpu_offload: FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and so the optimizer
+      state live in CPU memory; each block's weights are copied to the GPU for its forward and backward, and
+      the optimizer steps on the CPU. A GPU then holds activations and a block or two of gathered weights.
     - compile_blocks: regional torch.compile of each transformer block and each ResNet block, before
       sharding (as torchtitan does), so FSDP's hooks stay outside the compiled graphs. The blocks repeat,
       so each kind compiles once per shape; other bucket shapes recompile with dynamic sizes.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
 

@@ -43,9 +43,9 @@ def world():
             os.environ[name] = value
 
 
-def sharded_unet(pipeline_dir, world, compile_blocks: bool = False, param_dtype: torch.dtype | None = None):
+def sharded_unet(pipeline_dir, world, compile_blocks: bool = False, param_dtype: torch.dtype | None = None, cpu_offload: bool = False):
     unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
-    shard_unet(unet, world.mesh, param_dtype=param_dtype, compile_blocks=compile_blocks)
+    shard_unet(unet, world.mesh, param_dtype=param_dtype, compile_blocks=compile_blocks, cpu_offload=cpu_offload)
     return unet
 
 
@@ -401,3 +401,16 @@ def test_validation_loss_can_score_the_ema_weights_and_the_trained_ones_come_bac
         of_ema = loss()
     assert largest_difference(weights(unet), trained) == 0.0  # bit for bit
     assert of_ema != raw and loss() == raw
+
+
+def test_cpu_offload_trains_exactly_like_keeping_everything_on_the_device(world, tiny_pipeline_dir):
+    """On a GPU the offloaded shards live in CPU memory; here (CPU) the same FSDP2 code path runs and must
+    give the same update."""
+    results = []
+    for offload in (False, True):
+        unet = sharded_unet(tiny_pipeline_dir, world, cpu_offload=offload)
+        step = make_train_step(unet, torch.optim.AdamW(unet.parameters(), lr=1e-3), tiny_pipeline_dir)
+        for update in range(2):
+            step([synthetic_batch(unet, [update, update + 5], seed=3)], epoch=0)
+        results.append(weights(unet))
+    assert largest_difference(*results) == 0.0

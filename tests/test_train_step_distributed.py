@@ -45,6 +45,13 @@ def test_gradients_are_reduced_once_per_update_whatever_the_accumulation(reports
         assert counts["2"] == counts["1"], f"2 microbatches reduce-scattered {counts['2']} times, 1 microbatch {counts['1']} times"
 
 
+def test_reducing_every_microbatch_reduces_three_times_as_often_and_trains_the_same(reports):
+    for report in reports:
+        result = report["reduce_every_microbatch"]
+        assert result["every"] == 3 * result["once"] > 0
+        assert result["weights_max_difference"] < 1e-6  # the same sum, reduced in another order
+
+
 def test_ema_is_sharded(reports):
     for report in reports:
         assert report["ema_local_bytes"] == report["param_local_bytes"]  # fp32 copy of this rank's shard only

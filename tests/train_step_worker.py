@@ -60,14 +60,16 @@ def optimizer_round_trip(name: str, pipeline_dir: Path, checkpoint_dir: Path, wo
     return report
 
 
-def reduce_scatters_per_update(pipeline_dir: Path, world, microbatches: int) -> int:
+def reduce_scatters_per_update(pipeline_dir: Path, world, microbatches: int, every_microbatch: bool = False) -> tuple[int, dict]:
+    """How many reduce-scatters one update of `microbatches` makes, and the weights after it (SGD, lr 1)."""
     unet = sharded_unet(pipeline_dir, world)
-    optimizer = torch.optim.SGD(unet.parameters(), lr=0.0)
+    optimizer = torch.optim.SGD(unet.parameters(), lr=1.0)
     step = make_train_step(unet, optimizer, pipeline_dir)
+    step.reduce_every_microbatch = every_microbatch
     batches = [synthetic_batch(unet, [10 * micro + world.rank], seed=1) for micro in range(microbatches)]
     with torch.profiler.profile() as profile:
         step(batches, epoch=0)
-    return sum(event.name == "c10d::_reduce_scatter_base_" for event in profile.events())
+    return sum(event.name == "c10d::_reduce_scatter_base_" for event in profile.events()), full_weights(unet)
 
 
 def main(pipeline_dir: str, output_dir: str) -> None:
@@ -76,7 +78,14 @@ def main(pipeline_dir: str, output_dir: str) -> None:
     report: dict = {"optimizers": {}}
     for name in OPTIMIZERS:
         report["optimizers"][name] = optimizer_round_trip(name, pipeline, output / f"checkpoint_{name}", world)
-    report["reduce_scatters"] = {count: reduce_scatters_per_update(pipeline, world, count) for count in (1, 2)}
+    report["reduce_scatters"] = {count: reduce_scatters_per_update(pipeline, world, count)[0] for count in (1, 2)}
+    once, once_weights = reduce_scatters_per_update(pipeline, world, 3)
+    every, every_weights = reduce_scatters_per_update(pipeline, world, 3, every_microbatch=True)
+    report["reduce_every_microbatch"] = {
+        "once": once,
+        "every": every,
+        "weights_max_difference": max((once_weights[key] - every_weights[key]).abs().max().item() for key in once_weights),
+    }
     unet = sharded_unet(pipeline, world)
     ema = ShardedEMA(unet, decay=0.9, on_cpu=True)
     report["ema_local_bytes"] = sum(shadow.numel() * shadow.element_size() for shadow in ema.shadow)
