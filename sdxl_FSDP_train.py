@@ -598,10 +598,18 @@ def train(config: TrainConfig, world: World) -> int:
     try:
         if not saved:
             evaluate(evaluator, 0, unet, ema, monitor.metrics, first_update)
+        if config.optimizer == "adamw8bit" or config.compile_unet:
+            monitor.say(
+                f"The first update compiles kernels ({'torchao 8-bit AdamW' if config.optimizer == 'adamw8bit' else 'the UNet blocks'}): "
+                f"seconds to a minute on a GPU, up to several minutes on a CPU, then reused from {os.environ['TORCHINDUCTOR_CACHE_DIR']} by later runs."
+            )
         monitor.throughput.start()
         for update in stream:
             monitor.throughput.data_ready()
+            started = time.perf_counter()
             result = train_step(update.microbatches, update.epoch)
+            if train_step.updates_done == first_update + 1:
+                monitor.say(f"First update done in {time.perf_counter() - started:.1f} s.")
             monitor.throughput.stop(update.images)
             monitor.log_update(train_step.updates_done, update.epoch, result.loss, result.learning_rate, result.grad_norm, result.stepped, train_step.skipped_updates)
             if train_step.consecutive_skipped_updates >= config.max_consecutive_skipped_updates:

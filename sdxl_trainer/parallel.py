@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,11 +66,19 @@ def use_rank_own_compile_cache(rank: int, world_size: int) -> None:
     The cache key of a graph over DTensors holds the global shape but not the rank's local one, so with
     an uneven shard (33 rows on 2 ranks: 17 and 16) a rank can load the kernel another rank compiled and
     fail with "expected size 17==16" (seen with torchao's compiled AdamW8bit step; the same family as
-    pytorch issues 188332 and 188390). Keyed by world size too, as it changes every shard's shape."""
-    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    pytorch issues 188332 and 188390). Keyed by world size too, as it changes every shard's shape.
+    The folders sit in the virtual env (not /tmp, which a reboot empties), so compiled kernels (torchao's
+    8-bit AdamW step: minutes on a CPU) are reused by every later run."""
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or compile_cache_root()
     own = f"rank{rank}_of_{world_size}"
     if Path(base).name != own:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(base) / own)
+
+
+def compile_cache_root() -> Path:
+    """Where compiled kernels are kept across runs: inside the virtual env when there is one."""
+    in_venv = sys.prefix != sys.base_prefix
+    return Path(sys.prefix) / "compile_cache" if in_venv else Path(default_cache_dir())
 
 
 def broadcast_text(text: str, device: torch.device, src: int = 0) -> str:
