@@ -207,8 +207,11 @@ class UpscaleSamples:
                 return
             self.saved += 1
         stem = Path(source.relative_path).with_suffix("").as_posix().replace("/", "__")
-        before.save(self.folder / f"{stem}.before.png")
-        after.save(self.folder / f"{stem}.after.png")
+        try:
+            before.save(self.folder / f"{stem}.before.png")
+            after.save(self.folder / f"{stem}.after.png")
+        except OSError as error:  # a full disk here must stop the run like any other write
+            raise WriteFailed(error) from error
 
 
 def encode_chunk(encoders: Encoders, prepared: list[PreparedItem], batch_size: int) -> list[CachedItem]:

@@ -126,7 +126,9 @@ def build_optimizer(
 
         return AdamW8bit(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
     if name == "adamw":
-        return torch.optim.AdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
+        # The multi-tensor path works on DTensor shards and is several times faster over SDXL's ~1,700
+        # parameter tensors; torch only picks it by itself for plain CUDA tensors.
+        return torch.optim.AdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
     if name == "adafactor":
         return Adafactor(parameters, lr=learning_rate, weight_decay=weight_decay)
     if name == "lion":
