@@ -49,7 +49,7 @@ from sdxl_trainer.encoding import model_fingerprint
 from sdxl_trainer.export import ExportError, save_pipeline
 from sdxl_trainer.monitor import ConsoleLog, MetricsWriter, TrainingMonitor, WandbSettings
 from sdxl_trainer.optimizers import build_optimizer
-from sdxl_trainer.parallel import World, broadcast_text, init_distributed, shard_unet, shutdown_distributed
+from sdxl_trainer.parallel import World, broadcast_text, init_distributed, prepare_unet, shutdown_distributed, uses_sharding
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_unet, model_location_problem
 from sdxl_trainer.stop_request import StopRequest
 from sdxl_trainer.train_step import TrainStep
@@ -80,7 +80,8 @@ class TrainConfig:
         "auto",
         help="when accumulated gradients are reduce-scattered: once_per_update (least communication; FSDP2 holds the full "
         "fp32 gradient, 10.3 GB for SDXL, on every GPU meanwhile) or every_microbatch (sharded gradients only, more "
-        "communication); auto = every_microbatch on GPUs under 40 GB with accumulation, else once_per_update",
+        "communication); auto = every_microbatch on GPUs under 40 GB with accumulation, else once_per_update; "
+        "unused on one process without --cpu_offload (the UNet is not sharded there)",
     )
     num_train_epochs: int = option(10, help="passes over the training items")
     learning_rate: float = option(1e-5, help="peak learning rate")
@@ -116,7 +117,7 @@ class TrainConfig:
     min_timestep: int = option(0, help="smallest training timestep drawn (inclusive)")
     max_timestep: int = option(1000, help="training timesteps are drawn below this (exclusive); SDXL has 1000")
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
-        "auto", help="UNet compute precision over fp32 master weights: auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, about 5x slower)"
+        "auto", help="UNet compute precision over fp32 master weights (FSDP2's param dtype; torch.autocast on one process): auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, about 5x slower)"
     )
     gradient_checkpointing: bool = option(True, help="recompute activations in backward: much less memory, about 30%% more compute")
     cpu_offload: bool = option(
@@ -124,7 +125,7 @@ class TrainConfig:
         help="keep the sharded weights, gradients and optimizer state in CPU memory (FSDP2 CPU offload): one 24 GB GPU "
         "can then train the full UNet, at the cost of host-device copies and an optimizer step on the CPU",
     )
-    reshard_after_forward: bool = option(True, help="FSDP FULL_SHARD (True, least memory) or SHARD_GRAD_OP (False, faster, more memory)")
+    reshard_after_forward: bool = option(True, help="FSDP FULL_SHARD (True, least memory) or SHARD_GRAD_OP (False, faster, more memory); unused where the UNet is not sharded")
     compile_unet: bool = option(False, help="torch.compile each transformer and ResNet block (regional): faster steps after a compile of minutes")
     allow_tf32: bool = option(True, help="TF32 matmuls and convolutions for fp32 work on Ampere and newer GPUs")
     set_seed: int | None = option(None, help="seed for data order, noise and dropout; None = a random seed, recorded in the run's config.json")
@@ -516,7 +517,7 @@ def train(config: TrainConfig, world: World) -> int:
         unet.enable_gradient_checkpointing()
     unet.to(world.device).train()
     param_dtype = None if compute_dtype == torch.float32 else compute_dtype
-    shard_unet(unet, world.mesh, param_dtype, config.reshard_after_forward, compile_blocks=config.compile_unet, cpu_offload=config.cpu_offload)
+    prepare_unet(unet, world, param_dtype, config.reshard_after_forward, compile_blocks=config.compile_unet, cpu_offload=config.cpu_offload)
     noise_scheduler = build_noise_scheduler(
         config_source(config.pretrained_model_name_or_path, config.single_file_config), config.prediction_type, config.zero_terminal_snr
     )
@@ -568,10 +569,14 @@ def train(config: TrainConfig, world: World) -> int:
     if world.is_main:
         write_resolved_config(config, run_dir / "config.json")
         print(
-            f"{len(dataset)} cached items, {world.world_size} processes, {config.num_train_epochs} epochs, "
+            f"{len(dataset)} cached items, {world.world_size} process{'es' if world.world_size > 1 else ''}, {config.num_train_epochs} epochs, "
             f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
-            f"compute {str(compute_dtype).removeprefix('torch.')}"
-            + (", gradients reduced after every microbatch." if train_step.reduce_every_microbatch else ".")
+            f"compute {str(compute_dtype).removeprefix('torch.')}, "
+            + (
+                "UNet sharded with FSDP2" + (", gradients reduced after every microbatch." if train_step.reduce_every_microbatch else ".")
+                if uses_sharding(world.world_size, config.cpu_offload)
+                else "one process: UNet not sharded" + (" (autocast)." if compute_dtype != torch.float32 else ".")
+            )
         )
     wandb_settings = WandbSettings(config.wandb_project, config.project_name, run_dir, config_to_dict(config)) if config.report_to_wandb else None
     metrics = MetricsWriter(log_dir, world.is_main, wandb_settings)

@@ -12,17 +12,16 @@ SDXL UNet (random weights, no download), next to a minimal reference loop run in
 
 Both paths train on one synthetic batch kept on the device: latents of resolution/8 per side, caption
 embeddings of 77 tokens, pooled embeddings and 6 time ids, their widths taken from the UNet's config.
-- trainer: sdxl_trainer's TrainStep over the UNet sharded by shard_unet (FSDP2; compute in bf16 over fp32
-  master shards, fp32 gradient reduction) with build_optimizer's optimizer: per-sample seeded noise,
+- trainer: sdxl_trainer's TrainStep over the UNet as prepare_unet leaves it, as in sdxl_FSDP_train.py
+  (several processes: FSDP2, compute in bf16 over fp32 master shards, fp32 gradient reduction; one process:
+  a plain module under torch.autocast over fp32 weights) with build_optimizer's optimizer: per-sample seeded noise,
   timesteps and caption dropout, the loss all-reduce, clipping, the NaN/inf check, the optimizer and LR
   steps. That is what sdxl_FSDP_train.py runs per update, less data loading and logging (bench_trainer.py
   measures those).
 - reference "plain" (the default on 1 process): the same architecture and weights as a plain nn.Module,
   fp32 weights under torch.autocast, noise and timesteps from the device's RNG, MSE, backward, clipping and
   the same optimizer. Chosen because it is what a minimal single-GPU PyTorch loop looks like, so the ratio
-  prices everything our step adds: FSDP2's hooks, copies and casts, the seeded per-sample randomness and
-  the host syncs of the NaN/inf check. (Autocast runs group and layer norms in fp32 where FSDP2's bf16
-  policy does not, so the reference is not always the faster one.)
+  prices everything our step adds: the seeded per-sample randomness and the host syncs of the NaN/inf check.
 - reference "fsdp2" (the default on several processes, where a plain module would not be sharded and
   could not be compared): the same forward/backward/clip/step written by hand over the same shard_unet
   model, as bench_trainer.py does; the ratio then prices TrainStep alone.
@@ -70,8 +69,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from diffusers import DDPMScheduler, UNet2DConditionModel  # noqa: E402
-from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
-from diffusers.models.resnet import ResnetBlock2D  # noqa: E402
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
@@ -80,7 +77,7 @@ from sdxl_FSDP_train import resolve_compute_dtype  # noqa: E402
 from sdxl_trainer.diffusion import NoiseSettings  # noqa: E402
 from sdxl_trainer.monitor import gather_floats, peak_memory_gib  # noqa: E402
 from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer  # noqa: E402
-from sdxl_trainer.parallel import World, init_distributed, shard_unet, shutdown_distributed  # noqa: E402
+from sdxl_trainer.parallel import World, compile_repeated_blocks, init_distributed, prepare_unet, shard_unet, shutdown_distributed  # noqa: E402
 from sdxl_trainer.tiny_model import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, TINY_UNET_CONFIG, build_full_size_unet  # noqa: E402
 from sdxl_trainer.lr_schedule import LearningRateSchedule  # noqa: E402
 from sdxl_trainer.train_step import TrainStep  # noqa: E402
@@ -119,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mixed_precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                         help="compute dtype, as the trainer's option: auto = bf16 on GPUs that support it, else fp16; fp32 on the CPU")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                        help="regional torch.compile of each transformer and ResNet block (shard_unet's compile_blocks), in both paths")
+                        help="regional torch.compile of each transformer and ResNet block (compile_repeated_blocks), in both paths")
     parser.add_argument("--attention", choices=tuple(ATTENTION_BACKENDS), default="sdpa",
                         help="sdpa = PyTorch picks the kernel; flash, efficient, cudnn or math restrict SDPA to that kernel "
                         "(efficient and cudnn need a GPU)")
@@ -238,20 +235,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def compile_blocks(unet: torch.nn.Module) -> None:
-    """The regional compile shard_unet(compile_blocks=True) applies, for the unsharded reference."""
-    for module in unet.modules():
-        if isinstance(module, (BasicTransformerBlock, ResnetBlock2D)):
-            module.compile()
-
-
-def sharded(unet: UNet2DConditionModel, args: argparse.Namespace, world: World, compute_dtype: torch.dtype) -> UNet2DConditionModel:
-    """FSDP2 as the trainer applies it: compute in bf16/fp16 over fp32 master shards (fp32: no cast)."""
-    return shard_unet(unet, world.mesh, None if compute_dtype == torch.float32 else compute_dtype, compile_blocks=args.compile)
+def param_dtype(compute_dtype: torch.dtype) -> torch.dtype | None:
+    return None if compute_dtype == torch.float32 else compute_dtype
 
 
 def trainer_path(args: argparse.Namespace, row: Row, world: World, compute_dtype: torch.dtype) -> Callable[[int], object]:
-    unet = sharded(new_unet(args, row, world.device), args, world, compute_dtype)
+    unet = prepare_unet(new_unet(args, row, world.device), world, param_dtype(compute_dtype), compile_blocks=args.compile)
     optimizer = build_optimizer(args.optimizer, unet.parameters(), 1e-5, 1e-2, (0.9, 0.999), 1e-8)
     step = TrainStep(
         unet,
@@ -271,9 +260,9 @@ def trainer_path(args: argparse.Namespace, row: Row, world: World, compute_dtype
 def reference_path(args: argparse.Namespace, row: Row, world: World, compute_dtype: torch.dtype, fsdp2: bool) -> Callable[[int], object]:
     unet = new_unet(args, row, world.device)
     if fsdp2:
-        sharded(unet, args, world, compute_dtype)
+        shard_unet(unet, world.mesh, param_dtype(compute_dtype), compile_blocks=args.compile)
     elif args.compile:
-        compile_blocks(unet)
+        compile_repeated_blocks(unet)
     optimizer = build_optimizer(args.optimizer, unet.parameters(), 1e-5, 1e-2, (0.9, 0.999), 1e-8)
     # fp16 needs loss scaling; the sharded scaler also serves plain parameters.
     scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
@@ -410,7 +399,7 @@ def summary(args: argparse.Namespace, world: World, compute_dtype: torch.dtype, 
             f"- model: {args.model} UNet, random weights; {args.resolution} x {args.resolution} px (latents 4 x {latent} x {latent})",
             f"- {world.world_size} process(es) on {device_name(world.device)}; compute {dtype}; optimizer {args.optimizer}; "
             f"compile {_on_off(args.compile)}; attention {args.attention}; {args.warmup_steps} warm-up + {args.measured_steps} measured steps per path",
-            f"- trainer = TrainStep over the shard_unet (FSDP2) model; {references[reference]}",
+            f"- trainer = TrainStep over the UNet as the trainer prepares it ({'FSDP2' if world.world_size > 1 else 'plain, autocast'}); {references[reference]}",
             f"- TFLOP per image, counted (forward + backward, recompute included): {counted_text}{nominal}",
             f"- peak: {peak_flops / 1e12:.4g} TFLOP/s, a {side}^3 {dtype} matmul timed on this device; MFU = images/s x FLOP per image / peak",
         ]

@@ -1,7 +1,9 @@
 """Process group set-up and every FSDP2 decision about the UNet, in one place.
 
 Launch with `accelerate launch` or `torchrun` (they set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT);
-a plain `python` run becomes a one-process group so the same sharded code path runs everywhere.
+a plain `python` run becomes a one-process group, so collectives (loss averaging, checkpoint agreement,
+the watchdog) run the same everywhere. The UNet is sharded with FSDP2 only where that buys something
+(prepare_unet): one process trains a plain module.
 """
 
 from __future__ import annotations
@@ -98,6 +100,66 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def uses_sharding(world_size: int, cpu_offload: bool) -> bool:
+    """FSDP2 only where it buys something: more than one process to shard over, or CPU offload (FSDP2's
+    policy). On one process it saves no memory, and its DTensor parameters and per-block copies made an
+    update of the tiny UNet on CPU 1.25x as long as a plain module's (benchmarks/bench_trainer.py)."""
+    return world_size > 1 or cpu_offload
+
+
+def prepare_unet(
+    unet: nn.Module,
+    world: World,
+    param_dtype: torch.dtype | None,
+    reshard_after_forward: bool = True,
+    compile_blocks: bool = False,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """The UNet ready to train in this world, in place: FSDP2-sharded (shard_unet) where uses_sharding says
+    so, otherwise a plain module whose forward runs under torch.autocast in param_dtype (compute_under_autocast).
+    Both keep fp32 weights and fp32 gradients, and the same parameter names, so checkpoints move between
+    the two (DCP reshards) and the export is the same."""
+    if uses_sharding(world.world_size, cpu_offload):
+        return shard_unet(unet, world.mesh, param_dtype, reshard_after_forward, compile_blocks, cpu_offload)
+    if compile_blocks:
+        compile_repeated_blocks(unet)
+    if param_dtype is not None:
+        compute_under_autocast(unet, world.device.type, param_dtype)
+    return unet
+
+
+def compile_repeated_blocks(unet: nn.Module) -> None:
+    """Regional torch.compile of each transformer block and each ResNet block (as torchtitan does): the
+    blocks repeat, so each kind compiles once per shape, and FSDP's hooks stay outside the compiled graphs."""
+    from diffusers.models.attention import BasicTransformerBlock
+    from diffusers.models.resnet import ResnetBlock2D
+
+    for module in unet.modules():
+        if isinstance(module, (BasicTransformerBlock, ResnetBlock2D)):
+            module.compile()
+
+
+def compute_under_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Mixed precision for an unsharded module: its forward runs under torch.autocast(dtype) over fp32
+    weights, entered by a forward pre-hook and left by a forward hook that also runs when forward raises.
+    Gradient checkpointing's recomputation re-enters the same autocast state. The weight-cast cache is off:
+    each weight is cast when used and the copy freed with its block (with gradient checkpointing a cache
+    would hold a second, bf16 copy of the whole UNet, 5.1 GB for SDXL, through the forward).
+    Autocast keeps normalisations and softmax in fp32, where FSDP2's param_dtype runs everything in bf16."""
+    open_contexts: list[torch.autocast] = []
+
+    def enter(_module: nn.Module, _args: tuple) -> None:
+        context = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+        context.__enter__()
+        open_contexts.append(context)
+
+    def leave(_module: nn.Module, _args: tuple, _output: object) -> None:
+        open_contexts.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+
+
 def shard_unet(
     unet: nn.Module,
     mesh: DeviceMesh,
@@ -119,21 +181,16 @@ def shard_unet(
     - cpu_offload: FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and so the optimizer
       state live in CPU memory; each block's weights are copied to the GPU for its forward and backward, and
       the optimizer steps on the CPU. A GPU then holds activations and a block or two of gathered weights.
-    - compile_blocks: regional torch.compile of each transformer block and each ResNet block, before
-      sharding (as torchtitan does), so FSDP's hooks stay outside the compiled graphs. The blocks repeat,
-      so each kind compiles once per shape; other bucket shapes recompile with dynamic sizes.
+    - compile_blocks: compile_repeated_blocks before sharding; other bucket shapes recompile with dynamic sizes.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     from diffusers.models.attention import BasicTransformerBlock
-    from diffusers.models.resnet import ResnetBlock2D
 
     if compile_blocks:
-        for module in unet.modules():
-            if isinstance(module, (BasicTransformerBlock, ResnetBlock2D)):
-                module.compile()
+        compile_repeated_blocks(unet)
     for module in unet.modules():
         if isinstance(module, BasicTransformerBlock):
             fully_shard(module, **kwargs)

@@ -35,7 +35,7 @@ class UpdateResult:
 class TrainStep:
     def __init__(
         self,
-        unet: FSDPModule,
+        unet: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         learning_rate: LearningRateSchedule,
         noise_scheduler: DDPMScheduler,
@@ -47,7 +47,8 @@ class TrainStep:
         ema: ShardedEMA | None = None,
         reduce_every_microbatch: bool = False,
     ):
-        """reduce_every_microbatch: reduce-scatter gradients after every microbatch (sharded gradients only:
+        """unet: FSDP2-sharded, or a plain module on one process (parallel.prepare_unet).
+        reduce_every_microbatch (sharded UNets): reduce-scatter gradients after every microbatch (sharded gradients only:
         less memory, more communication) instead of once per update (FSDP2 then holds the full unsharded
         fp32 gradient, 10.3 GB for SDXL, on every GPU until the last microbatch)."""
         self.unet = unet
@@ -88,8 +89,9 @@ class TrainStep:
         device = microbatches[0]["latents"].device
         loss_sum = torch.zeros((), device=device)
         for index, batch in enumerate(microbatches):
-            # FSDP2 reduce-scatters gradients only when this is True; before that they accumulate unsharded.
-            self.unet.set_requires_gradient_sync(self.reduce_every_microbatch or index == len(microbatches) - 1)
+            if isinstance(self.unet, FSDPModule):
+                # FSDP2 reduce-scatters gradients only when this is True; before that they accumulate unsharded.
+                self.unet.set_requires_gradient_sync(self.reduce_every_microbatch or index == len(microbatches) - 1)
             loss = training_loss(self.unet, batch, self.noise_scheduler, self.empty_prompt, self.run_seed, epoch, self.noise_settings)
             loss = loss / len(microbatches)  # the mean over the update's samples, normalised once
             (self.scaler.scale(loss) if self.scaler else loss).backward()

@@ -1,7 +1,8 @@
 """Run under torchrun by test_checkpoint.py, with a mode and a comma-separated list of optimizers:
-- `save` (2 processes): one update per optimizer, then a checkpoint `<optimizer>/`, and the full weights,
+- `save` (any number of processes): one update per optimizer, then a checkpoint `<optimizer>/`, and the full weights,
   EMA and optimizer state written to `<optimizer>_reference.safetensors`;
-- `load` (any number of processes): restore each checkpoint into a fresh sharded UNet, optimizer and EMA;
+- `load` (any number of processes): restore each checkpoint into a fresh UNet (sharded, or plain on one
+  process, as the trainer prepares it), optimizer and EMA;
   write the largest difference from the reference and the loss of one more update to load_on_<N>.json;
 - `die_during_save`: like `save`, then a second checkpoint `<optimizer>_update_2` during which rank 1 is
   killed (SIGKILL) after writing its shards;
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from diffusers import UNet2DConditionModel
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
@@ -24,8 +26,8 @@ from sdxl_trainer.checkpoint import JsonIndexWriter, load_training_state, save_t
 from sdxl_trainer.ema import ShardedEMA
 from sdxl_trainer.handoff import PipelineHandoff
 from sdxl_trainer.optimizers import build_optimizer
-from sdxl_trainer.parallel import full_state_dict_on_rank0, init_distributed, shutdown_distributed
-from train_step_worker import LEARNING_RATES, full_weights, rank_batch, sharded_unet
+from sdxl_trainer.parallel import full_state_dict_on_rank0, init_distributed, prepare_unet, shutdown_distributed
+from train_step_worker import LEARNING_RATES, full_weights, rank_batch
 from unet_batches import make_train_step, saved_state_of
 
 
@@ -42,7 +44,7 @@ def full_optimizer_state(unet, optimizer) -> dict[str, torch.Tensor]:
 
 
 def fresh(name: str, pipeline_dir: Path, world):
-    unet = sharded_unet(pipeline_dir, world)
+    unet = prepare_unet(UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet"), world, param_dtype=None)
     optimizer = build_optimizer(name, unet.parameters(), LEARNING_RATES[name], 1e-2, (0.9, 0.99), 1e-8)
     ema = ShardedEMA(unet, decay=0.9, on_cpu=False)
     return unet, optimizer, ema, make_train_step(unet, optimizer, pipeline_dir, ema=ema)

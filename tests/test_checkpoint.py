@@ -131,16 +131,25 @@ def test_scheduled_saves_and_total_limit(straight_and_resumed):
 
 
 @pytest.fixture(scope="module")
-def saved_on_two(tmp_path_factory, tiny_pipeline_dir) -> Path:
-    output_dir = tmp_path_factory.mktemp("reshard")
-    run_processes(2, WORKER, ["save", str(tiny_pipeline_dir), str(output_dir), ",".join(OPTIMIZERS)])
-    return output_dir
+def saved_on(tmp_path_factory, tiny_pipeline_dir):
+    """Checkpoints saved on 1 (a plain UNet) or 2 processes (FSDP2 shards), made once per module."""
+    folders: dict[int, Path] = {}
+
+    def saved(processes: int) -> Path:
+        if processes not in folders:
+            folders[processes] = tmp_path_factory.mktemp(f"saved_on_{processes}")
+            run_processes(processes, WORKER, ["save", str(tiny_pipeline_dir), str(folders[processes]), ",".join(OPTIMIZERS)])
+        return folders[processes]
+
+    return saved
 
 
-@pytest.mark.parametrize("processes", [1, 4])
-def test_state_saved_on_two_processes_resumes_on_another_number(saved_on_two, tiny_pipeline_dir, processes):
-    run_processes(processes, WORKER, ["load", str(tiny_pipeline_dir), str(saved_on_two), ",".join(OPTIMIZERS)])
-    report = json.loads((saved_on_two / f"load_on_{processes}.json").read_text())
+@pytest.mark.parametrize("saved_processes,processes", [(2, 1), (2, 4), (1, 2)])
+def test_state_resumes_on_another_number_of_processes(saved_on, tiny_pipeline_dir, saved_processes, processes):
+    """DCP reshards on load, also between FSDP2 shards and the plain UNet one process trains."""
+    folder = saved_on(saved_processes)
+    run_processes(processes, WORKER, ["load", str(tiny_pipeline_dir), str(folder), ",".join(OPTIMIZERS)])
+    report = json.loads((folder / f"load_on_{processes}.json").read_text())
     for name in OPTIMIZERS:
         result = report[name]
         assert result["missing"] == []

@@ -1,5 +1,6 @@
-"""The update and the objective on the tiny UNet, in this process (a 1-process gloo group, FSDP2-sharded
-like in training): micro-conditioning, caption dropout, accumulation, clipping, NaN/inf skipping, the
+"""The update and the objective on the tiny UNet, in this process (a 1-process gloo group; the UNet
+FSDP2-sharded as on several processes, or plain as the trainer keeps it on one): the two layouts train
+alike, micro-conditioning, caption dropout, accumulation, clipping, NaN/inf skipping, the
 prediction targets, Min-SNR, noise offset, timestep range, zero terminal SNR, EMA and regional compile."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.cache import load_manifest
 from sdxl_trainer.config import parse_config
@@ -24,7 +26,8 @@ from sdxl_trainer.diffusion import (
     training_loss,
 )
 from sdxl_trainer.ema import ShardedEMA
-from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed
+from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer
+from sdxl_trainer.parallel import compute_under_autocast, init_distributed, prepare_unet, shard_unet, shutdown_distributed
 from unet_batches import empty_prompt_for, make_train_step, synthetic_batch
 
 DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHINDUCTOR_CACHE_DIR")
@@ -49,8 +52,21 @@ def sharded_unet(pipeline_dir, world, compile_blocks: bool = False, param_dtype:
     return unet
 
 
+def unet_in_layout(layout: str, pipeline_dir, world, param_dtype: torch.dtype | None = None):
+    """"fsdp2": sharded as on several processes; "plain": what prepare_unet gives one process."""
+    if layout == "fsdp2":
+        return sharded_unet(pipeline_dir, world, param_dtype=param_dtype)
+    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
+    prepare_unet(unet, world, param_dtype)
+    assert not isinstance(unet.conv_in.weight, DTensor)
+    return unet
+
+
+LAYOUTS = ("fsdp2", "plain")
+
+
 def weights(unet) -> dict[str, torch.Tensor]:
-    return {name: parameter.full_tensor().clone() for name, parameter in unet.named_parameters()}
+    return {name: (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach()).clone() for name, parameter in unet.named_parameters()}
 
 
 def largest_difference(first: dict, second: dict) -> float:
@@ -108,18 +124,21 @@ def test_micro_conditioning_of_every_sample_reaches_the_unet(world, tiny_pipelin
     assert torch.equal(seen["time_ids"].view(batch_size, 6).float(), torch.from_numpy(expected))
 
 
-def test_sizes_reach_the_unet_exactly_under_bf16_compute(world, tiny_pipeline_dir):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sizes_reach_the_unet_exactly_under_bf16_compute(world, tiny_pipeline_dir, layout):
     """FSDP2's mixed precision casts floating-point forward inputs to bf16, which has 8 significant bits:
     an original height of 3000 px arrived as 3008, 1023 as 1024."""
-    unet = sharded_unet(tiny_pipeline_dir, world, param_dtype=torch.bfloat16)
+    unet = unet_in_layout(layout, tiny_pipeline_dir, world, param_dtype=torch.bfloat16)
     batch = synthetic_batch(unet, [0], seed=2)
     sizes = [3000, 1023, 17, 5, 1024, 1024]
     batch["time_ids"] = torch.tensor([sizes], dtype=torch.float32)
     assert torch.tensor(sizes, dtype=torch.bfloat16).tolist() != sizes  # what a cast would have done
     noise_scheduler = build_noise_scheduler(str(tiny_pipeline_dir), "epsilon", zero_terminal_snr=False)
+    projection_input = {}
+    unet.add_embedding.linear_1.register_forward_hook(lambda module, args, output: projection_input.update(dtype=output.dtype))
     seen = captured_unet_inputs(unet, lambda: training_loss(unet, batch, noise_scheduler, empty_prompt_for(unet), 1, 0, NoiseSettings(0.0)))
     assert seen["time_ids"].tolist() == sizes
-    assert seen["encoder_hidden_states"].dtype == torch.bfloat16  # the rest is computed in bf16 as before
+    assert projection_input["dtype"] == torch.bfloat16  # the rest is computed in bf16 as before
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.5, 1.0])
@@ -147,13 +166,14 @@ def test_conditional_dropout_swaps_in_the_empty_prompt_and_its_pooled_embedding(
 # --- the update -----------------------------------------------------------------------------------------
 
 
-def test_accumulated_microbatches_equal_one_large_batch(world, tiny_pipeline_dir):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_accumulated_microbatches_equal_one_large_batch(world, tiny_pipeline_dir, layout):
     """SGD at lr 1 moves the weights by exactly the (clipped) gradient, so equal weights mean equal
     gradients. (Adam's first step is about lr * sign(gradient), which turns fp32 rounding of near-zero
     gradients into lr-sized differences, so it cannot show this.)"""
     results = {}
     for name, split in (("one batch of 4", [[0, 1, 2, 3]]), ("2 microbatches of 2", [[0, 1], [2, 3]])):
-        unet = sharded_unet(tiny_pipeline_dir, world)
+        unet = unet_in_layout(layout, tiny_pipeline_dir, world)
         optimizer = torch.optim.SGD(unet.parameters(), lr=1.0)
         step = make_train_step(unet, optimizer, tiny_pipeline_dir, NoiseSettings(0.5))
         template = synthetic_batch(unet, [0, 1, 2, 3], seed=2)
@@ -165,11 +185,12 @@ def test_accumulated_microbatches_equal_one_large_batch(world, tiny_pipeline_dir
     assert largest_difference(one, two) < 1e-6
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("loss_scale", [None, 1024.0])
-def test_clipping_bounds_the_true_gradient(world, tiny_pipeline_dir, loss_scale):
+def test_clipping_bounds_the_true_gradient(world, tiny_pipeline_dir, loss_scale, layout):
     """With plain SGD at lr 1, the weights move by exactly the clipped gradient: its norm must be
     max_grad_norm, also when the loss is scaled (the scaler unscales before clipping)."""
-    unet = sharded_unet(tiny_pipeline_dir, world)
+    unet = unet_in_layout(layout, tiny_pipeline_dir, world)
     before = weights(unet)
     optimizer = torch.optim.SGD(unet.parameters(), lr=1.0)
     step = make_train_step(unet, optimizer, tiny_pipeline_dir, max_grad_norm=1e-3)
@@ -204,8 +225,9 @@ def test_nonfinite_update_is_skipped_without_touching_weights_or_state_but_count
     assert (step.skipped_updates, step.consecutive_skipped_updates) == (1, 0)
 
 
-def test_fp16_scaler_overflow_lowers_the_scale_and_skips_the_step(world, tiny_pipeline_dir):
-    unet = sharded_unet(tiny_pipeline_dir, world, param_dtype=torch.float16)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp16_scaler_overflow_lowers_the_scale_and_skips_the_step(world, tiny_pipeline_dir, layout):
+    unet = unet_in_layout(layout, tiny_pipeline_dir, world, param_dtype=torch.float16)
     before = weights(unet)
     optimizer = torch.optim.SGD(unet.parameters(), lr=1e-3)
     step = make_train_step(unet, optimizer, tiny_pipeline_dir)
@@ -414,3 +436,75 @@ def test_cpu_offload_trains_exactly_like_keeping_everything_on_the_device(world,
             step([synthetic_batch(unet, [update, update + 5], seed=3)], epoch=0)
         results.append(weights(unet))
     assert largest_difference(*results) == 0.0
+
+
+# --- one process: a plain UNet ---------------------------------------------------------------------------
+
+LEARNING_RATE = 1e-3
+
+
+def three_updates(unet, optimizer_name: str, pipeline_dir) -> tuple[dict[str, torch.Tensor], list]:
+    """Three updates of 2 microbatches (3 items) with clipping and EMA; the weights and each UpdateResult."""
+    optimizer = build_optimizer(optimizer_name, unet.parameters(), LEARNING_RATE, 1e-2, (0.9, None), 1e-8)
+    step = make_train_step(unet, optimizer, pipeline_dir, NoiseSettings(0.3), ema=ShardedEMA(unet, decay=0.9, on_cpu=False))
+    results = [step([synthetic_batch(unet, [u, u + 5], seed=3), synthetic_batch(unet, [u + 10], seed=3)], epoch=0) for u in range(3)]
+    return weights(unet), results
+
+
+@pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
+def test_one_process_trains_a_plain_unet_like_the_sharded_one(world, tiny_pipeline_dir, optimizer_name):
+    """prepare_unet leaves the UNet unsharded on one process. Same losses and gradient norms to fp32
+    rounding (the two layouts round a few gradients 1 ulp apart); Adam's early steps are about
+    lr * sign(gradient), which turns such rounding of near-zero gradients into a fraction of lr."""
+    sharded_weights, sharded = three_updates(sharded_unet(tiny_pipeline_dir, world), optimizer_name, tiny_pipeline_dir)
+    plain_weights, plain = three_updates(unet_in_layout("plain", tiny_pipeline_dir, world), optimizer_name, tiny_pipeline_dir)
+    for a, b in zip(sharded, plain):
+        assert a.stepped and b.stepped
+        assert b.loss == pytest.approx(a.loss, rel=1e-6) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-6)
+    assert largest_difference(sharded_weights, plain_weights) < 0.5 * LEARNING_RATE
+
+
+@pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
+def test_a_plain_unet_resumes_exactly(world, tiny_pipeline_dir, tmp_path, optimizer_name):
+    """One process: "2 updates straight" equals "1 update, save, restore into a fresh UNet and optimizer,
+    1 update", bit for bit, for every optimizer (torchao's 8-bit state included)."""
+    from sdxl_trainer.checkpoint import load_training_state, save_training_state
+    from unet_batches import saved_state_of
+
+    def fresh():
+        unet = unet_in_layout("plain", tiny_pipeline_dir, world)
+        optimizer = build_optimizer(optimizer_name, unet.parameters(), LEARNING_RATE, 1e-2, (0.9, None), 1e-8)
+        ema = ShardedEMA(unet, decay=0.9, on_cpu=False)
+        return unet, optimizer, ema, make_train_step(unet, optimizer, tiny_pipeline_dir, ema=ema)
+
+    unet, optimizer, ema, step = fresh()
+    step([synthetic_batch(unet, [0, 1], seed=3)], epoch=0)
+    save_training_state(tmp_path / "checkpoint", unet, optimizer, ema, *saved_state_of(step, optimizer_name, 1))
+    straight_loss = step([synthetic_batch(unet, [2, 3], seed=3)], epoch=0).loss
+    straight, straight_ema = weights(unet), ema.full_state_dict_on_rank0(True)
+
+    unet, optimizer, ema, step = fresh()
+    load_training_state(tmp_path / "checkpoint", unet, optimizer, ema)
+    assert step([synthetic_batch(unet, [2, 3], seed=3)], epoch=0).loss == straight_loss
+    assert largest_difference(straight, weights(unet)) == 0.0
+    assert largest_difference(straight_ema, ema.full_state_dict_on_rank0(True)) == 0.0
+
+
+def test_autocast_is_left_after_the_forward_also_when_it_raises():
+    seen = []
+
+    class Failing(torch.nn.Module):
+        def forward(self, x, fail):
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            if fail:
+                raise ValueError("broken batch")
+            return torch.nn.functional.linear(x, torch.ones(2, 2))
+
+    module = Failing()
+    compute_under_autocast(module, "cpu", torch.bfloat16)
+    assert module(torch.ones(1, 2), False).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="broken batch"):
+        module(torch.ones(1, 2), True)
+    assert seen == [(True, torch.bfloat16)] * 2
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.nn.functional.linear(torch.ones(1, 2), torch.ones(2, 2)).dtype == torch.float32

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from diffusers import UNet2DConditionModel
+from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.checkpoint import load_training_state, save_training_state
 from sdxl_trainer.ema import ShardedEMA
@@ -34,7 +35,7 @@ def rank_batch(unet, world, update: int) -> list[dict[str, torch.Tensor]]:
 
 
 def full_weights(unet) -> dict[str, torch.Tensor]:
-    return {name: parameter.full_tensor().clone() for name, parameter in unet.named_parameters()}
+    return {name: (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach()).clone() for name, parameter in unet.named_parameters()}
 
 
 def optimizer_round_trip(name: str, pipeline_dir: Path, checkpoint_dir: Path, world) -> dict:
