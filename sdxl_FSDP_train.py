@@ -45,7 +45,8 @@ from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError, loa
 from sdxl_trainer.sample_grid import DEFAULT_SAMPLE_PROMPTS, choose_sample_prompts, read_prompts, sample_seeds
 from sdxl_trainer.sampling import GenerationSettings
 from sdxl_trainer.validation import ImageValidator
-from sdxl_trainer.encoding import model_fingerprint
+from sdxl_trainer.encoding import TOKENS_PER_CHUNK, model_fingerprint
+from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
 from sdxl_trainer.export import ExportError, save_pipeline
 from sdxl_trainer.monitor import ConsoleLog, MetricsWriter, TrainingMonitor, WandbSettings
 from sdxl_trainer.optimizers import build_optimizer
@@ -260,11 +261,12 @@ def cache_vae(info: CacheSettings) -> str | None:
 
 def check_caches(config: TrainConfig) -> list[str]:
     """Every cache must exist and match the trainer's model family, resolution range and bucket table, and
-    all must share one VAE (the one validation decodes with and the export holds). The model is compared by
+    all must share one VAE (the one validation decodes with and the export holds) and one caption length. The model is compared by
     the fingerprint of its VAE and text-encoder configs (read from config files only), not by its path, so a
     moved or re-downloaded model still matches."""
     problems = []
     vaes = set()
+    text_lengths = set()
     for cache_dir in config.cached_dataset_dirs:
         try:
             info = read_cache_info(cache_dir)
@@ -272,6 +274,7 @@ def check_caches(config: TrainConfig) -> list[str]:
             problems.append(str(error))
             continue
         vaes.add(cache_vae(info))
+        text_lengths.add(info.text_max_length // TEXT_MAX_LENGTH * TOKENS_PER_CHUNK)
         wanted = dict(
             min_resolution=config.min_resolution,
             max_resolution=config.max_resolution,
@@ -287,6 +290,11 @@ def check_caches(config: TrainConfig) -> list[str]:
     if len(vaes) > 1:
         names = sorted(vae or "the model's own" for vae in vaes)
         problems.append(f"the caches were encoded with different VAEs ({', '.join(names)}): re-cache them with one")
+    if len(text_lengths) > 1:
+        problems.append(
+            f"the caches were encoded with different --max_token_length ({', '.join(map(str, sorted(text_lengths)))}): "
+            "re-cache them with one, as a batch may mix their items"
+        )
     return problems
 
 
@@ -417,6 +425,7 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
         sample_seeds=sample_seeds(seed, len(prompts)),
         sample_size=config.max_resolution,
         grid_path=run_dir / "samples" / "sample_grid.png",
+        caption_chunks=read_cache_info(config.cached_dataset_dirs[0]).text_max_length // TEXT_MAX_LENGTH,
     )
 
 

@@ -59,7 +59,7 @@ from sdxl_trainer.cache import (
     write_empty_prompt,
 )
 from sdxl_trainer.config import option, parse_config
-from sdxl_trainer.encoding import Encoders, load_encoders, model_fingerprint
+from sdxl_trainer.encoding import TOKENS_PER_CHUNK, Encoders, chunks_for, load_encoders, model_fingerprint
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
 from sdxl_trainer.files import write_error_reason
@@ -99,6 +99,11 @@ class CacheConfig:
     upscale_tile_padding: int = option(32, help="px of surrounding image each tile sees, so tiles join without seams")
     save_upscale_samples: Path | None = option(None, help="folder (outside --data_dir) for before/after PNG pairs of upscaled images; None = none")
     max_upscale_samples: int = option(32, help="before/after pairs written per worker into --save_upscale_samples; 0 = every upscaled image")
+    max_token_length: int = option(
+        75,
+        help="caption tokens encoded: 75 (SDXL's usual, one CLIP window), 150 or 225 (chunks of 75 encoded separately and "
+        "concatenated, as A1111 and ComfyUI prompt); longer captions are cut and named in the cache log",
+    )
     batch_size: int = option(8, help="images per VAE / text-encoder call")
     items_per_shard: int = option(256, help="items per shard file; a shard is the unit that a killed run redoes")
     num_shards: int = option(1, help="number of workers splitting the dataset (all GPUs of all machines)")
@@ -145,6 +150,10 @@ class CacheConfig:
             )
         if not 0 <= self.shard_index < self.num_shards:
             problems.append(f"--shard_index {self.shard_index} must be in 0..{self.num_shards - 1} (--num_shards {self.num_shards})")
+        try:
+            chunks_for(self.max_token_length)
+        except ValueError as error:
+            problems.append(str(error))
         for name in ("batch_size", "items_per_shard", "num_io_threads"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1")
@@ -169,16 +178,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ErrorLog:
-    """One line per skipped item, written as it happens so a crash keeps what was logged."""
+    """One line per skipped item (and per item cached with a note, such as a truncated caption), written as
+    it happens so a crash keeps what was logged."""
 
     def __init__(self, cache_dir: Path, worker_name: str):
         self.path = cache_dir / LOG_DIR / f"errors-{worker_name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.counts: Counter[str] = Counter()
+        self.notes: Counter[str] = Counter()
         self._handle = open(self.path, "a", encoding="utf-8")
 
     def skip(self, relative_path: str, reason: str, category: str) -> None:
         self.counts[category] += 1
+        self._write(relative_path, reason)
+
+    def note(self, relative_path: str, reason: str, category: str) -> None:
+        """An item that was cached, with something the user should know."""
+        self.notes[category] += 1
+        self._write(relative_path, reason)
+
+    def _write(self, relative_path: str, reason: str) -> None:
         try:
             self._handle.write(f"{relative_path}: {reason}\n")
             self._handle.flush()
@@ -187,7 +206,7 @@ class ErrorLog:
 
     def close(self) -> None:
         self._handle.close()
-        if not self.counts:
+        if not self.counts and not self.notes:
             self.path.unlink()
 
 
@@ -214,20 +233,29 @@ class UpscaleSamples:
             raise WriteFailed(error) from error
 
 
-def encode_chunk(encoders: Encoders, prepared: list[PreparedItem], batch_size: int) -> list[CachedItem]:
-    """Encode images grouped by bucket (one VAE call needs one size) and captions in batches."""
+def truncation_advice(max_token_length: int) -> str:
+    longer = [length for length in (150, 225) if length > max_token_length]
+    return f"raise --max_token_length ({' or '.join(map(str, longer))}) or shorten the caption" if longer else "shorten the caption"
+
+
+def encode_chunk(encoders: Encoders, prepared: list[PreparedItem], batch_size: int, caption_chunks: int) -> tuple[list[CachedItem], dict[str, int]]:
+    """Encode images grouped by bucket (one VAE call needs one size) and captions in batches. Also returns
+    the items whose caption was cut (relative path -> its token count)."""
     by_bucket: dict[tuple[int, int], list[PreparedItem]] = defaultdict(list)
     for item in prepared:
         by_bucket[(item.plan.bucket.width, item.plan.bucket.height)].append(item)
     cached = []
+    truncated = {}
     for items in by_bucket.values():
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
             latents = encoders.encode_images(torch.stack([item.pixels for item in batch]))
-            prompt_embeds, pooled = encoders.encode_captions([item.caption for item in batch])
+            captions = encoders.encode_captions([item.caption for item in batch], caption_chunks)
             for index, item in enumerate(batch):
-                cached.append(CachedItem(latents[index], prompt_embeds[index], pooled[index], item.manifest_row()))
-    return cached
+                cached.append(CachedItem(latents[index], captions.prompt_embeds[index], captions.pooled_prompt_embeds[index], item.manifest_row()))
+                if captions.token_counts[index] > caption_chunks * TOKENS_PER_CHUNK:
+                    truncated[item.source.relative_path] = captions.token_counts[index]
+    return cached, truncated
 
 
 def bounded_map(pool: ThreadPoolExecutor, function: Callable, items: Iterable, window: int) -> Iterator:
@@ -378,6 +406,7 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
     dtype = resolve_dtype(config.encode_dtype, device)
     vae_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.vae_dtype]
     encoders = load_encoders(config.pretrained_model_name_or_path, config.vae_name_or_path, device, dtype, config.single_file_config, vae_dtype)
+    caption_chunks = chunks_for(config.max_token_length)
     settings = CacheSettings(
         pretrained_model_name_or_path=config.pretrained_model_name_or_path,
         vae_name_or_path=config.vae_name_or_path or config.pretrained_model_name_or_path,
@@ -386,14 +415,15 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
         max_resolution=config.max_resolution,
         bucket_table_version=BUCKET_TABLE_VERSION,
         latent_scaling_factor=encoders.latent_scaling_factor,
-        text_max_length=TEXT_MAX_LENGTH,
+        text_max_length=caption_chunks * TEXT_MAX_LENGTH,
         upscale_to_resolution=config.upscale_to_resolution or None,
         upscaler_sha256=sha256_file(config.upscaler_weights) if config.upscale_to_resolution else None,
         face_restorer_sha256=sha256_file(config.gfpgan_weights) if config.upscale_to_resolution and config.upscale_use_GFPGAN else None,
     )
     try:
         write_cache_info(config.cache_dir, settings)
-        write_empty_prompt(config.cache_dir, *[tensor[0] for tensor in encoders.encode_captions([""])])
+        empty = encoders.encode_captions([""], caption_chunks)
+        write_empty_prompt(config.cache_dir, empty.prompt_embeds[0], empty.pooled_prompt_embeds[0])
     except CacheError as error:
         print(f"[{worker_name}] refused: {error}")
         return 2
@@ -432,9 +462,15 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
             return skipped
 
     def commit(items: list[PreparedItem]) -> None:
-        encoded = encode_chunk(encoders, items, config.batch_size)
+        encoded, truncated = encode_chunk(encoders, items, config.batch_size, caption_chunks)
         try:
             writer.write(encoded)
+            for relative_path, token_count in truncated.items():
+                errors.note(
+                    relative_path,
+                    f"caption of {token_count} tokens cut to its first {config.max_token_length}: {truncation_advice(config.max_token_length)}",
+                    "caption truncated",
+                )
         except (OSError, SafetensorError) as error:  # safetensors reports a full disk as SafetensorError, not OSError
             raise WriteFailed(error) from error
         counts["cached"] += len(items)
@@ -476,6 +512,11 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
     if errors.counts:
         skipped = ", ".join(f"{key}: {value}" for key, value in sorted(errors.counts.items()))
         print(f"[{worker_name}] skipped {sum(errors.counts.values())} ({skipped}); details in {errors.path}")
+    if errors.notes["caption truncated"]:
+        print(
+            f"[{worker_name}] {errors.notes['caption truncated']} caption(s) longer than --max_token_length {config.max_token_length} "
+            f"were cut; they are named in {errors.path}"
+        )
     return exit_code
 
 

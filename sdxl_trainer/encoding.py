@@ -1,4 +1,12 @@
-"""SDXL's frozen encoders: both text encoders and the VAE, loaded once and used for caching."""
+"""SDXL's frozen encoders: both text encoders and the VAE, loaded once and used for caching, and the rule
+that turns captions into SDXL's text conditioning (also for the trainer's sample prompts).
+
+Long captions: CLIP has 77 positions, <start> + 75 tokens + <end>. A caption is cut into chunks of 75
+tokens, each encoded on its own with its own <start>/<end> (and padding), and the chunks' hidden states are
+concatenated: `chunks` x 77 tokens of conditioning, every caption padded to the same count. The pooled
+embedding is the first chunk's. This is how A1111 and ComfyUI encode prompts over 75 tokens, so a model
+trained on 150 or 225 tokens is prompted the same way there; with one chunk it is exactly SDXL's usual
+encoding (truncated at 75 tokens)."""
 
 from __future__ import annotations
 
@@ -13,6 +21,8 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokeniz
 
 from .single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_pipeline
 from .tiny_model import TEXT_MAX_LENGTH
+
+TOKENS_PER_CHUNK = TEXT_MAX_LENGTH - 2  # CLIP's positions less <start> and <end>
 
 
 def _config_json(model_name_or_path: str, subfolder: str) -> dict:
@@ -40,6 +50,53 @@ def model_fingerprint(model_name_or_path: str, vae_name_or_path: str | None = No
     return hashlib.sha256(json.dumps(reduced, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def chunks_for(max_token_length: int) -> int:
+    """--max_token_length (75, 150 or 225) -> chunks of 75 tokens."""
+    if max_token_length <= 0 or max_token_length % TOKENS_PER_CHUNK:
+        raise ValueError(f"--max_token_length must be a multiple of {TOKENS_PER_CHUNK} (75, 150 or 225), got {max_token_length}")
+    return max_token_length // TOKENS_PER_CHUNK
+
+
+@dataclass
+class CaptionEmbeddings:
+    prompt_embeds: torch.Tensor  # (N, chunks x 77, 2048): penultimate hidden states of both encoders side by side
+    pooled_prompt_embeds: torch.Tensor  # (N, 1280): encoder 2's pooled projection of the first chunk
+    token_counts: list[int]  # tokens of each caption before any cut (more than chunks x 75: truncated)
+
+
+def chunked_token_ids(tokenizer: CLIPTokenizer, captions: list[str], chunks: int) -> tuple[torch.Tensor, list[int]]:
+    """(N x chunks, 77) token ids: each caption's tokens in chunks of 75, each chunk as the tokenizer would
+    encode it alone (<start>, tokens, <end>, padding), empty chunks for short captions; and each caption's
+    token count before the cut."""
+    content = tokenizer(captions, add_special_tokens=False, truncation=False, verbose=False).input_ids
+    rows = []
+    for ids in content:
+        for chunk in range(chunks):
+            part = ids[chunk * TOKENS_PER_CHUNK : (chunk + 1) * TOKENS_PER_CHUNK]
+            rows.append([tokenizer.bos_token_id, *part, tokenizer.eos_token_id] + [tokenizer.pad_token_id] * (TOKENS_PER_CHUNK - len(part)))
+    return torch.tensor(rows, dtype=torch.long), [len(ids) for ids in content]
+
+
+@torch.no_grad()
+def encode_prompts(
+    tokenizers: tuple[CLIPTokenizer, CLIPTokenizer],
+    text_encoders: tuple[CLIPTextModel, CLIPTextModelWithProjection],
+    captions: list[str],
+    chunks: int,
+    device: torch.device,
+) -> CaptionEmbeddings:
+    """Captions -> SDXL's text conditioning by the chunk rule of this module's docstring."""
+    hidden_states = []
+    pooled = None
+    token_counts: list[int] = []
+    for tokenizer, encoder in zip(tokenizers, text_encoders):
+        token_ids, token_counts = chunked_token_ids(tokenizer, captions, chunks)
+        output = encoder(token_ids.to(device), output_hidden_states=True)
+        hidden_states.append(output.hidden_states[-2].reshape(len(captions), chunks * TEXT_MAX_LENGTH, -1))
+        pooled = output[0].reshape(len(captions), chunks, -1)[:, 0]  # text_embeds of CLIPTextModelWithProjection (the last encoder)
+    return CaptionEmbeddings(torch.cat(hidden_states, dim=-1).float().cpu(), pooled.float().cpu(), token_counts)
+
+
 @dataclass
 class Encoders:
     tokenizers: tuple[CLIPTokenizer, CLIPTokenizer]
@@ -52,21 +109,9 @@ class Encoders:
     def latent_scaling_factor(self) -> float:
         return float(self.vae.config.scaling_factor)
 
-    @torch.no_grad()
-    def encode_captions(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Captions -> (prompt_embeds (N, 77, 2048), pooled_prompt_embeds (N, 1280)) as SDXL conditions on:
-        the penultimate hidden states of both encoders side by side, and encoder 2's pooled projection.
-        Captions longer than 77 tokens are truncated, as in SDXL's own training."""
-        hidden_states = []
-        pooled = None
-        for tokenizer, encoder in zip(self.tokenizers, self.text_encoders):
-            token_ids = tokenizer(
-                captions, padding="max_length", max_length=TEXT_MAX_LENGTH, truncation=True, return_tensors="pt"
-            ).input_ids.to(self.device)
-            output = encoder(token_ids, output_hidden_states=True)
-            hidden_states.append(output.hidden_states[-2])
-            pooled = output[0]  # text_embeds of CLIPTextModelWithProjection (the last encoder)
-        return torch.cat(hidden_states, dim=-1).float().cpu(), pooled.float().cpu()
+    def encode_captions(self, captions: list[str], chunks: int) -> CaptionEmbeddings:
+        """Captions -> prompt embeddings (N, chunks x 77, 2048), pooled embeddings (N, 1280) and token counts."""
+        return encode_prompts(self.tokenizers, self.text_encoders, captions, chunks, self.device)
 
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:

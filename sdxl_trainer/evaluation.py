@@ -18,6 +18,7 @@ import torch.distributed as dist
 from diffusers import DDPMScheduler
 
 from .data import CachedDataset
+from .encoding import encode_prompts
 from .ema import ShardedEMA, exported_weights_on_rank0
 from .handoff import PipelineHandoff
 from .holdout import Holdout
@@ -72,7 +73,10 @@ class Evaluator:
         sample_seeds: list[int],
         sample_size: int,
         grid_path: Path,
+        caption_chunks: int,
     ):
+        """caption_chunks: the caches' caption length in chunks of 75 tokens; sample prompts are encoded with
+        the same rule (encoding.encode_prompts)."""
         self.world = world
         self.num_epochs = num_epochs
         self.dataset = dataset
@@ -89,6 +93,7 @@ class Evaluator:
         self.sample_seeds = sample_seeds
         self.sample_size = sample_size
         self.grid_path = grid_path
+        self.caption_chunks = caption_chunks
 
     def __call__(self, epochs_done: int, unet: torch.nn.Module, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
         """Collective. Runs what is due after `epochs_done` epochs and logs it at `step`; returns the scores
@@ -137,12 +142,11 @@ class Evaluator:
         return scores
 
     def _add_sample_row(self, pipeline, label: str, metrics: MetricsWriter, step: int) -> None:
-        with torch.no_grad():
-            prompt_embeds, _, pooled, _ = pipeline.encode_prompt(
-                self.sample_prompts, device=self.world.device, num_images_per_prompt=1, do_classifier_free_guidance=False
-            )
+        captions = encode_prompts(
+            (pipeline.tokenizer, pipeline.tokenizer_2), (pipeline.text_encoder, pipeline.text_encoder_2), self.sample_prompts, self.caption_chunks, self.world.device
+        )
         requests = [
-            ImageRequest(position, prompt_embeds[position].float().cpu(), pooled[position].float().cpu(), self.sample_size, self.sample_size, seed)
+            ImageRequest(position, captions.prompt_embeds[position], captions.pooled_prompt_embeds[position], self.sample_size, self.sample_size, seed)
             for position, seed in enumerate(self.sample_seeds)
         ]
         mine = rank_share(requests, self.world.rank, self.world.world_size)
