@@ -45,7 +45,8 @@ from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError, loa
 from sdxl_trainer.sample_grid import DEFAULT_SAMPLE_PROMPTS, choose_sample_prompts, read_prompts, sample_seeds
 from sdxl_trainer.sampling import GenerationSettings
 from sdxl_trainer.validation import ImageValidator
-from sdxl_trainer.encoding import TOKENS_PER_CHUNK, model_fingerprint
+from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder
+from sdxl_trainer.encoding import TOKENS_PER_CHUNK, load_text_encoders, model_fingerprint
 from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
 from sdxl_trainer.export import ExportError, save_pipeline
 from sdxl_trainer.monitor import ConsoleLog, MetricsWriter, TrainingMonitor, WandbSettings
@@ -109,6 +110,15 @@ class TrainConfig:
     ema_decay: float = option(0.9999, help="EMA decay per update (warmed up as min(decay, (1+n)/(10+n)))")
     ema_on_cpu: bool = option(False, help="keep each rank's EMA shard in CPU memory instead of GPU memory")
     conditional_dropout_percent: float = option(0.1, help="share (0-1) of samples trained with the empty caption, for classifier-free guidance")
+    encode_captions_each_step: bool = option(
+        False,
+        help="caption mode: run both text encoders (frozen, replicated on every GPU: 1.6 GB in bf16) in every step on the captions the "
+        "cache keeps, instead of reading its cached embeddings; needed to choose among several captions per image (one per line) "
+        "and for --shuffle_caption / --keep_tokens / --caption_tag_dropout_rate",
+    )
+    shuffle_caption: bool = option(False, help="caption mode: shuffle the comma-separated tags of each caption at every step (seeded per sample)")
+    keep_tokens: int = option(0, help="caption mode: leading comma-separated tags (as kohya counts them) never shuffled or dropped, e.g. a trigger word")
+    caption_tag_dropout_rate: float = option(0.0, help="caption mode: chance (0-1) of dropping each tag after the --keep_tokens ones, at every step")
     prediction_type: Literal["epsilon", "v_prediction"] = option("epsilon", help="training target; SDXL base predicts epsilon")
     zero_terminal_snr: bool = option(
         False, help="rescale the noise schedule to zero SNR at the last timestep (needs --prediction_type v_prediction)"
@@ -213,6 +223,15 @@ class TrainConfig:
             problems.append("--min_snr_gamma and --noise_offset must be >= 0 (0 turns them off)")
         if not 0 <= self.min_timestep < self.max_timestep <= 1000:
             problems.append(f"need 0 <= --min_timestep < --max_timestep <= 1000, got {self.min_timestep} and {self.max_timestep}")
+        if not self.encode_captions_each_step:
+            varied = [flag for flag, on in (("--shuffle_caption", self.shuffle_caption), ("--keep_tokens", self.keep_tokens),
+                                             ("--caption_tag_dropout_rate", self.caption_tag_dropout_rate)) if on]
+            if varied:
+                problems.append(f"{', '.join(varied)} vary captions at every step, which needs --encode_captions_each_step (cached embeddings are fixed)")
+        if self.keep_tokens < 0:
+            problems.append(f"--keep_tokens must be >= 0, got {self.keep_tokens}")
+        if not 0 <= self.caption_tag_dropout_rate <= 1:
+            problems.append(f"--caption_tag_dropout_rate is a share between 0 and 1, got {self.caption_tag_dropout_rate}")
         if self.zero_terminal_snr and self.prediction_type != "v_prediction":
             problems.append("--zero_terminal_snr needs --prediction_type v_prediction (epsilon cannot be predicted at zero SNR)")
         problems += self._number_problems()
@@ -382,6 +401,11 @@ def sampling_scheduler_overrides(config: TrainConfig) -> dict:
     return overrides
 
 
+def caption_chunks(config: TrainConfig) -> int:
+    """The caches' caption length in chunks of 75 tokens (cache_problems made sure they agree)."""
+    return read_cache_info(config.cached_dataset_dirs[0]).text_max_length // TEXT_MAX_LENGTH
+
+
 def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDataset, holdout, noise_scheduler, negative, compute_dtype, seed: int) -> Evaluator:
     """Validation loss, validation images and sample grid, as configured. Metric networks load here, once per run."""
     generation = GenerationSettings(config.num_inference_steps, config.guidance_scale)
@@ -404,7 +428,7 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
             validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, generation, config.validation_source_dirs)
         elif world.is_main:
             print("Warning: no image metric has its weights here, so validation images are not generated (see the warnings above).")
-    prompts = choose_sample_prompts(read_prompts(config.sample_prompts), dataset.captions, config.num_sample_images, seed) if config.save_samples else []
+    prompts = choose_sample_prompts(read_prompts(config.sample_prompts), [dataset.caption(item) for item in range(len(dataset))], config.num_sample_images, seed) if config.save_samples else []
     return Evaluator(
         world,
         config.num_train_epochs,
@@ -425,7 +449,7 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
         sample_seeds=sample_seeds(seed, len(prompts)),
         sample_size=config.max_resolution,
         grid_path=run_dir / "samples" / "sample_grid.png",
-        caption_chunks=read_cache_info(config.cached_dataset_dirs[0]).text_max_length // TEXT_MAX_LENGTH,
+        caption_chunks=caption_chunks(config),
     )
 
 
@@ -519,8 +543,9 @@ def train(config: TrainConfig, world: World) -> int:
     if world.device.type == "cuda" and config.allow_tf32:
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         torch.backends.cudnn.conv.fp32_precision = "tf32"
-    # Only the UNet is loaded: latents and caption embeddings come from the cache. Diffusers' default
-    # attention processor is PyTorch SDPA (flash / memory-efficient kernels where the GPU has them).
+    # Only the UNet is loaded (and the text encoders in caption mode): latents and caption embeddings come
+    # from the cache. Diffusers' default attention processor is PyTorch SDPA (flash / memory-efficient
+    # kernels where the GPU has them).
     unet = load_unet(config.pretrained_model_name_or_path, config.single_file_config)
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
@@ -537,6 +562,16 @@ def train(config: TrainConfig, world: World) -> int:
         min_timestep=config.min_timestep,
         max_timestep=config.max_timestep,
     )
+    caption_encoder = None
+    if config.encode_captions_each_step:
+        caption_encoder = StepCaptionEncoder(
+            load_text_encoders(config.pretrained_model_name_or_path, world.device, compute_dtype, config.single_file_config),
+            dataset.caption_texts,
+            CaptionVariation(config.shuffle_caption, config.keep_tokens, config.caption_tag_dropout_rate),
+            seed,
+            caption_chunks(config),
+            world.device,
+        )
     optimizer = build_optimizer(
         config.optimizer, unet.parameters(), config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
     )
@@ -572,6 +607,7 @@ def train(config: TrainConfig, world: World) -> int:
         scaler=ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None,
         ema=ema,
         reduce_every_microbatch=reduce_every_microbatch(config, world.device),
+        caption_encoder=caption_encoder,
     )
     if saved:
         train_step.load_state_dict(dataclasses.asdict(saved))
@@ -587,6 +623,8 @@ def train(config: TrainConfig, world: World) -> int:
                 else "one process: UNet not sharded" + (" (autocast)." if compute_dtype != torch.float32 else ".")
             )
         )
+        if caption_encoder is not None:
+            print(f"Caption mode: both text encoders encode every step's captions ({caption_encoder.variation}).")
     wandb_settings = WandbSettings(config.wandb_project, config.project_name, run_dir, config_to_dict(config)) if config.report_to_wandb else None
     metrics = MetricsWriter(log_dir, world.is_main, wandb_settings)
     monitor = TrainingMonitor(metrics, total_updates, first_update, world.device, world.is_main, config.log_every_n_updates)

@@ -48,6 +48,7 @@ from sdxl_trainer.cache import (
     CachedItem,
     ShardWriter,
     WorkerLock,
+    captions_in,
     merge_parts,
     part_files,
     quarantine,
@@ -239,8 +240,8 @@ def truncation_advice(max_token_length: int) -> str:
 
 
 def encode_chunk(encoders: Encoders, prepared: list[PreparedItem], batch_size: int, caption_chunks: int) -> tuple[list[CachedItem], dict[str, int]]:
-    """Encode images grouped by bucket (one VAE call needs one size) and captions in batches. Also returns
-    the items whose caption was cut (relative path -> its token count)."""
+    """Encode images grouped by bucket (one VAE call needs one size) and each item's first caption, in
+    batches. Also returns the items whose caption was cut (relative path -> its token count)."""
     by_bucket: dict[tuple[int, int], list[PreparedItem]] = defaultdict(list)
     for item in prepared:
         by_bucket[(item.plan.bucket.width, item.plan.bucket.height)].append(item)
@@ -250,7 +251,7 @@ def encode_chunk(encoders: Encoders, prepared: list[PreparedItem], batch_size: i
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
             latents = encoders.encode_images(torch.stack([item.pixels for item in batch]))
-            captions = encoders.encode_captions([item.caption for item in batch], caption_chunks)
+            captions = encoders.encode_captions([captions_in(item.caption)[0] for item in batch], caption_chunks)
             for index, item in enumerate(batch):
                 cached.append(CachedItem(latents[index], captions.prompt_embeds[index], captions.pooled_prompt_embeds[index], item.manifest_row()))
                 if captions.token_counts[index] > caption_chunks * TOKENS_PER_CHUNK:
@@ -465,6 +466,14 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
         encoded, truncated = encode_chunk(encoders, items, config.batch_size, caption_chunks)
         try:
             writer.write(encoded)
+            for item in items:
+                if len(captions_in(item.caption)) > 1:
+                    errors.note(
+                        item.source.relative_path,
+                        f"{len(captions_in(item.caption))} captions (one per line): the cached embeddings encode the first; "
+                        "the trainer's --encode_captions_each_step chooses among all of them",
+                        "several captions",
+                    )
             for relative_path, token_count in truncated.items():
                 errors.note(
                     relative_path,
@@ -512,6 +521,8 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
     if errors.counts:
         skipped = ", ".join(f"{key}: {value}" for key, value in sorted(errors.counts.items()))
         print(f"[{worker_name}] skipped {sum(errors.counts.values())} ({skipped}); details in {errors.path}")
+    if errors.notes["several captions"]:
+        print(f"[{worker_name}] {errors.notes['several captions']} caption file(s) hold several captions (one per line); they are named in {errors.path}")
     if errors.notes["caption truncated"]:
         print(
             f"[{worker_name}] {errors.notes['caption truncated']} caption(s) longer than --max_token_length {config.max_token_length} "

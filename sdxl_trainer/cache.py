@@ -59,7 +59,7 @@ MANIFEST_SCHEMA = pa.schema(
     [
         ("image_path", pa.string()),  # relative to the data folder, '/'-separated
         ("image_sha256", pa.string()),  # of the image file's bytes
-        ("caption", pa.string()),
+        ("caption", pa.string()),  # the caption file's text: one caption per line (captions_in)
         ("bucket_width", pa.int32()),
         ("bucket_height", pa.int32()),
         ("original_width", pa.int32()),  # size of the source image, upright (after EXIF rotation)
@@ -91,6 +91,12 @@ class CacheSettings:
     upscaler_sha256: str | None = None
     face_restorer_sha256: str | None = None
     format_version: int = CACHE_FORMAT_VERSION
+
+
+def captions_in(text: str) -> list[str]:
+    """The captions a manifest caption holds, one per line of the caption file (whitespace collapsed, empty
+    lines dropped). The cached embeddings encode the first; the trainer's caption mode chooses among all."""
+    return text.split("\n")
 
 
 class CacheError(RuntimeError):

@@ -25,7 +25,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .cache import CacheReader, load_manifest
+from .cache import CacheReader, captions_in, load_manifest
 from .checkpoint import DataPosition
 from .stop_request import ignore_stop_signals
 
@@ -51,7 +51,7 @@ class CachedDataset(Dataset):
         self.cache_index = column("cache_index")
         self.shard = table.column("shard").to_pylist()
         self.index_in_shard = column("index_in_shard")
-        self.captions = table.column("caption").to_pylist()
+        self.caption_texts = table.column("caption").to_pylist()  # one caption per line (cache.captions_in)
         self.image_paths = table.column("image_path").to_pylist()  # relative to the data folder the cache was made from
         self.image_sha256 = table.column("image_sha256").to_pylist()  # of the source image's bytes
         self.bucket_sizes = np.stack([column("bucket_width"), column("bucket_height")], axis=1)
@@ -64,6 +64,10 @@ class CachedDataset(Dataset):
 
     def __len__(self) -> int:
         return self.num_items
+
+    def caption(self, index: int) -> str:
+        """Item `index`'s first caption: the one its cached embeddings encode."""
+        return captions_in(self.caption_texts[index])[0]
 
     def bucket_ids(self) -> np.ndarray:
         """One integer per item naming its bucket (equal sizes = equal id)."""

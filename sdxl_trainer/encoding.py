@@ -85,7 +85,7 @@ def encode_prompts(
     chunks: int,
     device: torch.device,
 ) -> CaptionEmbeddings:
-    """Captions -> SDXL's text conditioning by the chunk rule of this module's docstring."""
+    """Captions -> SDXL's text conditioning by the chunk rule of this module's docstring, in fp32 on `device`."""
     hidden_states = []
     pooled = None
     token_counts: list[int] = []
@@ -94,7 +94,7 @@ def encode_prompts(
         output = encoder(token_ids.to(device), output_hidden_states=True)
         hidden_states.append(output.hidden_states[-2].reshape(len(captions), chunks * TEXT_MAX_LENGTH, -1))
         pooled = output[0].reshape(len(captions), chunks, -1)[:, 0]  # text_embeds of CLIPTextModelWithProjection (the last encoder)
-    return CaptionEmbeddings(torch.cat(hidden_states, dim=-1).float().cpu(), pooled.float().cpu(), token_counts)
+    return CaptionEmbeddings(torch.cat(hidden_states, dim=-1).float(), pooled.float(), token_counts)
 
 
 @dataclass
@@ -110,8 +110,9 @@ class Encoders:
         return float(self.vae.config.scaling_factor)
 
     def encode_captions(self, captions: list[str], chunks: int) -> CaptionEmbeddings:
-        """Captions -> prompt embeddings (N, chunks x 77, 2048), pooled embeddings (N, 1280) and token counts."""
-        return encode_prompts(self.tokenizers, self.text_encoders, captions, chunks, self.device)
+        """Captions -> prompt embeddings (N, chunks x 77, 2048), pooled embeddings (N, 1280) (on the CPU) and token counts."""
+        encoded = encode_prompts(self.tokenizers, self.text_encoders, captions, chunks, self.device)
+        return CaptionEmbeddings(encoded.prompt_embeds.cpu(), encoded.pooled_prompt_embeds.cpu(), encoded.token_counts)
 
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -119,6 +120,35 @@ class Encoders:
         so the cache is deterministic (SDXL's VAE posterior std is tiny next to the mean)."""
         posterior = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist
         return (posterior.mean.float() * self.latent_scaling_factor).cpu()
+
+
+TextSide = tuple[tuple[CLIPTokenizer, CLIPTokenizer], tuple[CLIPTextModel, CLIPTextModelWithProjection]]
+
+
+def _text_side(model_name_or_path: str, single_file_config: str, text_dtype: torch.dtype) -> tuple[TextSide, AutoencoderKL]:
+    """Both tokenizers and text encoders (loaded in text_dtype), and the model's VAE (fp32); on the CPU."""
+    if is_single_file(model_name_or_path):
+        pipeline = load_pipeline(model_name_or_path, single_file_config, torch.float32)
+        return ((pipeline.tokenizer, pipeline.tokenizer_2), (pipeline.text_encoder, pipeline.text_encoder_2)), pipeline.vae
+    tokenizers = (
+        CLIPTokenizer.from_pretrained(model_name_or_path, subfolder="tokenizer"),
+        CLIPTokenizer.from_pretrained(model_name_or_path, subfolder="tokenizer_2"),
+    )
+    text_encoders = (
+        CLIPTextModel.from_pretrained(model_name_or_path, subfolder="text_encoder", dtype=text_dtype),
+        CLIPTextModelWithProjection.from_pretrained(model_name_or_path, subfolder="text_encoder_2", dtype=text_dtype),
+    )
+    return (tokenizers, text_encoders), AutoencoderKL.from_pretrained(model_name_or_path, subfolder="vae")
+
+
+def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    return module.to(device, dtype).requires_grad_(False).eval()
+
+
+def load_text_encoders(model_name_or_path: str, device: torch.device, dtype: torch.dtype, single_file_config: str = SDXL_CONFIG_SOURCE) -> TextSide:
+    """Both tokenizers and both text encoders, frozen, in `dtype` on `device` (the trainer's caption mode)."""
+    (tokenizers, text_encoders), _ = _text_side(model_name_or_path, single_file_config, dtype)
+    return tokenizers, tuple(_frozen(encoder, device, dtype) for encoder in text_encoders)  # type: ignore[return-value]
 
 
 def load_encoders(
@@ -131,27 +161,11 @@ def load_encoders(
 ) -> Encoders:
     """Load both tokenizers and text encoders (in `dtype`) and the VAE or a replacement VAE (in `vae_dtype`)
     for inference, from a diffusers folder / hub id or a single-file checkpoint."""
-    if is_single_file(model_name_or_path):
-        pipeline = load_pipeline(model_name_or_path, single_file_config, torch.float32)
-        tokenizers = (pipeline.tokenizer, pipeline.tokenizer_2)
-        text_encoders = (pipeline.text_encoder.to(dtype), pipeline.text_encoder_2.to(dtype))
-        vae = pipeline.vae
-    else:
-        tokenizers = (
-            CLIPTokenizer.from_pretrained(model_name_or_path, subfolder="tokenizer"),
-            CLIPTokenizer.from_pretrained(model_name_or_path, subfolder="tokenizer_2"),
-        )
-        text_encoders = (
-            CLIPTextModel.from_pretrained(model_name_or_path, subfolder="text_encoder", dtype=dtype),
-            CLIPTextModelWithProjection.from_pretrained(model_name_or_path, subfolder="text_encoder_2", dtype=dtype),
-        )
-        vae = AutoencoderKL.from_pretrained(model_name_or_path, subfolder="vae")
+    (tokenizers, text_encoders), vae = _text_side(model_name_or_path, single_file_config, dtype)
     if vae_name_or_path:
         vae = AutoencoderKL.from_pretrained(vae_name_or_path)
-    vae = vae.to(vae_dtype)
     if vae_dtype == torch.float16 and vae.config.get("force_upcast", False):
         # SDXL's original VAE overflows in fp16; its config asks for fp32 (the fp16-fix VAE does not).
-        vae = vae.float()
-    for module in (*text_encoders, vae):
-        module.requires_grad_(False).eval().to(device)
-    return Encoders(tokenizers, text_encoders, vae, device, dtype)
+        vae_dtype = torch.float32
+    text_encoders = tuple(_frozen(encoder, device, dtype) for encoder in text_encoders)
+    return Encoders(tokenizers, text_encoders, _frozen(vae, device, vae_dtype), device, dtype)  # type: ignore[arg-type]

@@ -146,7 +146,7 @@ class Evaluator:
             (pipeline.tokenizer, pipeline.tokenizer_2), (pipeline.text_encoder, pipeline.text_encoder_2), self.sample_prompts, self.caption_chunks, self.world.device
         )
         requests = [
-            ImageRequest(position, captions.prompt_embeds[position], captions.pooled_prompt_embeds[position], self.sample_size, self.sample_size, seed)
+            ImageRequest(position, captions.prompt_embeds[position].cpu(), captions.pooled_prompt_embeds[position].cpu(), self.sample_size, self.sample_size, seed)
             for position, seed in enumerate(self.sample_seeds)
         ]
         mine = rank_share(requests, self.world.rank, self.world.world_size)

@@ -155,6 +155,7 @@ def worker_of(relative_path: str, num_workers: int) -> int:
 
 
 def read_caption(source: SourcePair) -> str:
+    """The caption file's text, whitespace collapsed within each line, empty lines dropped (cache.captions_in)."""
     caption_path = source.expected_caption
     if not caption_path.is_file():
         raise SkippedItem(source, f"no caption file {caption_path.name} next to the image: add one", "missing caption")
@@ -164,7 +165,8 @@ def read_caption(source: SourcePair) -> str:
         raise SkippedItem(source, f"cannot read the caption file {caption_path.name} ({error.strerror or error}): fix its permissions", "unreadable caption") from error
     except UnicodeDecodeError as error:
         raise SkippedItem(source, f"caption {caption_path.name} is not UTF-8 ({error}): re-save it as UTF-8", "caption not UTF-8") from error
-    caption = " ".join(caption.split())
+    # One caption per line (several captions of one image: the trainer's caption mode chooses among them).
+    caption = "\n".join(line for line in (" ".join(raw.split()) for raw in caption.splitlines()) if line)
     if not caption:
         raise SkippedItem(source, f"caption {caption_path.name} is empty: write a caption", "empty caption")
     return caption

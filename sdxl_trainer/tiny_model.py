@@ -177,6 +177,19 @@ def build_full_size_vae() -> AutoencoderKL:
     return AutoencoderKL(**SDXL_VAE_CONFIG)
 
 
+# SDXL's two text encoders: OpenAI CLIP ViT-L/14's text tower and OpenCLIP ViT-bigG/14's (published configs).
+SDXL_TEXT_ENCODER_CONFIGS = (
+    dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, projection_dim=768, hidden_act="quick_gelu"),
+    dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20, projection_dim=1280, hidden_act="gelu"),
+)
+
+
+def build_full_size_text_encoders() -> tuple[CLIPTextModel, CLIPTextModelWithProjection]:
+    """SDXL's two text encoders at full size (123 M and 695 M parameters) with random weights."""
+    first, second = (CLIPTextConfig(vocab_size=49408, max_position_embeddings=TEXT_MAX_LENGTH, **config) for config in SDXL_TEXT_ENCODER_CONFIGS)
+    return CLIPTextModel(first), CLIPTextModelWithProjection(second)
+
+
 def build_full_size_unet() -> UNet2DConditionModel:
     """The full-size SDXL UNet (2.57 B parameters) with random weights, for benchmarks without downloads."""
     return UNet2DConditionModel(**SDXL_UNET_CONFIG)

@@ -19,6 +19,7 @@ from diffusers import DDPMScheduler
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from .captions import StepCaptionEncoder
 from .diffusion import NoiseSettings, training_loss
 from .ema import ShardedEMA
 from .lr_schedule import LearningRateSchedule, set_learning_rate
@@ -46,6 +47,7 @@ class TrainStep:
         scaler: ShardedGradScaler | None = None,
         ema: ShardedEMA | None = None,
         reduce_every_microbatch: bool = False,
+        caption_encoder: StepCaptionEncoder | None = None,
     ):
         """unet: FSDP2-sharded, or a plain module on one process (parallel.prepare_unet).
         reduce_every_microbatch (sharded UNets): reduce-scatter gradients after every microbatch (sharded gradients only:
@@ -63,6 +65,7 @@ class TrainStep:
         self.scaler = scaler
         self.ema = ema
         self.reduce_every_microbatch = reduce_every_microbatch
+        self.caption_encoder = caption_encoder  # caption mode: encode this step's caption variations (captions.py)
         self.skipped_updates = 0
         self.consecutive_skipped_updates = 0
 
@@ -92,6 +95,8 @@ class TrainStep:
             if isinstance(self.unet, FSDPModule):
                 # FSDP2 reduce-scatters gradients only when this is True; before that they accumulate unsharded.
                 self.unet.set_requires_gradient_sync(self.reduce_every_microbatch or index == len(microbatches) - 1)
+            if self.caption_encoder is not None:
+                batch = self.caption_encoder(batch, epoch)
             loss = training_loss(self.unet, batch, self.noise_scheduler, self.empty_prompt, self.run_seed, epoch, self.noise_settings)
             loss = loss / len(microbatches)  # the mean over the update's samples, normalised once
             (self.scaler.scale(loss) if self.scaler else loss).backward()

@@ -241,5 +241,5 @@ class ImageValidator:
         if self.metrics.lpips_network is not None:
             scores["lpips"] = self.metrics.lpips(images, self._references.images)[:, None]
         if self.metrics.hps_scorer is not None:
-            scores["hps"] = self.metrics.hps(images, [self.dataset.captions[item] for item in self.my_items])[:, None]
+            scores["hps"] = self.metrics.hps(images, [self.dataset.caption(item) for item in self.my_items])[:, None]
         return scores

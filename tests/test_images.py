@@ -326,9 +326,11 @@ def test_unreadable_caption_is_skipped_with_its_reason(public_tmp_path):
     assert "cannot read the caption file cat.txt (Permission denied)" in str(info.value)
 
 
-def test_read_caption_collapses_whitespace(tmp_path):
-    source = write_pair(tmp_path, "cat", caption="  a photo\n\nof a\tcat  \r\n")
+def test_read_caption_collapses_whitespace_and_keeps_one_caption_per_line(tmp_path):
+    source = write_pair(tmp_path, "cat", caption="  a photo  of a\tcat  \r\n")
     assert read_caption(source) == "a photo of a cat"
+    source = write_pair(tmp_path, "dog", caption="  a photo\n\nof a\tdog  \r\n \n")
+    assert read_caption(source) == "a photo\nof a dog"
 
 
 def test_read_caption_strips_utf8_bom(tmp_path):

@@ -1,0 +1,79 @@
+"""Caption mode: the text encoders run in the training step on each sample's caption, varied per step.
+
+A cache keeps every item's caption text (its manifest), one caption per line of the .txt file. With
+--encode_captions_each_step the trainer encodes, for each sample of each step, one variation of it:
+  1. one of its captions (lines), chosen uniformly;
+  2. its comma-separated tags: the first --keep_tokens stay in place (a trigger word, a character name),
+     each other tag is dropped with --caption_tag_dropout_rate, and the others are shuffled
+     (--shuffle_caption);
+then both text encoders (frozen) encode it by the cache's chunk rule (encoding.encode_prompts). Every
+draw comes from a generator seeded by (seed, epoch, item) and a stream of its own, so the same run gives
+the same captions on any number of processes, a resumed run continues exactly, and the noise, timestep and
+caption-dropout draws (diffusion.py) are the same whether or not captions vary.
+
+The encoders are replicated on every GPU, not sharded: they are frozen (no gradients, no optimizer state),
+1.6 GB in bf16 for SDXL's two, and sharding them would add an all-gather of their weights to every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .cache import captions_in
+from .encoding import TextSide, encode_prompts
+
+TAG_SEPARATOR = ","
+CAPTION_STREAM = 7  # the 4th entry of the seed sequence: apart from the noise draws' (seed, epoch, item)
+
+
+@dataclass(frozen=True)
+class CaptionVariation:
+    shuffle_tags: bool = False
+    keep_tags: int = 0  # leading tags never moved or dropped
+    tag_dropout: float = 0.0  # chance of dropping each other tag
+
+    @property
+    def changes_tags(self) -> bool:
+        return self.shuffle_tags or self.tag_dropout > 0
+
+
+def caption_generator(run_seed: int, epoch: int, item_index: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([run_seed, epoch, item_index, CAPTION_STREAM])))
+
+
+def vary_caption(text: str, rng: np.random.Generator, variation: CaptionVariation) -> str:
+    """One caption of `text`, its tags varied as `variation` says (see the module docstring). Without tag
+    changes the chosen caption is returned exactly as written."""
+    choices = captions_in(text)
+    caption = choices[int(rng.integers(len(choices)))]
+    if not variation.changes_tags:
+        return caption
+    tags = [tag.strip() for tag in caption.split(TAG_SEPARATOR) if tag.strip()]
+    kept, rest = tags[: variation.keep_tags], tags[variation.keep_tags :]
+    if variation.tag_dropout > 0:
+        rest = [tag for tag, draw in zip(rest, rng.random(len(rest))) if draw >= variation.tag_dropout]
+    if variation.shuffle_tags:
+        rest = [rest[index] for index in rng.permutation(len(rest))]
+    return f"{TAG_SEPARATOR} ".join(kept + rest)
+
+
+class StepCaptionEncoder:
+    """Replaces a microbatch's cached caption embeddings by the encoding of this step's caption variations."""
+
+    def __init__(self, text_side: TextSide, captions: list[str], variation: CaptionVariation, run_seed: int, chunks: int, device: torch.device):
+        self.tokenizers, self.text_encoders = text_side
+        self.captions = captions  # manifest text of every dataset item
+        self.variation = variation
+        self.run_seed = run_seed
+        self.chunks = chunks
+        self.device = device
+
+    def captions_for(self, item_indices: list[int], epoch: int) -> list[str]:
+        return [vary_caption(self.captions[item], caption_generator(self.run_seed, epoch, item), self.variation) for item in item_indices]
+
+    def __call__(self, batch: dict[str, torch.Tensor], epoch: int) -> dict[str, torch.Tensor]:
+        encoded = encode_prompts(self.tokenizers, self.text_encoders, self.captions_for(batch["item_index"].tolist(), epoch), self.chunks, self.device)
+        return {**batch, "prompt_embeds": encoded.prompt_embeds, "pooled_prompt_embeds": encoded.pooled_prompt_embeds}

@@ -1,0 +1,136 @@
+"""Caption mode (--encode_captions_each_step): several captions per image, tag shuffling with --keep_tokens,
+tag dropout, all seeded per sample; the text encoders in the step give the cached embeddings' values; a
+run in caption mode resumes bitwise on 2 processes."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import sdxl_process_data_dir
+from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET, REPO_ROOT, run_processes, scalars, trainer_flags
+from sdxl_trainer.cache import LOG_DIR, load_manifest
+from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder, caption_generator, vary_caption
+from sdxl_trainer.data import CachedDataset, collate
+from sdxl_trainer.encoding import load_text_encoders
+from test_resume_schedules import RESUME_AT, exported_unet, resumed_copy, train
+
+TAGS = "1girl, solo, long hair, smile, outdoors, blue sky, cloud, tree"
+
+
+def draws(text: str, variation: CaptionVariation, count: int = 400) -> list[str]:
+    return [vary_caption(text, caption_generator(5, epoch, 3), variation) for epoch in range(count)]
+
+
+def test_without_tag_changes_the_caption_is_kept_exactly():
+    assert set(draws("a  photo,of a cat ,", CaptionVariation())) == {"a  photo,of a cat ,"}
+
+
+def test_the_same_sample_gets_the_same_caption_and_another_epoch_another():
+    variation = CaptionVariation(shuffle_tags=True, keep_tags=1, tag_dropout=0.2)
+    first = [vary_caption(TAGS, caption_generator(5, epoch, 3), variation) for epoch in range(20)]
+    again = [vary_caption(TAGS, caption_generator(5, epoch, 3), variation) for epoch in range(20)]
+    assert first == again
+    assert len(set(first)) > 15  # epochs differ
+
+
+@pytest.mark.parametrize("keep", [0, 1, 3])
+def test_shuffling_keeps_the_first_tags_and_permutes_the_rest(keep):
+    tags = TAGS.split(", ")
+    results = draws(TAGS, CaptionVariation(shuffle_tags=True, keep_tags=keep))
+    for result in results:
+        got = result.split(", ")
+        assert got[:keep] == tags[:keep]
+        assert sorted(got[keep:]) == sorted(tags[keep:])
+    orders = math.factorial(len(tags) - keep)  # 40320, 5040 and 120
+    assert len(set(results)) >= min(300, 0.9 * orders)
+
+
+def test_tag_dropout_drops_the_rate_of_the_tags_after_the_kept_ones():
+    tags = TAGS.split(", ")
+    results = [result.split(", ") for result in draws(TAGS, CaptionVariation(keep_tags=2, tag_dropout=0.25), count=2000)]
+    assert all(result[:2] == tags[:2] for result in results)
+    kept_share = sum(len(result) - 2 for result in results) / (2000 * 6)
+    assert kept_share == pytest.approx(0.75, abs=0.03)
+    assert all(result[2:] == [tag for tag in tags[2:] if tag in result[2:]] for result in results)  # order kept without shuffling
+    assert set(draws(TAGS, CaptionVariation(keep_tags=1, tag_dropout=1.0), count=5)) == {"1girl"}
+
+
+def test_one_of_several_captions_is_chosen_uniformly():
+    counts = Counter(draws("a cat\nfluffy cat, sofa\nphoto of a cat", CaptionVariation(), count=3000))
+    assert set(counts) == {"a cat", "fluffy cat, sofa", "photo of a cat"}
+    assert all(count == pytest.approx(1000, abs=120) for count in counts.values())
+
+
+def test_encoding_in_the_step_gives_the_cached_embeddings(sample_cache_dir, tiny_pipeline_dir):
+    """Without variation, caption mode conditions on what the cache holds (stored in fp16)."""
+    dataset = CachedDataset([sample_cache_dir])
+    bucket_ids = dataset.bucket_ids()
+    largest = np.bincount(np.unique(bucket_ids, return_inverse=True)[1]).argmax()
+    items = np.flatnonzero(np.unique(bucket_ids, return_inverse=True)[1] == largest)[:3]  # one batch is one bucket
+    batch = collate([dataset[int(item)] for item in items])
+    encoder = StepCaptionEncoder(
+        load_text_encoders(str(tiny_pipeline_dir), torch.device("cpu"), torch.float32), dataset.caption_texts, CaptionVariation(), 5, 1, torch.device("cpu")
+    )
+    encoded = encoder(batch, epoch=0)
+    assert encoded["prompt_embeds"].shape == batch["prompt_embeds"].shape
+    for key in ("prompt_embeds", "pooled_prompt_embeds"):
+        cached = batch[key].float()
+        assert torch.allclose(encoded[key], cached, atol=2e-3 * cached.abs().max().item()), key
+    assert torch.equal(encoded["latents"], batch["latents"])
+
+
+# ---- a tag dataset with several captions per image, cached and trained on 2 processes ----------------
+
+
+@pytest.fixture(scope="module")
+def tag_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
+    root = tmp_path_factory.mktemp("tags")
+    data_dir = root / "data"
+    shutil.copytree(SAMPLE_DATASET, data_dir)
+    for index, caption_path in enumerate(sorted(data_dir.rglob("*.txt"))):
+        words = caption_path.read_text().replace(",", "").split()[:6]
+        tags = ", ".join(["sample", *words])
+        caption_path.write_text(f"{tags}\nsample, another caption {index}\n" if index % 3 == 0 else tags)
+    cache_dir = root / "cache"
+    assert sdxl_process_data_dir.main(
+        ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+         "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION)]
+    ) == 0
+    return cache_dir
+
+
+def test_the_cache_keeps_every_caption_and_says_which_one_it_encoded(tag_cache):
+    captions = load_manifest(tag_cache).column("caption").to_pylist()
+    several = [caption for caption in captions if "\n" in caption]
+    assert several and all(len(caption.split("\n")) == 2 for caption in several)
+    log = "".join(path.read_text() for path in (tag_cache / LOG_DIR).glob("errors-*.log"))
+    assert log.count("2 captions (one per line): the cached embeddings encode the first") == len(several)
+
+
+VARIATION_FLAGS = ("--encode_captions_each_step", "--shuffle_caption", "--keep_tokens", "1", "--caption_tag_dropout_rate", "0.3")
+
+
+def test_caption_mode_resumes_bitwise_on_two_processes(tmp_path, tag_cache, tiny_pipeline_dir):
+    straight = train(tmp_path / "straight", tag_cache, tiny_pipeline_dir, "constant_with_warmup", *VARIATION_FLAGS)
+    resumed_copy(straight, tmp_path / "resumed")
+    resumed = train(tmp_path / "resumed", tag_cache, tiny_pipeline_dir, "constant_with_warmup", *VARIATION_FLAGS, "--load_saved_state", "latest")
+    assert scalars(resumed, "train/loss") == scalars(straight, "train/loss")[RESUME_AT:]
+    expected, got = exported_unet(straight), exported_unet(resumed)
+    assert all(torch.equal(expected[key], got[key]) for key in expected)
+    # the varied captions changed what was learned: the same run on the cached embeddings ends elsewhere
+    cached = train(tmp_path / "cached", tag_cache, tiny_pipeline_dir, "constant_with_warmup")
+    assert scalars(cached, "train/loss") != scalars(straight, "train/loss")
+
+
+def test_caption_variation_without_caption_mode_is_refused(tmp_path, tag_cache, tiny_pipeline_dir):
+    flags = trainer_flags(tag_cache, tiny_pipeline_dir, tmp_path, "refused", "--shuffle_caption", "--keep_tokens", "2")
+    result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags, expect_success=False)
+    assert result.returncode != 0
+    assert "--shuffle_caption, --keep_tokens vary captions at every step, which needs --encode_captions_each_step" in result.stderr + result.stdout
