@@ -624,7 +624,7 @@ def train(config: TrainConfig, world: World) -> int:
             )
         )
         if caption_encoder is not None:
-            print(f"Caption mode: both text encoders encode every step's captions ({caption_encoder.variation}).")
+            print(f"Caption mode: both text encoders encode every step's captions: {caption_encoder.variation.describe()}.")
     wandb_settings = WandbSettings(config.wandb_project, config.project_name, run_dir, config_to_dict(config)) if config.report_to_wandb else None
     metrics = MetricsWriter(log_dir, world.is_main, wandb_settings)
     monitor = TrainingMonitor(metrics, total_updates, first_update, world.device, world.is_main, config.log_every_n_updates)

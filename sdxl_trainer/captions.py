@@ -39,6 +39,12 @@ class CaptionVariation:
     def changes_tags(self) -> bool:
         return self.shuffle_tags or self.tag_dropout > 0
 
+    def describe(self) -> str:
+        if not self.changes_tags:
+            return "one of each image's captions, as written"
+        changes = (["shuffled"] if self.shuffle_tags else []) + ([f"each dropped with chance {self.tag_dropout}"] if self.tag_dropout else [])
+        return f"one of each image's captions, its tags after the first {self.keep_tags} {' and '.join(changes)}"
+
 
 def caption_generator(run_seed: int, epoch: int, item_index: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([run_seed, epoch, item_index, CAPTION_STREAM])))
