@@ -1,6 +1,7 @@
 """Cache a folder of image + caption pairs for SDXL training: VAE latents, both text embeddings, buckets.
 
-For every image under --data_dir with a caption file of the same name (photo.jpg + photo.txt):
+For every image under --data_dir with a caption file of the same name (photo.jpg + photo.txt), or every row
+of a --metadata_table (JSONL or Parquet: path, caption or tags, score; see sdxl_trainer/metadata.py):
   1. read it upright (EXIF rotation), RGB, with transparency composited on white;
   2. skip it if it is smaller than the smallest bucket of --min_resolution;
   3. pick its aspect-ratio bucket (the largest resolution category up to --max_resolution that fits); with
@@ -64,6 +65,7 @@ from sdxl_trainer.encoding import TOKENS_PER_CHUNK, Encoders, chunks_for, load_e
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
 from sdxl_trainer.files import write_error_reason
+from sdxl_trainer.metadata import TABLE_SUFFIXES, TableFilters, read_tag_replacements, scan_table
 from sdxl_trainer.sources import PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_source, scan_images, worker_of
 from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
 from sdxl_trainer.upscale import Upscaler, load_upscaler, weights_problems
@@ -73,6 +75,16 @@ from sdxl_trainer.upscale import Upscaler, load_upscaler, weights_problems
 class CacheConfig:
     cache_dir: Path = option(help="folder to write the cache into; must not be inside --data_dir")
     data_dir: Path | None = option(None, help="folder of images with captions in .txt files of the same name (searched recursively); required except with --verify")
+    metadata_table: Path | None = option(
+        None,
+        help="a .jsonl or .parquet table listing the images instead of caption files: columns path (relative to --data_dir), "
+        "caption or tags, and score for --min_score; read in batches, so millions of rows need no scan of the folder",
+    )
+    min_score: float | None = option(None, help="with --metadata_table: skip rows whose score is below this (and rows without a score)")
+    exclude_tags: list[str] | None = option(None, help="with --metadata_table: skip rows whose caption holds any of these comma-separated tags")
+    tag_replacements: Path | None = option(
+        None, help='with --metadata_table: JSON object of tag -> replacement applied to every caption\'s tags first, e.g. {"1girl": "one girl", "lowres": ""} ("" removes)'
+    )
     pretrained_model_name_or_path: str = option(
         "stabilityai/stable-diffusion-xl-base-1.0",
         help="SDXL model whose text encoders and VAE encode the data: hub id, local diffusers folder, or single-file .safetensors (A1111/ComfyUI layout)",
@@ -123,6 +135,25 @@ class CacheConfig:
     dry_run: bool = option(False, help="only scan: print the bucket histogram and how many images would be skipped or upscaled; loads no model, writes nothing")
     verify: bool = option(False, help="only check --cache_dir: every shard against its checksum and every manifest row against its shard; exit 1 if damaged")
 
+    def _table_problems(self) -> list[str]:
+        problems = []
+        if self.metadata_table is None:
+            for flag, value in (("--min_score", self.min_score), ("--exclude_tags", self.exclude_tags), ("--tag_replacements", self.tag_replacements)):
+                if value is not None:
+                    problems.append(f"{flag} filters the rows of a --metadata_table: give one (caption files have no tags or scores to filter)")
+        elif self.metadata_table.suffix not in TABLE_SUFFIXES or not self.metadata_table.is_file():
+            problems.append(f"--metadata_table {self.metadata_table} must be an existing {' or '.join(TABLE_SUFFIXES)} file")
+        if self.tag_replacements is not None:
+            try:
+                read_tag_replacements(self.tag_replacements)
+            except ValueError as error:
+                problems.append(str(error))
+        return problems
+
+    def table_filters(self) -> TableFilters:
+        replacements = read_tag_replacements(self.tag_replacements) if self.tag_replacements else {}
+        return TableFilters(self.min_score, frozenset(tag.strip() for tag in self.exclude_tags or ()), replacements)
+
     def validate(self) -> list[str]:
         problems = []
         try:
@@ -140,6 +171,7 @@ class CacheConfig:
             for flag, folder in (("--cache_dir", self.cache_dir), ("--save_upscale_samples", self.save_upscale_samples)):
                 if folder is not None and folder.resolve().is_relative_to(self.data_dir.resolve()):
                     problems.append(f"{flag} {folder} is inside --data_dir: choose a folder outside the dataset")
+        problems += self._table_problems()
         if self.upscale_to_resolution and category_range and self.upscale_to_resolution not in category_range[1:]:
             problems.append(
                 f"--upscale_to_resolution {self.upscale_to_resolution} must be a category above --min_resolution {self.min_resolution} "
@@ -368,9 +400,15 @@ def main(argv: list[str] | None = None) -> int:
         return run_verify(config.cache_dir)
     worker_name = f"w{config.shard_index:04d}of{config.num_shards:04d}"
     started = time.perf_counter()
-    scan = scan_images(config.data_dir)
-    sources = [pair for pair in scan.pairs if worker_of(pair.relative_path, config.num_shards) == config.shard_index]
-    scan_problems = [problem for problem in scan.problems if worker_of(problem.relative_path, config.num_shards) == config.shard_index]
+    def mine(relative_path: str) -> bool:
+        return worker_of(relative_path, config.num_shards) == config.shard_index
+
+    if config.metadata_table:
+        scan = scan_table(config.metadata_table, config.data_dir, config.table_filters(), mine)
+    else:
+        scan = scan_images(config.data_dir)
+    sources = [pair for pair in scan.pairs if mine(pair.relative_path)]
+    scan_problems = [problem for problem in scan.problems if mine(problem.relative_path)]
     if config.dry_run:
         return dry_run(config, sources, scan_problems, worker_name)
     try:

@@ -25,6 +25,7 @@ class SourcePair:
     image_path: Path
     relative_path: str  # image path relative to the data folder, '/'-separated: the item's identity
     caption_path: Path | None = None  # found by the scan (any case of .txt); None = the image's name with .txt
+    caption_text: str | None = None  # from a metadata table (metadata.py): used instead of a caption file
 
     @property
     def expected_caption(self) -> Path:
@@ -154,8 +155,18 @@ def worker_of(relative_path: str, num_workers: int) -> int:
     return int.from_bytes(digest[:8], "little") % num_workers
 
 
+def normalized_caption(text: str) -> str:
+    """Whitespace collapsed within each line, empty lines dropped: one caption per line (cache.captions_in)."""
+    return "\n".join(line for line in (" ".join(raw.split()) for raw in text.splitlines()) if line)
+
+
 def read_caption(source: SourcePair) -> str:
-    """The caption file's text, whitespace collapsed within each line, empty lines dropped (cache.captions_in)."""
+    """The item's caption: its table text, or its caption file's, normalized (normalized_caption)."""
+    if source.caption_text is not None:
+        caption = normalized_caption(source.caption_text)
+        if not caption:
+            raise SkippedItem(source, "its caption in the metadata table is empty: write one", "empty caption")
+        return caption
     caption_path = source.expected_caption
     if not caption_path.is_file():
         raise SkippedItem(source, f"no caption file {caption_path.name} next to the image: add one", "missing caption")
@@ -166,7 +177,7 @@ def read_caption(source: SourcePair) -> str:
     except UnicodeDecodeError as error:
         raise SkippedItem(source, f"caption {caption_path.name} is not UTF-8 ({error}): re-save it as UTF-8", "caption not UTF-8") from error
     # One caption per line (several captions of one image: the trainer's caption mode chooses among them).
-    caption = "\n".join(line for line in (" ".join(raw.split()) for raw in caption.splitlines()) if line)
+    caption = normalized_caption(caption)
     if not caption:
         raise SkippedItem(source, f"caption {caption_path.name} is empty: write a caption", "empty caption")
     return caption

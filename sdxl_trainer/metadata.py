@@ -1,0 +1,146 @@
+"""Datasets described by a table instead of caption files: one row per image, in a JSONL or Parquet file.
+
+Columns (others are ignored):
+- path: the image's path relative to --data_dir ('/'-separated), its identity in the cache;
+- caption: the caption text (several captions: one per line), or
+- tags: a list of tags, or one comma-separated string;
+- score: a number, needed where --min_score filters.
+The table is read in batches of rows (Parquet row groups / JSONL lines), and a worker keeps only its own
+rows, so a table of millions of rows never sits in memory whole; images are read later, one by one.
+
+Tag edits apply to the comma-separated tags of every caption line, in this order: replacements
+(--tag_replacements: a JSON object tag -> new tag, "" removes the tag), then exclusion (--exclude_tags: a
+row with any of these tags is skipped). Without either the caption is kept exactly as written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .sources import DataScan, ScanProblem, SourcePair
+
+TABLE_SUFFIXES = (".jsonl", ".parquet")
+ROWS_PER_BATCH = 65_536
+WANTED_COLUMNS = ("path", "caption", "tags", "score")
+
+
+@dataclass(frozen=True)
+class TableFilters:
+    min_score: float | None = None
+    excluded_tags: frozenset[str] = frozenset()
+    tag_replacements: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def edits_tags(self) -> bool:
+        return bool(self.excluded_tags or self.tag_replacements)
+
+
+def read_tag_replacements(path: Path) -> dict[str, str]:
+    """A JSON object of tag -> replacement ("" removes the tag); ValueError names what is wrong."""
+    try:
+        mapping = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"--tag_replacements {path} cannot be read as JSON ({error})") from error
+    if not isinstance(mapping, dict) or not all(isinstance(key, str) and isinstance(value, str) for key, value in mapping.items()):
+        raise ValueError(f'--tag_replacements {path} must be one JSON object of tag -> replacement strings, e.g. {{"1girl": "one girl", "lowres": ""}}')
+    return {key.strip(): value.strip() for key, value in mapping.items()}
+
+
+def table_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
+    """(row number from 1, the row's wanted columns) in order, read in batches; a row that cannot be read
+    comes as (number, why) instead."""
+    if path.suffix == ".parquet":
+        table = pq.ParquetFile(path)
+        columns = [name for name in WANTED_COLUMNS if name in table.schema_arrow.names]
+        number = 0
+        for batch in table.iter_batches(batch_size=ROWS_PER_BATCH, columns=columns):
+            for row in pa.Table.from_batches([batch]).to_pylist():
+                number += 1
+                yield number, row
+        return
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                yield number, f"not JSON ({error})"
+                continue
+            yield number, row if isinstance(row, dict) else "not a JSON object"
+
+
+def row_caption(row: dict) -> str | None:
+    """The row's caption text: `caption`, else its `tags` joined with ", "; None if it has neither."""
+    caption, tags = row.get("caption"), row.get("tags")
+    if isinstance(caption, str):
+        return caption
+    if isinstance(tags, str):
+        return tags
+    if isinstance(tags, list) and all(isinstance(tag, str) for tag in tags):
+        return ", ".join(tags)
+    return None
+
+
+def edit_tags(caption: str, filters: TableFilters) -> tuple[str, list[str]]:
+    """The caption with replacements applied to the tags of every line, and the excluded tags it holds."""
+    lines, excluded = [], []
+    for line in caption.splitlines():
+        tags = [filters.tag_replacements.get(tag.strip(), tag.strip()) for tag in line.split(",")]
+        tags = [tag for tag in tags if tag]
+        excluded += [tag for tag in tags if tag in filters.excluded_tags]
+        lines.append(", ".join(tags))
+    return "\n".join(lines), excluded
+
+
+def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callable[[str], bool]) -> DataScan:
+    """The images a table lists (only those `mine` accepts: this worker's), their captions edited as
+    `filters` says; rows that cannot be used are listed with why (row number, or path where there is one)."""
+    pairs: list[SourcePair] = []
+    problems: list[ScanProblem] = []
+    seen: set[str] = set()
+    label = table.name
+    for number, row in table_rows(table):
+        if isinstance(row, str):
+            problems.append(ScanProblem(f"{label}:{number}", f"row {number} {row}: fix the table", "bad table row"))
+            continue
+        path = row.get("path")
+        relative = PurePosixPath(path) if isinstance(path, str) and path else None
+        if relative is None or relative.is_absolute() or ".." in relative.parts:
+            problems.append(ScanProblem(f"{label}:{number}", f"row {number} has no usable path ({path!r}): give one relative to --data_dir", "bad table row"))
+            continue
+        relative_path = relative.as_posix()
+        if not mine(relative_path):
+            continue
+        if relative_path in seen:
+            problems.append(ScanProblem(relative_path, f"listed again in row {number} of {label}: the first row is used", "duplicate row"))
+            continue
+        seen.add(relative_path)
+        caption = row_caption(row)
+        if caption is None:
+            problems.append(ScanProblem(relative_path, f"row {number} of {label} has neither a caption nor tags", "missing caption"))
+            continue
+        if filters.min_score is not None:
+            score = row.get("score")
+            if not isinstance(score, (int, float)) or isinstance(score, bool) or math.isnan(score):
+                problems.append(ScanProblem(relative_path, f"row {number} has no score, and --min_score {filters.min_score} needs one", "no score"))
+                continue
+            if score < filters.min_score:
+                problems.append(ScanProblem(relative_path, f"score {score} is below --min_score {filters.min_score}", "score below minimum"))
+                continue
+        if filters.edits_tags:
+            caption, excluded = edit_tags(caption, filters)
+            if excluded:
+                problems.append(ScanProblem(relative_path, f"has the excluded tag(s) {sorted(set(excluded))} (--exclude_tags)", "excluded tag"))
+                continue
+        pairs.append(SourcePair(data_dir / relative_path, relative_path, caption_text=caption))
+    pairs.sort(key=lambda pair: pair.relative_path)
+    problems.sort(key=lambda problem: problem.relative_path)
+    return DataScan(pairs, problems)

@@ -1,0 +1,124 @@
+"""A metadata table (JSONL or Parquet) instead of caption files: captions and tags from its rows, tag
+replacements, tag exclusion and a score threshold applied, every unusable row named, rows read in
+batches and split between workers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import sdxl_process_data_dir
+from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET
+from sdxl_trainer.cache import LOG_DIR, load_manifest
+from sdxl_trainer.metadata import TableFilters, scan_table
+
+ROWS = [
+    {"path": "sample_00.jpg", "tags": ["1girl", "solo", "lowres", "smile"], "score": 9.0},
+    {"path": "sample_01.jpg", "tags": "landscape, blue sky,  cloud", "score": 7.5},
+    {"path": "sample_02.jpg", "caption": "a pink triangle\nsimple flat illustration", "score": 6.0},
+    {"path": "sample_03.jpg", "tags": ["1girl", "nsfw"], "score": 9.5},  # excluded tag
+    {"path": "sample_04.jpg", "tags": ["sketch"], "score": 2.0},  # score below the minimum
+    {"path": "sample_05.png", "tags": ["no score"]},  # no score
+    {"path": "sample_01.jpg", "tags": ["again"], "score": 8.0},  # listed twice
+    {"path": "../outside.jpg", "tags": ["escape"], "score": 8.0},  # outside --data_dir
+    {"path": "missing.jpg", "tags": ["gone"], "score": 8.0},  # no such image
+    {"path": "sample_06.png", "score": 8.0},  # neither caption nor tags
+]
+REPLACEMENTS = {"1girl": "one girl", "lowres": ""}
+
+
+def image_folder(tmp_path: Path) -> Path:
+    """The sample images without their caption files: the table is the only caption source."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for index in range(7):
+        for image in SAMPLE_DATASET.glob(f"sample_{index:02d}.*"):
+            if image.suffix != ".txt":
+                shutil.copy(image, folder)
+    return folder
+
+
+def write_table(path: Path, rows: list[dict]) -> Path:
+    if path.suffix == ".parquet":
+        columns = {name: [row.get(name) for row in rows] for name in ("path", "tags", "caption", "score")}
+        columns["tags"] = [tags if isinstance(tags, list) or tags is None else tags.split(", ") for tags in columns["tags"]]
+        pq.write_table(pa.table(columns), path, row_group_size=3)  # several row groups: read in batches
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows) + "not json\n")
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_a_table_caches_its_rows_with_tags_edited_and_filtered(tmp_path, tiny_pipeline_dir, suffix, capsys):
+    data_dir = image_folder(tmp_path)
+    table = write_table(tmp_path / f"meta{suffix}", ROWS)
+    replacements = tmp_path / "replacements.json"
+    replacements.write_text(json.dumps(REPLACEMENTS))
+    cache_dir = tmp_path / "cache"
+    exit_code = sdxl_process_data_dir.main(
+        ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+         "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION), "--metadata_table", str(table),
+         "--min_score", "5", "--exclude_tags", "nsfw", "--tag_replacements", str(replacements)]
+    )
+    assert exit_code == 0
+    manifest = load_manifest(cache_dir)
+    captions = dict(zip(manifest.column("image_path").to_pylist(), manifest.column("caption").to_pylist()))
+    tags_01 = "landscape, blue sky, cloud"
+    assert captions == {
+        "sample_00.jpg": "one girl, solo, smile",
+        "sample_01.jpg": tags_01,
+        "sample_02.jpg": "a pink triangle\nsimple flat illustration",
+    }
+    log = "".join(path.read_text() for path in (cache_dir / LOG_DIR).glob("errors-*.log"))
+    for expected in (
+        "sample_03.jpg: has the excluded tag(s) ['nsfw'] (--exclude_tags)",
+        "sample_04.jpg: score 2.0 is below --min_score 5.0",
+        "sample_05.png: row 6 has no score, and --min_score 5.0 needs one",
+        f"sample_01.jpg: listed again in row 7 of meta{suffix}: the first row is used",
+        f"meta{suffix}:8: row 8 has no usable path ('../outside.jpg'): give one relative to --data_dir",
+        "missing.jpg: cannot read the file",
+        f"sample_06.png: row 10 of meta{suffix} has neither a caption nor tags",
+    ):
+        assert expected in log, f"{expected!r} not in the cache log:\n{log}"
+    if suffix == ".jsonl":
+        assert "meta.jsonl:11: row 11 not JSON" in log
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_without_tag_edits_a_caption_is_kept_as_written(tmp_path):
+    table = write_table(tmp_path / "meta.jsonl", [{"path": "a.jpg", "caption": "1girl,solo ,  smile"}])
+    scan = scan_table(table, tmp_path, TableFilters(), lambda path: True)
+    assert [pair.caption_text for pair in scan.pairs] == ["1girl,solo ,  smile"]
+
+
+def test_workers_split_the_rows_and_each_bad_row_is_named_once(tmp_path):
+    rows = [{"path": f"folder{index % 10}/image_{index:06d}.jpg", "tags": ["tag"]} for index in range(50_000)] + [{"tags": ["no path"]}]
+    table = write_table(tmp_path / "big.parquet", rows)
+    from sdxl_trainer.sources import worker_of
+
+    scans = [scan_table(table, tmp_path, TableFilters(), lambda path, worker=worker: worker_of(path, 4) == worker) for worker in range(4)]
+    assert sum(len(scan.pairs) for scan in scans) == 50_000
+    assert all(10_000 < len(scan.pairs) < 15_000 for scan in scans)
+    assert len({pair.relative_path for scan in scans for pair in scan.pairs}) == 50_000
+    named = [problem for worker, scan in enumerate(scans) for problem in scan.problems if worker_of(problem.relative_path, 4) == worker]
+    assert [problem.relative_path for problem in named] == ["big.parquet:50001"]
+
+
+def test_table_flags_are_checked_before_anything_loads(tmp_path, tiny_pipeline_dir, capsys):
+    data_dir = image_folder(tmp_path)
+    base = ["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), "--pretrained_model_name_or_path", str(tiny_pipeline_dir)]
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('["1girl"]')
+    for extra, message in (
+        (["--min_score", "5"], "--min_score filters the rows of a --metadata_table: give one"),
+        (["--metadata_table", str(tmp_path / "meta.csv")], "must be an existing .jsonl or .parquet file"),
+        (["--metadata_table", str(write_table(tmp_path / "m.jsonl", ROWS)), "--tag_replacements", str(bad_json)], "must be one JSON object of tag -> replacement strings"),
+    ):
+        with pytest.raises(SystemExit):
+            sdxl_process_data_dir.main([*base, *extra])
+        assert message in capsys.readouterr().err
