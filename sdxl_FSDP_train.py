@@ -280,9 +280,9 @@ def cache_vae(info: CacheSettings) -> str | None:
 
 def check_caches(config: TrainConfig) -> list[str]:
     """Every cache must exist and match the trainer's model family, resolution range and bucket table, and
-    all must share one VAE (the one validation decodes with and the export holds) and one caption length. The model is compared by
-    the fingerprint of its VAE and text-encoder configs (read from config files only), not by its path, so a
-    moved or re-downloaded model still matches."""
+    all must share one VAE (the one validation decodes with and the export holds) and one caption length.
+    The model is compared by the fingerprint of its VAE and text-encoder configs (read from config files
+    only), not by its path, so a moved or re-downloaded model still matches."""
     problems = []
     vaes = set()
     text_lengths = set()
@@ -402,7 +402,7 @@ def sampling_scheduler_overrides(config: TrainConfig) -> dict:
 
 
 def caption_chunks(config: TrainConfig) -> int:
-    """The caches' caption length in chunks of 75 tokens (cache_problems made sure they agree)."""
+    """The caches' caption length in chunks of 75 tokens (check_caches made sure they agree)."""
     return read_cache_info(config.cached_dataset_dirs[0]).text_max_length // TEXT_MAX_LENGTH
 
 
