@@ -65,7 +65,7 @@ from sdxl_trainer.encoding import TOKENS_PER_CHUNK, Encoders, chunks_for, load_e
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
 from sdxl_trainer.files import write_error_reason
-from sdxl_trainer.metadata import TABLE_SUFFIXES, TableFilters, read_tag_replacements, scan_table
+from sdxl_trainer.metadata import TABLE_SUFFIXES, TableError, TableFilters, read_tag_replacements, scan_table
 from sdxl_trainer.sources import PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_source, scan_images, worker_of
 from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
 from sdxl_trainer.upscale import Upscaler, load_upscaler, weights_problems
@@ -404,7 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         return worker_of(relative_path, config.num_shards) == config.shard_index
 
     if config.metadata_table:
-        scan = scan_table(config.metadata_table, config.data_dir, config.table_filters(), mine)
+        try:
+            scan = scan_table(config.metadata_table, config.data_dir, config.table_filters(), mine)
+        except TableError as error:
+            print(f"[{worker_name}] refused: {error}")
+            return 2
     else:
         scan = scan_images(config.data_dir)
     sources = [pair for pair in scan.pairs if mine(pair.relative_path)]

@@ -53,9 +53,23 @@ def read_tag_replacements(path: Path) -> dict[str, str]:
     return {key.strip(): value.strip() for key, value in mapping.items()}
 
 
+class TableError(RuntimeError):
+    """The table as a whole cannot be read (damaged, unreadable, not UTF-8); the message names it."""
+
+
 def table_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
     """(row number from 1, the row's wanted columns) in order, read in batches; a row that cannot be read
-    comes as (number, why) instead."""
+    comes as (number, why) instead. Raises TableError when the file itself cannot be read."""
+    try:
+        yield from _read_rows(path)
+    except (OSError, UnicodeDecodeError, pa.ArrowException) as error:
+        raise TableError(
+            f"cannot read the metadata table {path} ({type(error).__name__}: {error}): nothing was cached; repair or re-export the table "
+            "(Parquet, or JSONL in UTF-8) and run the same command again"
+        ) from error
+
+
+def _read_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
     if path.suffix == ".parquet":
         table = pq.ParquetFile(path)
         columns = [name for name in WANTED_COLUMNS if name in table.schema_arrow.names]

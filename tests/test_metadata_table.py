@@ -122,3 +122,19 @@ def test_table_flags_are_checked_before_anything_loads(tmp_path, tiny_pipeline_d
         with pytest.raises(SystemExit):
             sdxl_process_data_dir.main([*base, *extra])
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix,content", [(".parquet", b"PAR1 not really parquet"), (".jsonl", b'{"path": "a.jpg", "tags": "caf\xe9"}\n')])
+def test_a_damaged_table_is_refused_naming_it(tmp_path, tiny_pipeline_dir, capsys, suffix, content):
+    data_dir = image_folder(tmp_path)
+    table = tmp_path / f"meta{suffix}"
+    table.write_bytes(content)
+    exit_code = sdxl_process_data_dir.main(
+        ["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+         "--metadata_table", str(table)]
+    )
+    assert exit_code == 2
+    out = capsys.readouterr().out
+    assert f"refused: cannot read the metadata table {table}" in out
+    assert "repair or re-export the table" in out
+    assert not (tmp_path / "cache").exists()  # refused before anything was written
