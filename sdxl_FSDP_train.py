@@ -1,7 +1,9 @@
-"""Full fine-tuning of the SDXL UNet from a latent cache, sharded with PyTorch FSDP2 over every process.
+"""Full fine-tuning of the SDXL UNet (and optionally both text encoders) from a latent cache, sharded with
+PyTorch FSDP2 over every process.
 
 Launch with train.sh (torchrun, one process per GPU; 2 CPU processes without a GPU), or accelerate launch.
-Reads caches written by sdxl_process_data_dir.py, so only the UNet is loaded: no VAE, no text encoders.
+Reads caches written by sdxl_process_data_dir.py, so only the UNet is loaded (the text encoders too in
+caption mode, --encode_captions_each_step), never the VAE.
 Reads top to bottom: configuration, set-up (world, data, model, optimizer), the training loop, export.
 """
 
@@ -37,7 +39,7 @@ from sdxl_trainer.checkpointer import Checkpointer, SavePolicy
 from sdxl_trainer.config import config_to_dict, option, parse_config, write_resolved_config
 from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, small_buckets
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
-from sdxl_trainer.ema import ShardedEMA, exported_weights_on_rank0
+from sdxl_trainer.ema import ShardedEMA
 from sdxl_trainer.evaluation import Evaluator, PipelineSource, Schedule
 from sdxl_trainer.lr_schedule import LearningRateSchedule, ScheduleName
 from sdxl_trainer.holdout import HOLDOUT_FILE, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
@@ -51,10 +53,11 @@ from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
 from sdxl_trainer.export import ExportError, save_pipeline
 from sdxl_trainer.monitor import ConsoleLog, MetricsWriter, TrainingMonitor, WandbSettings
 from sdxl_trainer.optimizers import build_optimizer
-from sdxl_trainer.parallel import World, broadcast_text, init_distributed, prepare_unet, shutdown_distributed, uses_sharding
+from sdxl_trainer.parallel import World, broadcast_text, init_distributed, prepare_text_encoder, prepare_unet, shutdown_distributed, uses_sharding
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_unet, model_location_problem
 from sdxl_trainer.stop_request import StopRequest
 from sdxl_trainer.train_step import TrainStep
+from sdxl_trainer.trained_models import TrainedModels
 from sdxl_trainer.watchdog import JobWatchdog
 
 
@@ -119,6 +122,13 @@ class TrainConfig:
     shuffle_caption: bool = option(False, help="caption mode: shuffle the comma-separated tags of each caption at every step (seeded per sample)")
     keep_tokens: int = option(0, help="caption mode: leading comma-separated tags (as kohya counts them) never shuffled or dropped, e.g. a trigger word")
     caption_tag_dropout_rate: float = option(0.0, help="caption mode: chance (0-1) of dropping each tag after the --keep_tokens ones, at every step")
+    train_text_encoder: bool = option(
+        False,
+        help="caption mode: train both text encoders with the UNet (fp32 weights sharded like the UNet's: about 8 GB more over all "
+        "GPUs with adamw8bit); checkpoints, validation, samples and exports then hold the trained encoders",
+    )
+    learning_rate_te1: float | None = option(None, help="peak learning rate of text encoder 1 (CLIP ViT-L) with --train_text_encoder; None = --learning_rate")
+    learning_rate_te2: float | None = option(None, help="peak learning rate of text encoder 2 (OpenCLIP ViT-bigG) with --train_text_encoder; None = --learning_rate")
     prediction_type: Literal["epsilon", "v_prediction"] = option("epsilon", help="training target; SDXL base predicts epsilon")
     zero_terminal_snr: bool = option(
         False, help="rescale the noise schedule to zero SNR at the last timestep (needs --prediction_type v_prediction)"
@@ -228,6 +238,10 @@ class TrainConfig:
                                              ("--caption_tag_dropout_rate", self.caption_tag_dropout_rate)) if on]
             if varied:
                 problems.append(f"{', '.join(varied)} vary captions at every step, which needs --encode_captions_each_step (cached embeddings are fixed)")
+            if self.train_text_encoder:
+                problems.append("--train_text_encoder needs --encode_captions_each_step: cached embeddings cannot carry gradients to the encoders")
+        if not self.train_text_encoder and (self.learning_rate_te1 is not None or self.learning_rate_te2 is not None):
+            problems.append("--learning_rate_te1 / --learning_rate_te2 apply to trained text encoders: add --train_text_encoder")
         if self.keep_tokens < 0:
             problems.append(f"--keep_tokens must be >= 0, got {self.keep_tokens}")
         if not 0 <= self.caption_tag_dropout_rate <= 1:
@@ -241,8 +255,8 @@ class TrainConfig:
 
     def _number_problems(self) -> list[str]:
         problems = []
-        for name in ("learning_rate", "adam_epsilon", "polynomial_power"):
-            if not getattr(self, name) > 0:
+        for name in ("learning_rate", "adam_epsilon", "polynomial_power", "learning_rate_te1", "learning_rate_te2"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 problems.append(f"--{name} must be > 0, got {getattr(self, name)}")
         for name in ("weight_decay", "dataloader_num_workers", "guidance_scale", "polynomial_lr_end"):
             if getattr(self, name) < 0:
@@ -388,6 +402,9 @@ def resume_problems(saved: TrainerState, config: TrainConfig) -> list[str]:
     if saved.use_ema != config.use_ema:
         flag = "--use_ema" if saved.use_ema else "--no-use_ema"
         problems.append(f"the checkpoint was saved {'with' if saved.use_ema else 'without'} an EMA: resume with {flag}")
+    if saved.train_text_encoder != config.train_text_encoder:
+        flag = "--train_text_encoder" if saved.train_text_encoder else "--no-train_text_encoder"
+        problems.append(f"the checkpoint was saved {'with' if saved.train_text_encoder else 'without'} trained text encoders: resume with {flag}")
     if config.set_seed is not None and config.set_seed != saved.seed:
         problems.append(f"the checkpoint's run used seed {saved.seed} (data order and noise follow it): drop --set_seed or pass {saved.seed}")
     return problems
@@ -406,7 +423,8 @@ def caption_chunks(config: TrainConfig) -> int:
     return read_cache_info(config.cached_dataset_dirs[0]).text_max_length // TEXT_MAX_LENGTH
 
 
-def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDataset, holdout, noise_scheduler, negative, compute_dtype, seed: int) -> Evaluator:
+def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDataset, holdout, noise_scheduler, negative, compute_dtype, seed: int,
+                    trained_caption_encoder: StepCaptionEncoder | None) -> Evaluator:
     """Validation loss, validation images and sample grid, as configured. Metric networks load here, once per run."""
     generation = GenerationSettings(config.num_inference_steps, config.guidance_scale)
     validator = None
@@ -450,24 +468,26 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
         sample_size=config.max_resolution,
         grid_path=run_dir / "samples" / "sample_grid.png",
         caption_chunks=caption_chunks(config),
+        trained_caption_encoder=trained_caption_encoder,
     )
 
 
-def evaluate(evaluator: Evaluator, epochs_done: int | None, unet, ema: ShardedEMA | None, metrics: MetricsWriter, update: int) -> None:
+def evaluate(evaluator: Evaluator, epochs_done: int | None, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, update: int) -> None:
     """Collective: what is due after `epochs_done` epochs, or everything that is on (None: every N updates)."""
     started = time.perf_counter()
-    scores = evaluator.after_updates(unet, ema, metrics, update) if epochs_done is None else evaluator(epochs_done, unet, ema, metrics, update)
+    scores = evaluator.after_updates(models, ema, metrics, update) if epochs_done is None else evaluator(epochs_done, models, ema, metrics, update)
     if scores and dist.get_rank() == 0:
         what = f"after update {update}" if epochs_done is None else "base model" if epochs_done == 0 else f"after epoch {epochs_done}"
         numbers = ", ".join(f"{tag.removeprefix('val/')} {value:.4g}" for tag, value in scores.items())
         tqdm.write(f"Validation ({what}, {time.perf_counter() - started:.1f} s): {numbers}")
 
 
-def export_model(config: TrainConfig, world, unet, ema: ShardedEMA | None, pipeline_dir: Path) -> None:
-    """Collective: gather the trained UNet (EMA weights with --use_ema) on rank 0 and write the pipeline
-    (and the single-file checkpoint beside it with --save_single_file). Raises ExportError on every rank
-    if the export failed; nothing at pipeline_dir is replaced then."""
-    state_dict = exported_weights_on_rank0(unet, ema, world.is_main)
+def export_model(config: TrainConfig, world, models: TrainedModels, ema: ShardedEMA | None, pipeline_dir: Path) -> None:
+    """Collective: gather the trained UNet (EMA weights with --use_ema) and text encoders (with
+    --train_text_encoder) on rank 0 and write the pipeline (and the single-file checkpoint beside it with
+    --save_single_file). Raises ExportError on every rank if the export failed; nothing at pipeline_dir is
+    replaced then."""
+    weights = models.exported_weights_on_rank0(ema, world.is_main)
     failure = ""
     if world.is_main:
         started = time.perf_counter()
@@ -475,12 +495,12 @@ def export_model(config: TrainConfig, world, unet, ema: ShardedEMA | None, pipel
         single_file = pipeline_dir.with_suffix(".safetensors") if config.save_single_file else None
         try:
             save_pipeline(
-                state_dict, config.pretrained_model_name_or_path, folder, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config,
+                weights, config.pretrained_model_name_or_path, folder, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config,
                 single_file, cache_vae(read_cache_info(config.cached_dataset_dirs[0])),
             )
-            weights = "EMA weights" if ema is not None else "weights"
+            what = ("EMA UNet" if ema is not None else "UNet") + (" and trained text encoders" if models.trains_text_encoders else "")
             written = " and ".join(str(path) for path in (folder, single_file) if path is not None)
-            tqdm.write(f"Saved the trained model ({weights}, {config.save_precision}) to {written} in {time.perf_counter() - started:.1f} s.")
+            tqdm.write(f"Saved the trained model ({what}, {config.save_precision}) to {written} in {time.perf_counter() - started:.1f} s.")
         except ExportError as error:
             failure = str(error)
     failure = broadcast_text(failure, world.device)
@@ -564,22 +584,34 @@ def train(config: TrainConfig, world: World) -> int:
     )
     caption_encoder = None
     if config.encode_captions_each_step:
+        # Frozen encoders compute in compute_dtype; trained ones keep fp32 master weights, sharded like the UNet.
+        tokenizers, text_encoders = load_text_encoders(
+            config.pretrained_model_name_or_path, world.device, torch.float32 if config.train_text_encoder else compute_dtype,
+            config.single_file_config, trainable=config.train_text_encoder,
+        )
+        if config.train_text_encoder:
+            for encoder in text_encoders:
+                prepare_text_encoder(encoder, world, param_dtype, config.reshard_after_forward, cpu_offload=config.cpu_offload)
         caption_encoder = StepCaptionEncoder(
-            load_text_encoders(config.pretrained_model_name_or_path, world.device, compute_dtype, config.single_file_config),
+            (tokenizers, text_encoders),
             dataset.caption_texts,
             CaptionVariation(config.shuffle_caption, config.keep_tokens, config.caption_tag_dropout_rate),
             seed,
             caption_chunks(config),
             world.device,
+            trains=config.train_text_encoder,
         )
+    models = TrainedModels(unet, caption_encoder.text_encoders if config.train_text_encoder else None)
+    text_encoder_rates = (config.learning_rate_te1 or config.learning_rate, config.learning_rate_te2 or config.learning_rate)
     optimizer = build_optimizer(
-        config.optimizer, unet.parameters(), config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
+        config.optimizer, models.parameter_groups(config.learning_rate, text_encoder_rates), config.learning_rate, config.weight_decay,
+        (config.adam_beta1, config.adam_beta2), config.adam_epsilon,
     )
     ema = ShardedEMA(unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
     if resume_dir is not None:
         # DCP reshards on load, so the checkpoint may come from another number of processes.
         started = time.perf_counter()
-        _, position = load_training_state(resume_dir, unet, optimizer, ema)
+        _, position = load_training_state(resume_dir, models.checkpointed, optimizer, ema)
         if world.is_main:
             print(
                 f"Resumed from {resume_dir} in {time.perf_counter() - started:.1f} s: update {first_update}, epoch {position.epoch + 1} "
@@ -625,18 +657,24 @@ def train(config: TrainConfig, world: World) -> int:
         )
         if caption_encoder is not None:
             print(f"Caption mode: both text encoders encode every step's captions: {caption_encoder.variation.describe()}.")
+        if config.train_text_encoder:
+            print(f"Training both text encoders too, at peak learning rates {text_encoder_rates[0]:g} and {text_encoder_rates[1]:g} (the UNet's: {config.learning_rate:g}).")
     wandb_settings = WandbSettings(config.wandb_project, config.project_name, run_dir, config_to_dict(config)) if config.report_to_wandb else None
     metrics = MetricsWriter(log_dir, world.is_main, wandb_settings)
     monitor = TrainingMonitor(metrics, total_updates, first_update, world.device, world.is_main, config.log_every_n_updates)
-    evaluator = build_evaluator(config, world, run_dir, dataset, holdout, noise_scheduler, empty_prompt, compute_dtype, seed)
+    evaluator = build_evaluator(
+        config, world, run_dir, dataset, holdout, noise_scheduler, empty_prompt, compute_dtype, seed, caption_encoder if config.train_text_encoder else None
+    )
     checkpointer = Checkpointer(
         run_dir / "checkpoints",
         SavePolicy(config.save_state, config.save_state_every_n_updates, config.checkpoints_total_limit),
+        models.checkpointed,
         train_step,
         run_facts=lambda: dict(
             seed=seed,
             optimizer=config.optimizer,
             use_ema=config.use_ema,
+            train_text_encoder=config.train_text_encoder,
             global_batch_size=global_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
         ),
@@ -649,7 +687,7 @@ def train(config: TrainConfig, world: World) -> int:
     # ---- training loop ---------------------------------------------------------------------------
     try:
         if not saved:
-            evaluate(evaluator, 0, unet, ema, monitor.metrics, first_update)
+            evaluate(evaluator, 0, models, ema, monitor.metrics, first_update)
         if config.optimizer == "adamw8bit" or config.compile_unet:
             monitor.say(
                 f"The first update compiles kernels ({'torchao 8-bit AdamW' if config.optimizer == 'adamw8bit' else 'the UNet blocks'}): "
@@ -680,17 +718,17 @@ def train(config: TrainConfig, world: World) -> int:
                 break
             checkpointer.after_update(update.position_after)
             if config.validation_every_n_updates and train_step.updates_done % config.validation_every_n_updates == 0:
-                evaluate(evaluator, None, unet, ema, monitor.metrics, train_step.updates_done)
+                evaluate(evaluator, None, models, ema, monitor.metrics, train_step.updates_done)
             if update.ends_epoch:
                 finished_epochs = update.epoch + 1
                 monitor.log_epoch(finished_epochs)
-                evaluate(evaluator, finished_epochs, unet, ema, monitor.metrics, train_step.updates_done)
+                evaluate(evaluator, finished_epochs, models, ema, monitor.metrics, train_step.updates_done)
                 if finished_epochs < config.num_train_epochs and epoch_save_due(config, finished_epochs):
-                    export_epoch_model(config, world, unet, ema, run_dir / f"pipeline_epoch_{finished_epochs:04d}", monitor)
+                    export_epoch_model(config, world, models, ema, run_dir / f"pipeline_epoch_{finished_epochs:04d}", monitor)
                     checkpointer.at_epoch_save(update.position_after)
             monitor.throughput.start()
         else:
-            finish(config, world, unet, ema, run_dir, checkpointer, stream.position, monitor)
+            finish(config, world, models, ema, run_dir, checkpointer, stream.position, monitor)
     finally:
         monitor.close()
         stop.restore_handlers()
@@ -704,17 +742,17 @@ def epoch_save_due(config: TrainConfig, finished_epochs: int) -> bool:
     return bool(every) and finished_epochs >= config.start_save_model_epoch and finished_epochs % every == 0
 
 
-def export_epoch_model(config: TrainConfig, world: World, unet, ema: ShardedEMA | None, pipeline_dir: Path, monitor: TrainingMonitor) -> None:
+def export_epoch_model(config: TrainConfig, world: World, models: TrainedModels, ema: ShardedEMA | None, pipeline_dir: Path, monitor: TrainingMonitor) -> None:
     """An export after an epoch; if it fails (a full disk), training goes on."""
     if not (config.save_diffusers or config.save_single_file):
         return
     try:
-        export_model(config, world, unet, ema, pipeline_dir)
+        export_model(config, world, models, ema, pipeline_dir)
     except ExportError as error:
         monitor.say(f"Warning: {error} Training goes on.")
 
 
-def finish(config: TrainConfig, world: World, unet, ema: ShardedEMA | None, run_dir: Path, checkpointer: Checkpointer,
+def finish(config: TrainConfig, world: World, models: TrainedModels, ema: ShardedEMA | None, run_dir: Path, checkpointer: Checkpointer,
            position: DataPosition, monitor: TrainingMonitor) -> None:
     """The end of a run: its state, then the model. A state that cannot be saved still lets the model be
     exported, then ends the job with exit code 1."""
@@ -726,7 +764,7 @@ def finish(config: TrainConfig, world: World, unet, ema: ShardedEMA | None, run_
         state_error = error
         monitor.say(f"Warning: {error} The model export below goes on.")
     if config.save_diffusers or config.save_single_file:
-        export_model(config, world, unet, ema, run_dir / "pipeline")
+        export_model(config, world, models, ema, run_dir / "pipeline")
     if state_error is not None:
         raise SystemExit(f"Training finished, but its final state could not be saved: {state_error}")
     log_dir = config.log_dir or run_dir / "tensorboard"

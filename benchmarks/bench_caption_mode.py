@@ -5,8 +5,11 @@
 1. Full-size SDXL, counted (the same on any machine): FLOP of both text encoders' forward for one caption
    (1, 2 or 3 chunks of 75 tokens) against the UNet's forward + backward for one 1024 px image (with
    gradient checkpointing, as the trainer runs it), and the encoders' memory, counted on the meta device.
+   Trained encoders (--train_text_encoder) add their backward (about twice the forward) and fp32 weights,
+   gradients and 8-bit AdamW state.
 2. Tiny pipeline, timed on this machine (1 process, fp32): TrainStep updates over the same in-memory
-   batches with cached embeddings and with the text encoders in the step, alternating in rounds.
+   batches with cached embeddings, with the frozen text encoders in the step, and with them trained,
+   alternating in rounds.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def counted() -> None:
         text = text_encoder_flops(chunks)
         print(f"  text encoders, {chunks * 75:3d} tokens: {text / 1e9:6.1f} GFLOP per caption = {100 * text / unet:.2f}% of the UNet's")
     print(f"  text encoders' weights: {parameters / 1e6:.0f} M parameters, {parameters * 2 / 1e9:.2f} GB in bf16 per GPU (replicated, frozen)")
+    # Trained: fp32 weights (4 bytes) and gradients (4), 8-bit AdamW's two moments (2), sharded over the GPUs.
+    print(f"  trained (--train_text_encoder): forward + backward about {3 * text_encoder_flops(1) / 1e9:.1f} GFLOP per 75-token caption, "
+          f"{parameters * 10 / 1e9:.1f} GB of fp32 weights, gradients and adamw8bit state over all GPUs")
 
 
 def timed(updates_per_round: int, rounds: int) -> None:
@@ -64,6 +70,7 @@ def timed(updates_per_round: int, rounds: int) -> None:
     from sdxl_trainer.parallel import init_distributed, prepare_unet, shutdown_distributed
     from sdxl_trainer.tiny_model import save_tiny_pipeline
     from sdxl_trainer.train_step import TrainStep
+    from sdxl_trainer.trained_models import TrainedModels
     from diffusers import UNet2DConditionModel
 
     world = init_distributed()
@@ -74,13 +81,16 @@ def timed(updates_per_round: int, rounds: int) -> None:
         empty = encode_prompts(*text_side, [""], 1, world.device)
         empty_prompt = (empty.prompt_embeds[0], empty.pooled_prompt_embeds[0])
         steps = {}
-        for mode in ("cached embeddings", "caption mode"):
+        for mode in ("cached embeddings", "caption mode", "trained encoders"):
             unet = prepare_unet(UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet"), world, param_dtype=None)
             unet.enable_gradient_checkpointing()
-            optimizer = build_optimizer("adamw", unet.parameters(), 1e-5, 1e-2, (0.9, None), 1e-8)
+            trains = mode == "trained encoders"
+            mode_text_side = load_text_encoders(str(pipeline_dir), world.device, torch.float32, trainable=True) if trains else text_side
+            models = TrainedModels(unet, mode_text_side[1] if trains else None)
+            optimizer = build_optimizer("adamw", models.parameter_groups(1e-5, (1e-5, 1e-5)), 1e-5, 1e-2, (0.9, None), 1e-8)
             encoder = None
-            if mode == "caption mode":
-                encoder = StepCaptionEncoder(text_side, captions, CaptionVariation(shuffle_tags=True, keep_tags=1), SEED, 1, world.device)
+            if mode != "cached embeddings":
+                encoder = StepCaptionEncoder(mode_text_side, captions, CaptionVariation(shuffle_tags=True, keep_tags=1), SEED, 1, world.device, trains)
             steps[mode] = TrainStep(
                 unet, optimizer, LearningRateSchedule("constant", 1e-5, 0, 1), build_noise_scheduler(str(pipeline_dir), "epsilon", False),
                 NoiseSettings(0.1), empty_prompt, SEED, max_grad_norm=1.0, caption_encoder=encoder,
@@ -109,10 +119,10 @@ def timed(updates_per_round: int, rounds: int) -> None:
                 step([batches[update + offset]], epoch=0)
                 times[mode].append(time.perf_counter() - started)
         update += updates_per_round
-    cached, caption = (np.array(times[mode]) for mode in steps)
+    cached = np.mean(times["cached embeddings"])
     print(f"tiny pipeline, timed here (1 process, fp32, batch {BATCH}, 256 px, AdamW):")
-    print(f"  cached embeddings: {cached.mean() * 1000:7.1f} ms/update")
-    print(f"  caption mode     : {caption.mean() * 1000:7.1f} ms/update ({caption.mean() / cached.mean():.3f}x)")
+    for mode, mode_times in times.items():
+        print(f"  {mode:17s}: {np.mean(mode_times) * 1000:7.1f} ms/update ({np.mean(mode_times) / cached:.3f}x)")
     shutdown_distributed()
 
 

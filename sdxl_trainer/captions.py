@@ -11,8 +11,10 @@ draw comes from a generator seeded by (seed, epoch, item) and a stream of its ow
 the same captions on any number of processes, a resumed run continues exactly, and the noise, timestep and
 caption-dropout draws (diffusion.py) are the same whether or not captions vary.
 
-The encoders are replicated on every GPU, not sharded: they are frozen (no gradients, no optimizer state),
-1.6 GB in bf16 for SDXL's two, and sharding them would add an all-gather of their weights to every step.
+Frozen encoders are replicated on every GPU, not sharded: no gradients, no optimizer state, 1.6 GB in bf16
+for SDXL's two, and sharding them would add an all-gather of their weights to every step. Trained encoders
+(--train_text_encoder) hold fp32 weights, gradients and optimizer state (about 8 GB for both with
+adamw8bit), so they are sharded like the UNet (parallel.prepare_text_encoder).
 """
 
 from __future__ import annotations
@@ -67,19 +69,41 @@ def vary_caption(text: str, rng: np.random.Generator, variation: CaptionVariatio
 
 
 class StepCaptionEncoder:
-    """Replaces a microbatch's cached caption embeddings by the encoding of this step's caption variations."""
+    """Replaces a microbatch's cached caption embeddings by the encoding of this step's caption variations.
 
-    def __init__(self, text_side: TextSide, captions: list[str], variation: CaptionVariation, run_seed: int, chunks: int, device: torch.device):
+    With trains=True (--train_text_encoder) the encoders are trained: gradients flow through the encoding,
+    and the empty caption (caption dropout's) is encoded in the same forward, so dropped samples train
+    the encoders' "" as the exported pipeline will encode it."""
+
+    def __init__(self, text_side: TextSide, captions: list[str], variation: CaptionVariation, run_seed: int, chunks: int, device: torch.device,
+                 trains: bool = False):
         self.tokenizers, self.text_encoders = text_side
         self.captions = captions  # manifest text of every dataset item
         self.variation = variation
         self.run_seed = run_seed
         self.chunks = chunks
         self.device = device
+        self.trains = trains
 
     def captions_for(self, item_indices: list[int], epoch: int) -> list[str]:
         return [vary_caption(self.captions[item], caption_generator(self.run_seed, epoch, item), self.variation) for item in item_indices]
 
-    def __call__(self, batch: dict[str, torch.Tensor], epoch: int) -> dict[str, torch.Tensor]:
-        encoded = encode_prompts(self.tokenizers, self.text_encoders, self.captions_for(batch["item_index"].tolist(), epoch), self.chunks, self.device)
+    def __call__(self, batch: dict[str, torch.Tensor], epoch: int) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+        """The batch with this step's caption embeddings, and the empty caption as the trained encoders encode
+        it now (None when they are frozen: the cached one stands)."""
+        captions = self.captions_for(batch["item_index"].tolist(), epoch) + ([""] if self.trains else [])
+        with torch.set_grad_enabled(self.trains and torch.is_grad_enabled()):
+            encoded = encode_prompts(self.tokenizers, self.text_encoders, captions, self.chunks, self.device)
+        embeds, pooled = encoded.prompt_embeds, encoded.pooled_prompt_embeds
+        empty = (embeds[-1], pooled[-1]) if self.trains else None
+        if self.trains:
+            embeds, pooled = embeds[:-1], pooled[:-1]
+        return {**batch, "prompt_embeds": embeds, "pooled_prompt_embeds": pooled}, empty
+
+    @torch.no_grad()
+    def first_captions(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch with its items' first captions as the encoders encode them now, unvaried (validation
+        loss with trained encoders: the caption the cached embeddings hold, through the current weights)."""
+        captions = [captions_in(self.captions[item])[0] for item in batch["item_index"].tolist()]
+        encoded = encode_prompts(self.tokenizers, self.text_encoders, captions, self.chunks, self.device)
         return {**batch, "prompt_embeds": encoded.prompt_embeds, "pooled_prompt_embeds": encoded.pooled_prompt_embeds}

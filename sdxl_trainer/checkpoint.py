@@ -236,8 +236,9 @@ class DataPosition:
 
 @dataclass(frozen=True)
 class TrainerState:
-    """trainer_state.json: the run's counters and the facts a resume checks. Read strictly: a missing, extra
-    or mistyped field is a damaged checkpoint."""
+    """trainer_state.json: the run's counters and the facts a resume checks. Read strictly: an extra or
+    mistyped field, or a missing one, is a damaged checkpoint; only a field added after FORMAT_VERSION 2
+    (one with a default besides format_version) may be missing: the checkpoint predates it."""
 
     update: int  # optimizer updates done (skipped ones included): the LR schedule's position
     epoch: int  # the epoch to continue (counted from 0)
@@ -252,6 +253,7 @@ class TrainerState:
     skipped_updates: int
     consecutive_skipped_updates: int
     loss_scaler: dict[str, float | int] | None  # the fp16 gradient scaler's state
+    train_text_encoder: bool = False  # the checkpoint holds trained text encoders (and their optimizer state)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -272,8 +274,9 @@ class TrainerState:
                 "(--pretrained_model_name_or_path RUN/pipeline), or finish that run with the earlier version."
             )
         fields = {field.name: field for field in dataclasses.fields(cls)}
-        if set(data) != set(fields):
-            raise CheckpointError(f"{source} is damaged (fields missing: {sorted(set(fields) - set(data))}, unknown: {sorted(set(data) - set(fields))})")
+        missing = {name for name in set(fields) - set(data) if fields[name].default is dataclasses.MISSING}
+        if missing or set(data) - set(fields):
+            raise CheckpointError(f"{source} is damaged (fields missing: {sorted(missing)}, unknown: {sorted(set(data) - set(fields))})")
         for name, value in data.items():
             expected = fields[name].type
             if expected == "bool":

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
+from torch import nn
 
 from .checkpoint import (
     CheckpointError,
@@ -36,11 +37,13 @@ class SavePolicy:
 
 
 class Checkpointer:
-    def __init__(self, checkpoints_dir: Path, policy: SavePolicy, train_step: TrainStep, run_facts: Callable[[], dict],
+    def __init__(self, checkpoints_dir: Path, policy: SavePolicy, model: nn.Module, train_step: TrainStep, run_facts: Callable[[], dict],
                  report: Callable[[str], None], last_saved_update: int | None):
-        """`run_facts` gives the TrainerState fields the train step does not know (seed, optimizer, batch...);
-        `report` prints a message once (rank 0)."""
+        """`model`: what the checkpoint holds with the optimizer state (TrainedModels.checkpointed); `run_facts`
+        gives the TrainerState fields the train step does not know (seed, optimizer, batch...); `report`
+        prints a message once (rank 0)."""
         self.checkpoints_dir = checkpoints_dir
+        self.model = model
         self.policy = policy
         self.train_step = train_step
         self.run_facts = run_facts
@@ -60,7 +63,7 @@ class Checkpointer:
         )
         started = time.perf_counter()
         step = self.train_step
-        checkpoint_dir = save_training_state(self.checkpoints_dir / checkpoint_name(state.update), step.unet, step.optimizer, step.ema, state, position)
+        checkpoint_dir = save_training_state(self.checkpoints_dir / checkpoint_name(state.update), self.model, step.optimizer, step.ema, state, position)
         self.last_saved_update, self.last_saved_dir = state.update, checkpoint_dir
         if dist.get_rank() == 0:
             removed = remove_old_checkpoints(self.checkpoints_dir, self.policy.keep)

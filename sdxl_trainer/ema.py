@@ -16,8 +16,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .parallel import full_state_dict_on_rank0
-
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -87,9 +85,3 @@ class ShardedEMA:
             if is_main:
                 full[name] = gathered.cpu()
         return full
-
-
-def exported_weights_on_rank0(unet: nn.Module, ema: ShardedEMA | None, is_main: bool) -> dict[str, torch.Tensor]:
-    """Collective: the full UNet weights that get exported and sampled from (the EMA's when there is one)
-    in rank 0's CPU memory; {} elsewhere."""
-    return ema.full_state_dict_on_rank0(is_main) if ema is not None else full_state_dict_on_rank0(unet)

@@ -77,7 +77,6 @@ def chunked_token_ids(tokenizer: CLIPTokenizer, captions: list[str], chunks: int
     return torch.tensor(rows, dtype=torch.long), [len(ids) for ids in content]
 
 
-@torch.no_grad()
 def encode_prompts(
     tokenizers: tuple[CLIPTokenizer, CLIPTokenizer],
     text_encoders: tuple[CLIPTextModel, CLIPTextModelWithProjection],
@@ -85,7 +84,8 @@ def encode_prompts(
     chunks: int,
     device: torch.device,
 ) -> CaptionEmbeddings:
-    """Captions -> SDXL's text conditioning by the chunk rule of this module's docstring, in fp32 on `device`."""
+    """Captions -> SDXL's text conditioning by the chunk rule of this module's docstring, in fp32 on `device`.
+    Gradients flow to the encoders where they are enabled (--train_text_encoder); wrap inference in torch.no_grad()."""
     hidden_states = []
     pooled = None
     token_counts: list[int] = []
@@ -109,6 +109,7 @@ class Encoders:
     def latent_scaling_factor(self) -> float:
         return float(self.vae.config.scaling_factor)
 
+    @torch.no_grad()
     def encode_captions(self, captions: list[str], chunks: int) -> CaptionEmbeddings:
         """Captions -> prompt embeddings (N, chunks x 77, 2048), pooled embeddings (N, 1280) (on the CPU) and token counts."""
         encoded = encode_prompts(self.tokenizers, self.text_encoders, captions, chunks, self.device)
@@ -145,9 +146,20 @@ def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -
     return module.to(device, dtype).requires_grad_(False).eval()
 
 
-def load_text_encoders(model_name_or_path: str, device: torch.device, dtype: torch.dtype, single_file_config: str = SDXL_CONFIG_SOURCE) -> TextSide:
-    """Both tokenizers and both text encoders, frozen, in `dtype` on `device` (the trainer's caption mode)."""
+def load_text_encoders(
+    model_name_or_path: str, device: torch.device, dtype: torch.dtype, single_file_config: str = SDXL_CONFIG_SOURCE, trainable: bool = False
+) -> TextSide:
+    """Both tokenizers and both text encoders in `dtype` on `device` (the trainer's caption mode): frozen, or
+    with trainable=True in train mode with gradients (pass fp32: their master weights).
+
+    Trained, CLIP-L's last layer and final norm stay frozen: SDXL reads CLIP-L's penultimate hidden
+    state and takes the pooled embedding from bigG alone, so they never reach the UNet and get no gradient."""
     (tokenizers, text_encoders), _ = _text_side(model_name_or_path, single_file_config, dtype)
+    if trainable:
+        clip_l, clip_g = (encoder.to(device, dtype).requires_grad_(True).train() for encoder in text_encoders)
+        clip_l.encoder.layers[-1].requires_grad_(False)
+        clip_l.final_layer_norm.requires_grad_(False)
+        return tokenizers, (clip_l, clip_g)
     return tokenizers, tuple(_frozen(encoder, device, dtype) for encoder in text_encoders)  # type: ignore[return-value]
 
 

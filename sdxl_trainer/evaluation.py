@@ -4,12 +4,15 @@ images with their metrics, and a row of the sample grid.
 The validation loss runs on the sharded training UNet itself (no extra memory). Images need the whole
 UNet on every process: it is gathered on rank 0 (the EMA weights with --use_ema, as exported) and handed
 to every process through a RAM-disk folder (handoff.py), with the base pipeline's VAE and text encoders
-around it; the copy is dropped as soon as the images are made.
+around it (the trained encoders with --train_text_encoder, which then also encode the captions, the
+empty negative and, for the validation loss, the held-out captions); the copy is dropped as soon as the
+images are made.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -18,14 +21,16 @@ import torch.distributed as dist
 from diffusers import DDPMScheduler
 
 from .data import CachedDataset
-from .encoding import encode_prompts
-from .ema import ShardedEMA, exported_weights_on_rank0
+from .captions import StepCaptionEncoder
+from .encoding import CaptionEmbeddings, encode_prompts
+from .ema import ShardedEMA
 from .handoff import PipelineHandoff
 from .holdout import Holdout
 from .monitor import MetricsWriter
 from .parallel import World
 from .sample_grid import append_grid_row, is_due
 from .sampling import GenerationSettings, ImageRequest, gather_images, generate, rank_share
+from .trained_models import TrainedModels
 from .validation import ImageValidator, validation_loss
 
 
@@ -74,9 +79,11 @@ class Evaluator:
         sample_size: int,
         grid_path: Path,
         caption_chunks: int,
+        trained_caption_encoder: StepCaptionEncoder | None = None,
     ):
         """caption_chunks: the caches' caption length in chunks of 75 tokens; sample prompts are encoded with
-        the same rule (encoding.encode_prompts)."""
+        the same rule (encoding.encode_prompts). trained_caption_encoder (--train_text_encoder): validation
+        then encodes captions with the trained encoders instead of reading the cached embeddings."""
         self.world = world
         self.num_epochs = num_epochs
         self.dataset = dataset
@@ -94,24 +101,28 @@ class Evaluator:
         self.sample_size = sample_size
         self.grid_path = grid_path
         self.caption_chunks = caption_chunks
+        self.trained_caption_encoder = trained_caption_encoder
 
-    def __call__(self, epochs_done: int, unet: torch.nn.Module, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
+    def __call__(self, epochs_done: int, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
         """Collective. Runs what is due after `epochs_done` epochs and logs it at `step`; returns the scores
         (on rank 0; other ranks get the loss only)."""
         due = [schedule.due(epochs_done, self.num_epochs) for schedule in (self.loss_schedule, self.image_schedule, self.sample_schedule)]
-        return self._run(*due, "base" if epochs_done == 0 else f"epoch {epochs_done}", unet, ema, metrics, step)
+        return self._run(*due, "base" if epochs_done == 0 else f"epoch {epochs_done}", models, ema, metrics, step)
 
-    def after_updates(self, unet: torch.nn.Module, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
+    def after_updates(self, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
         """Collective. Everything that is on (--validation_every_n_updates), after update `step`."""
         on = [schedule.enabled for schedule in (self.loss_schedule, self.image_schedule, self.sample_schedule)]
-        return self._run(*on, f"update {step}", unet, ema, metrics, step)
+        return self._run(*on, f"update {step}", models, ema, metrics, step)
 
-    def _run(self, loss_due: bool, images_due: bool, samples_due: bool, label: str, unet: torch.nn.Module, ema: ShardedEMA | None,
+    def _run(self, loss_due: bool, images_due: bool, samples_due: bool, label: str, models: TrainedModels, ema: ShardedEMA | None,
              metrics: MetricsWriter, step: int) -> dict[str, float]:
         scores: dict[str, float] = {}
         if loss_due and len(self.holdout.loss_items):
             def loss() -> dict[str, float]:
-                return validation_loss(unet, self.dataset, self.holdout.loss_items, self.noise_scheduler, self.holdout.seed, self.world.device)
+                encode = self.trained_caption_encoder.first_captions if self.trained_caption_encoder else None
+                return validation_loss(
+                    models.unet, self.dataset, self.holdout.loss_items, self.noise_scheduler, self.holdout.seed, self.world.device, encode_batch=encode
+                )
 
             if ema is None:
                 scores.update(loss())
@@ -121,7 +132,7 @@ class Evaluator:
                     scores.update(loss())
                 scores["val/loss_raw"] = loss()["val/loss"]
         if images_due or samples_due:
-            state = exported_weights_on_rank0(unet, ema, self.world.is_main)
+            state = models.exported_weights_on_rank0(ema, self.world.is_main)
             source = self.source
             with PipelineHandoff(
                 source.handoff_root, source.run_name, source.base_model, source.single_file_config, self.world.device, source.dtype, source.vae_name_or_path
@@ -131,26 +142,37 @@ class Evaluator:
                 if source.scheduler_overrides:
                     pipeline.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config, **source.scheduler_overrides)
                 pipeline.set_progress_bar_config(disable=True)
+                # Trained text encoders encode the captions and the empty negative as the exported pipeline will.
+                encode = partial(self._encode, pipeline) if models.trains_text_encoders else None
+                negative = self.negative
+                if encode is not None:
+                    empty = encode([""])
+                    negative = (empty.prompt_embeds[0], empty.pooled_prompt_embeds[0])
                 if images_due:
-                    scores.update(self.validator(pipeline, self.negative))
+                    scores.update(self.validator(pipeline, negative, encode))
                 if samples_due:
-                    self._add_sample_row(pipeline, label, metrics, step)
+                    self._add_sample_row(pipeline, negative, label, metrics, step)
                 del pipeline
             if self.world.device.type == "cuda":
                 torch.cuda.empty_cache()
         metrics.scalars(scores, step)
         return scores
 
-    def _add_sample_row(self, pipeline, label: str, metrics: MetricsWriter, step: int) -> None:
-        captions = encode_prompts(
-            (pipeline.tokenizer, pipeline.tokenizer_2), (pipeline.text_encoder, pipeline.text_encoder_2), self.sample_prompts, self.caption_chunks, self.world.device
+    @torch.no_grad()
+    def _encode(self, pipeline, captions: list[str]) -> CaptionEmbeddings:
+        """Captions through the pipeline's text encoders, by the caches' chunk rule."""
+        return encode_prompts(
+            (pipeline.tokenizer, pipeline.tokenizer_2), (pipeline.text_encoder, pipeline.text_encoder_2), captions, self.caption_chunks, self.world.device
         )
+
+    def _add_sample_row(self, pipeline, negative: tuple[torch.Tensor, torch.Tensor], label: str, metrics: MetricsWriter, step: int) -> None:
+        captions = self._encode(pipeline, self.sample_prompts)
         requests = [
             ImageRequest(position, captions.prompt_embeds[position].cpu(), captions.pooled_prompt_embeds[position].cpu(), self.sample_size, self.sample_size, seed)
             for position, seed in enumerate(self.sample_seeds)
         ]
         mine = rank_share(requests, self.world.rank, self.world.world_size)
-        images = gather_images(generate(pipeline, mine, self.generation, self.negative, self.world.device), self.world.device)
+        images = gather_images(generate(pipeline, mine, self.generation, negative, self.world.device), self.world.device)
         if self.world.is_main:
             grid = append_grid_row(self.grid_path, [images[position] for position in range(len(requests))], label, self.sample_prompts)
             metrics.image("samples/grid", np.asarray(grid), step)

@@ -9,6 +9,7 @@ import torch
 
 from .files import make_shareable, write_error_reason
 from .single_file import SDXL_CONFIG_SOURCE, load_pipeline, save_single_file
+from .trained_models import ComponentWeights
 
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -18,7 +19,7 @@ class ExportError(RuntimeError):
 
 
 def save_pipeline(
-    unet_state_dict: dict[str, torch.Tensor],
+    trained_weights: ComponentWeights,
     base_model: str,
     output_dir: Path | None,
     save_precision: str,
@@ -27,7 +28,8 @@ def save_pipeline(
     single_file: Path | None = None,
     vae_name_or_path: str | None = None,
 ) -> None:
-    """Save base_model's pipeline with the trained UNet weights into the folder output_dir (None: no folder)
+    """Save base_model's pipeline with the trained weights (component name -> state dict: "unet", and the
+    text encoders where they were trained) into the folder output_dir (None: no folder)
     and into the single-file checkpoint `single_file` if given (rank 0 only). A single-file base_model is
     read with single_file_config describing it; with vae_name_or_path, that VAE replaces the model's own
     (the one the training caches were encoded with, so latents and decoder agree).
@@ -38,7 +40,8 @@ def save_pipeline(
     Written to a temporary sibling folder and renamed, so an interrupted export never leaves a folder
     that looks complete; an older export at output_dir is replaced only once the new one is whole."""
     pipeline = load_pipeline(base_model, single_file_config, SAVE_DTYPES[save_precision], vae_name_or_path)
-    pipeline.unet.load_state_dict(unet_state_dict, strict=True)  # copies (and casts) into the base weights
+    for name, state_dict in trained_weights.items():
+        getattr(pipeline, name).load_state_dict(state_dict, strict=True)  # copies (and casts) into the base weights
     if scheduler_overrides:
         pipeline.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config, **scheduler_overrides)
     # Caption dropout trained the encoded empty caption (as kohya, SimpleTuner and ComfyUI use it), so the

@@ -58,9 +58,15 @@ class LearningRateSchedule:
         raise ValueError(f"unknown learning-rate schedule {self.name!r}; choose from {SCHEDULE_NAMES}")
 
 
+LR_SCALE = "lr_scale"  # a param group's rate relative to the schedule's (--learning_rate_te1 / --learning_rate)
+
+
 def set_learning_rate(optimizer: torch.optim.Optimizer, rate: float) -> None:
+    """Every param group at `rate` times its LR_SCALE (1 if it has none): the text encoders' groups follow
+    the same schedule from their own peak rates."""
     for group in optimizer.param_groups:
+        group_rate = rate * group.get(LR_SCALE, 1.0)
         if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor so its compiled step never recompiles
-            group["lr"].fill_(rate)
+            group["lr"].fill_(group_rate)
         else:
-            group["lr"] = rate
+            group["lr"] = group_rate

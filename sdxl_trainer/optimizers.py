@@ -115,10 +115,11 @@ DEFAULT_BETA2 = {"adamw8bit": 0.999, "adamw": 0.999, "lion": 0.99}
 
 
 def build_optimizer(
-    name: str, parameters: Iterable[torch.nn.Parameter], learning_rate: float, weight_decay: float, betas: tuple[float, float | None], eps: float
+    name: str, parameters: Iterable[torch.nn.Parameter] | list[dict], learning_rate: float, weight_decay: float, betas: tuple[float, float | None], eps: float
 ) -> torch.optim.Optimizer:
-    """betas and eps apply to the AdamW variants; Lion uses betas; Adafactor uses neither. A beta2 of None
-    takes the optimizer's default (DEFAULT_BETA2)."""
+    """`parameters`: parameters, or param groups (dicts with their own "lr"). betas and eps apply to the
+    AdamW variants; Lion uses betas; Adafactor uses neither. A beta2 of None takes the optimizer's default
+    (DEFAULT_BETA2)."""
     parameters = list(parameters)
     betas = (betas[0], DEFAULT_BETA2.get(name, 0.999) if betas[1] is None else betas[1])
     if name == "adamw8bit":

@@ -20,6 +20,7 @@ from torch import nn
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
@@ -177,16 +178,14 @@ def shard_unet(
     - reshard_after_forward=True is FULL_SHARD (weights gathered again for backward, least memory);
       False keeps them gathered between forward and backward (SHARD_GRAD_OP: faster, more memory).
     - Precision: compute in param_dtype (bf16/fp16) with fp32 gradient reduction, over fp32 shards.
-      No autocast in the loop. The frozen VAE and text encoders never reach here: training reads the cache.
+      No autocast in the loop. The frozen VAE never reaches here (training reads the cache); text encoders
+      only when trained (prepare_text_encoder).
     - cpu_offload: FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and so the optimizer
       state live in CPU memory; each block's weights are copied to the GPU for its forward and backward, and
       the optimizer steps on the CPU. A GPU then holds activations and a block or two of gathered weights.
     - compile_blocks: compile_repeated_blocks before sharding; other bucket shapes recompile with dynamic sizes.
     """
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    kwargs = _fsdp_settings(mesh, param_dtype, reshard_after_forward, cpu_offload)
     from diffusers.models.attention import BasicTransformerBlock
 
     if compile_blocks:
@@ -198,6 +197,40 @@ def shard_unet(
         fully_shard(block, **kwargs)
     fully_shard(unet, **kwargs)
     return unet  # type: ignore[return-value]
+
+
+def _fsdp_settings(mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool, cpu_offload: bool) -> dict:
+    """fully_shard's arguments, the same for every trained module: compute in param_dtype, gradients reduced
+    in fp32, optionally FSDP2's CPU offload."""
+    settings = dict(
+        mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32), reshard_after_forward=reshard_after_forward
+    )
+    if cpu_offload:
+        settings["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    return settings
+
+
+def prepare_text_encoder(encoder: nn.Module, world: World, param_dtype: torch.dtype | None, reshard_after_forward: bool = True,
+                         cpu_offload: bool = False) -> nn.Module:
+    """A trained text encoder (--train_text_encoder) ready in this world, in place, by prepare_unet's rule:
+    where uses_sharding says so, FSDP2 over its embeddings, each CLIP layer, then each remaining module with
+    parameters of its own (final norm, projection), with the UNet's precision and offload settings;
+    otherwise plain under autocast.
+
+    The transformers model itself is never wrapped: fully_shard changes a module's class, and transformers
+    finds what output_hidden_states records by the model's class, so a wrapped CLIP returns no hidden states."""
+    if not uses_sharding(world.world_size, cpu_offload):
+        if param_dtype is not None:
+            compute_under_autocast(encoder, world.device.type, param_dtype)
+        return encoder
+    from transformers.models.clip.modeling_clip import CLIPEncoderLayer, CLIPTextEmbeddings
+
+    settings = _fsdp_settings(world.mesh, param_dtype, reshard_after_forward, cpu_offload)
+    for part in [module for module in encoder.modules() if isinstance(module, (CLIPTextEmbeddings, CLIPEncoderLayer))]:
+        fully_shard(part, **settings)
+    for part in [module for module in encoder.modules() if any(not isinstance(weight, DTensor) for weight in module.parameters(recurse=False))]:
+        fully_shard(part, **settings)
+    return encoder
 
 
 def full_state_dict_on_rank0(model: nn.Module) -> dict[str, torch.Tensor]:

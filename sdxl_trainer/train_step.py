@@ -1,5 +1,6 @@
 """One optimizer update: microbatches with gradient sync on the last one only, clipping of the true
-gradients, a finite-ness check agreed by every rank, the optimizer step at the scheduled rate, the EMA.
+gradients (of the UNet, and of the text encoders where they are trained), a finite-ness check agreed by
+every rank, the optimizer step at the scheduled rate, the EMA.
 
 An update whose loss or gradient norm is NaN/inf is skipped (no optimizer step, no EMA update), counted
 and reported; with fp16 the gradient scaler also lowers its scale. It still counts as an update: its
@@ -66,6 +67,10 @@ class TrainStep:
         self.ema = ema
         self.reduce_every_microbatch = reduce_every_microbatch
         self.caption_encoder = caption_encoder  # caption mode: encode this step's caption variations (captions.py)
+        # With --train_text_encoder the encoders are trained too: clipping sees every trained gradient.
+        self.trained_parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        trained_encoders = caption_encoder.text_encoders if caption_encoder is not None and caption_encoder.trains else ()
+        self.sharded_modules = [module for model in (unet, *trained_encoders) for module in model.modules() if isinstance(module, FSDPModule)]
         self.skipped_updates = 0
         self.consecutive_skipped_updates = 0
 
@@ -92,19 +97,21 @@ class TrainStep:
         device = microbatches[0]["latents"].device
         loss_sum = torch.zeros((), device=device)
         for index, batch in enumerate(microbatches):
-            if isinstance(self.unet, FSDPModule):
+            for module in self.sharded_modules:
                 # FSDP2 reduce-scatters gradients only when this is True; before that they accumulate unsharded.
-                self.unet.set_requires_gradient_sync(self.reduce_every_microbatch or index == len(microbatches) - 1)
+                module.set_requires_gradient_sync(self.reduce_every_microbatch or index == len(microbatches) - 1, recurse=False)
+            empty_prompt = self.empty_prompt
             if self.caption_encoder is not None:
-                batch = self.caption_encoder(batch, epoch)
-            loss = training_loss(self.unet, batch, self.noise_scheduler, self.empty_prompt, self.run_seed, epoch, self.noise_settings)
+                batch, trained_empty_prompt = self.caption_encoder(batch, epoch)
+                empty_prompt = trained_empty_prompt or empty_prompt
+            loss = training_loss(self.unet, batch, self.noise_scheduler, empty_prompt, self.run_seed, epoch, self.noise_settings)
             loss = loss / len(microbatches)  # the mean over the update's samples, normalised once
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip and check the true gradients, not the scaled ones
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.unet.parameters(), self.max_grad_norm or math.inf)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trained_parameters, self.max_grad_norm or math.inf)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
         # Both values are global (all-reduced), so every rank takes the same decision.

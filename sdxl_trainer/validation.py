@@ -11,17 +11,19 @@ the same number whatever the training options. Batches (one bucket and one range
 ranks; ranks with fewer batches repeat one with weight 0, since with FSDP every forward is a collective.
 The per-range sums and counts are added up in one all_reduce.
 
-Validation images. Each held-out item's image is generated from its cached caption embeddings at its
-bucket size with a fixed seed, each rank generating its own share (see sampling.py). Each rank scores its
-own images (Inception features, LPIPS against the item's real image, HPSv2 with its caption), and only the
-per-image numbers travel to rank 0, which computes the set scores (FID, KID, IS need the whole set). The
-real images, and their Inception features, are prepared once per run.
+Validation images. Each held-out item's image is generated from its cached caption embeddings (its first
+caption through the trained encoders, with --train_text_encoder) at its bucket size with a fixed seed,
+each rank generating its own share (see sampling.py). Each rank scores its own images (Inception
+features, LPIPS against the item's real image, HPSv2 with its caption), and only the per-image numbers
+travel to rank 0, which computes the set scores (FID, KID, IS need the whole set). The real images, and
+their Inception features, are prepared once per run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -32,6 +34,7 @@ from .buckets import Bucket, crop_into
 from .cache import sha256_bytes
 from .data import CachedDataset, collate
 from .diffusion import NoiseSettings, sample_seed, training_loss
+from .encoding import CaptionEmbeddings
 from .images import UnreadableImage, decode_image, resize_and_crop
 from .metrics import NEEDS_REFERENCE, ImageMetrics
 from .sampling import GenerationSettings, ImageRequest, decode_latents, gather_rows, generate, rank_share
@@ -40,6 +43,8 @@ from .sampling import GenerationSettings, ImageRequest, decode_latents, gather_r
 VALIDATION_LOSS_KEY = 1_000_001
 VALIDATION_IMAGE_KEY = 1_000_002
 TIMESTEP_RANGES = ((0, 333), (333, 667), (667, 1000))
+
+CaptionEncoding = Callable[[list[str]], CaptionEmbeddings]  # captions -> embeddings by a pipeline's (trained) text encoders
 
 
 def range_tag(low: int, high: int) -> str:
@@ -70,10 +75,12 @@ def validation_loss(
     device: torch.device,
     batch_size: int = 4,
     ranges=TIMESTEP_RANGES,
+    encode_batch: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, float]:
     """Mean validation loss over `items`, overall ("val/loss") and per timestep range ("val/loss_t0-333", ...),
     on every rank. Every rank must call this with the same arguments (the UNet may be FSDP-sharded).
-    Ranges without items are left out."""
+    Ranges without items are left out. `encode_batch` replaces a batch's cached caption embeddings (trained
+    text encoders: StepCaptionEncoder.first_captions)."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     batches = loss_batches(items, dataset.bucket_ids(), batch_size, ranges)
     mine = rank_share(batches, rank, world_size)
@@ -84,6 +91,8 @@ def validation_loss(
     for call in range(calls):
         range_index, batch_items = mine[call] if call < len(mine) else batches[0]
         batch = {key: value.to(device) for key, value in collate([dataset[int(i)] for i in batch_items]).items()}
+        if encode_batch is not None:
+            batch = encode_batch(batch)
         low, high = ranges[range_index]
         # No dropout: the caption is always used, so the "empty prompt" argument is never selected.
         settings = NoiseSettings(conditional_dropout_percent=0.0, min_timestep=low, max_timestep=high)
@@ -183,14 +192,20 @@ class ImageValidator:
         self.my_items = rank_share(self.items, self.rank, self.world_size)
         self._references: _References | None = None
 
-    def requests(self) -> list[ImageRequest]:
-        """This rank's generation requests: cached caption embeddings, bucket size, the item's fixed seed."""
+    def requests(self, encode_captions: CaptionEncoding | None = None) -> list[ImageRequest]:
+        """This rank's generation requests: caption embeddings (cached, or the items' first captions through
+        `encode_captions` where the text encoders were trained), bucket size, the item's fixed seed."""
+        encoded = encode_captions([self.dataset.caption(item) for item in self.my_items]) if encode_captions and self.my_items else None
         requests = []
-        for item in self.my_items:
-            tensors = self.dataset[item]
+        for position, item in enumerate(self.my_items):
+            if encoded is None:
+                tensors = self.dataset[item]
+                embeds, pooled = tensors["prompt_embeds"].float(), tensors["pooled_prompt_embeds"].float()
+            else:
+                embeds, pooled = encoded.prompt_embeds[position].cpu(), encoded.pooled_prompt_embeds[position].cpu()
             width, height = (int(v) for v in self.dataset.bucket_sizes[item])
             seed = sample_seed(self.seed, VALIDATION_IMAGE_KEY, item)
-            requests.append(ImageRequest(item, tensors["prompt_embeds"].float(), tensors["pooled_prompt_embeds"].float(), width, height, seed))
+            requests.append(ImageRequest(item, embeds, pooled, width, height, seed))
         return requests
 
     def _prepare_references(self, vae) -> _References:
@@ -209,14 +224,16 @@ class ImageValidator:
         """How many real images are decoded latents instead of source images (known after the first call)."""
         return None if self._references is None else self._references.decoded
 
-    def generate(self, pipeline: StableDiffusionXLPipeline, negative: tuple[torch.Tensor, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def generate(self, pipeline: StableDiffusionXLPipeline, negative: tuple[torch.Tensor, torch.Tensor],
+                 encode_captions: CaptionEncoding | None = None) -> dict[int, torch.Tensor]:
         """This rank's validation images {item: uint8 (3, H, W)}. Every rank must call this."""
-        return generate(pipeline, self.requests(), self.settings, negative, self.device)
+        return generate(pipeline, self.requests(encode_captions), self.settings, negative, self.device)
 
-    def __call__(self, pipeline: StableDiffusionXLPipeline, negative: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    def __call__(self, pipeline: StableDiffusionXLPipeline, negative: tuple[torch.Tensor, torch.Tensor],
+                 encode_captions: CaptionEncoding | None = None) -> dict[str, float]:
         """Generate and score; rank 0 gets {"val/fid": ..., "val/kid": ..., "val/is": ..., "val/lpips": ...,
         "val/hpsv2": ...} (the enabled metrics), other ranks {}. Every rank must call this."""
-        generated = self.generate(pipeline, negative)
+        generated = self.generate(pipeline, negative, encode_captions)
         self.metrics.to(self.device)
         if self._references is None and set(self.metrics.enabled) & set(NEEDS_REFERENCE):
             self._references = self._prepare_references(pipeline.vae)

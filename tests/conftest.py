@@ -124,6 +124,26 @@ def unprivileged():
         os.setegid(0)
 
 
+@pytest.fixture(scope="session")
+def tag_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
+    """sample_dataset/ with tag captions (every third file holds two, one per line), cached."""
+    import sdxl_process_data_dir
+
+    root = tmp_path_factory.mktemp("tags")
+    data_dir = root / "data"
+    shutil.copytree(SAMPLE_DATASET, data_dir)
+    for index, caption_path in enumerate(sorted(data_dir.rglob("*.txt"))):
+        words = caption_path.read_text().replace(",", "").split()[:6]
+        tags = ", ".join(["sample", *words])
+        caption_path.write_text(f"{tags}\nsample, another caption {index}\n" if index % 3 == 0 else tags)
+    cache_dir = root / "cache"
+    assert sdxl_process_data_dir.main(
+        ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+         "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION)]
+    ) == 0
+    return cache_dir
+
+
 @pytest.fixture
 def public_tmp_path(tmp_path_factory) -> Path:
     """A temporary folder an ordinary user can enter (pytest's own are private to the user who runs the tests)."""

@@ -66,7 +66,7 @@ def handoff_report(pipeline_dir: Path, output: Path, world) -> dict:
     step(rank_batch(unet, world, 0), epoch=0)
     trained = full_weights(unet)
     with PipelineHandoff(output, "test_run", str(pipeline_dir), str(pipeline_dir), world.device, torch.float32) as handoff:
-        pipeline = handoff.pipeline(full_state_dict_on_rank0(unet))
+        pipeline = handoff.pipeline({"unet": full_state_dict_on_rank0(unet)})
         folder = handoff.folder
         loaded = dict(pipeline.unet.named_parameters())
         difference = max((trained[name] - loaded[name].detach()).abs().max().item() for name in trained)
@@ -79,7 +79,7 @@ def handoff_report(pipeline_dir: Path, output: Path, world) -> dict:
     }
     try:
         with PipelineHandoff(output, "failing_run", str(pipeline_dir), str(pipeline_dir), world.device, torch.float32) as handoff:
-            handoff.pipeline(full_state_dict_on_rank0(unet))
+            handoff.pipeline({"unet": full_state_dict_on_rank0(unet)})
             failing_folder = handoff.folder
             raise RuntimeError("validation failed")
     except RuntimeError:

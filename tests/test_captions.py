@@ -5,16 +5,13 @@ run in caption mode resumes bitwise on 2 processes."""
 from __future__ import annotations
 
 import math
-import shutil
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import sdxl_process_data_dir
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET, REPO_ROOT, run_processes, scalars, trainer_flags
+from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
 from sdxl_trainer.cache import LOG_DIR, load_manifest
 from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder, caption_generator, vary_caption
 from sdxl_trainer.data import CachedDataset, collate
@@ -78,7 +75,8 @@ def test_encoding_in_the_step_gives_the_cached_embeddings(sample_cache_dir, tiny
     encoder = StepCaptionEncoder(
         load_text_encoders(str(tiny_pipeline_dir), torch.device("cpu"), torch.float32), dataset.caption_texts, CaptionVariation(), 5, 1, torch.device("cpu")
     )
-    encoded = encoder(batch, epoch=0)
+    encoded, empty = encoder(batch, epoch=0)
+    assert empty is None  # frozen encoders: caption dropout keeps the cached empty caption
     assert encoded["prompt_embeds"].shape == batch["prompt_embeds"].shape
     for key in ("prompt_embeds", "pooled_prompt_embeds"):
         cached = batch[key].float()
@@ -86,24 +84,7 @@ def test_encoding_in_the_step_gives_the_cached_embeddings(sample_cache_dir, tiny
     assert torch.equal(encoded["latents"], batch["latents"])
 
 
-# ---- a tag dataset with several captions per image, cached and trained on 2 processes ----------------
-
-
-@pytest.fixture(scope="module")
-def tag_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
-    root = tmp_path_factory.mktemp("tags")
-    data_dir = root / "data"
-    shutil.copytree(SAMPLE_DATASET, data_dir)
-    for index, caption_path in enumerate(sorted(data_dir.rglob("*.txt"))):
-        words = caption_path.read_text().replace(",", "").split()[:6]
-        tags = ", ".join(["sample", *words])
-        caption_path.write_text(f"{tags}\nsample, another caption {index}\n" if index % 3 == 0 else tags)
-    cache_dir = root / "cache"
-    assert sdxl_process_data_dir.main(
-        ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-         "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION)]
-    ) == 0
-    return cache_dir
+# ---- a tag dataset with several captions per image (conftest's tag_cache), trained on 2 processes -----
 
 
 def test_the_cache_keeps_every_caption_and_says_which_one_it_encoded(tag_cache):

@@ -1,0 +1,125 @@
+"""--train_text_encoder: both text encoders train with the UNet in caption mode, each at its own peak rate,
+sharded on 2 processes; a resumed run equals the straight one bitwise for all three models; the pipeline
+folder and the single file hold the trained encoders; a checkpoint with trained encoders is resumed only
+with them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
+from sdxl_trainer.checkpoint import METADATA_FILE, CheckpointError, TrainerState
+from sdxl_trainer.config import parse_config
+from sdxl_trainer.lr_schedule import LR_SCALE, set_learning_rate
+from test_captions import VARIATION_FLAGS
+from test_resume_schedules import RESUME_AT, exported_unet, resumed_copy, train
+
+TEXT_ENCODER_FILES = {name: Path(name) / "model.safetensors" for name in ("text_encoder", "text_encoder_2")}
+
+
+def exported_text_encoders(pipeline_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: load_file(pipeline_dir / path) for name, path in TEXT_ENCODER_FILES.items()}
+
+
+def bitwise_equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> bool:
+    return first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_trained_encoders_resume_bitwise_and_are_exported(tmp_path, tag_cache, tiny_pipeline_dir):
+    flags = (*VARIATION_FLAGS, "--train_text_encoder", "--learning_rate_te2", "5e-5", "--save_single_file")
+    straight = train(tmp_path / "straight", tag_cache, tiny_pipeline_dir, "cosine", *flags)
+    resumed_copy(straight, tmp_path / "resumed")
+    resumed = train(tmp_path / "resumed", tag_cache, tiny_pipeline_dir, "cosine", *flags, "--load_saved_state", "latest")
+
+    assert scalars(resumed, "train/loss") == scalars(straight, "train/loss")[RESUME_AT:]
+    assert bitwise_equal(exported_unet(straight), exported_unet(resumed))
+    trained, base = exported_text_encoders(straight / "pipeline"), exported_text_encoders(tiny_pipeline_dir)
+    for name, weights in exported_text_encoders(resumed / "pipeline").items():
+        assert bitwise_equal(weights, trained[name]), f"the resumed run's {name} differs from the straight run's"
+        assert not bitwise_equal(weights, base[name]), f"{name} was not trained"
+    assert all(key.startswith(("unet.", "text_encoder.", "text_encoder_2.")) for key in read_checkpoint_keys(straight))
+
+    # The single file beside the folder holds the same trained encoders (both CLIPs, converted back).
+    from sdxl_trainer.single_file import load_pipeline
+
+    single = load_pipeline(str(straight / "pipeline.safetensors"), str(tiny_pipeline_dir), torch.float32)
+    for name, weights in trained.items():
+        assert bitwise_equal({key: value for key, value in getattr(single, name).state_dict().items() if key in weights}, weights), name
+
+    # A checkpoint with trained encoders is not resumed as a UNet-only run.
+    plain = [flag for flag in flags if flag not in ("--train_text_encoder", "--learning_rate_te2", "5e-5")]
+    result = run_processes(
+        1, REPO_ROOT / "sdxl_FSDP_train.py",
+        trainer_flags(tag_cache, tiny_pipeline_dir, tmp_path / "resumed", "run", *plain, "--load_saved_state", "latest"), expect_success=False,
+    )
+    assert result.returncode != 0
+    assert "the checkpoint was saved with trained text encoders: resume with --train_text_encoder" in result.stdout + result.stderr
+
+
+def read_checkpoint_keys(run: Path) -> list[str]:
+    index = json.loads((run / "checkpoints" / f"update_{RESUME_AT:08d}" / METADATA_FILE).read_text())
+    return [key.removeprefix("model.") for key in index["state_dict_metadata"] if key.startswith("model.")]
+
+
+def test_each_encoder_trains_at_its_own_rate(tmp_path, tag_cache, tiny_pipeline_dir):
+    """One process (no sharding): text encoder 1 at a rate of 1e-30 moves by about that much (AdamW steps are
+    about the rate in size), text encoder 2 at the default rate by about 1e-4 per update. Validation loss
+    and the sample grid run through the trained encoders."""
+    flags = trainer_flags(
+        tag_cache, tiny_pipeline_dir, tmp_path, "rates", "--optimizer", "adamw", "--num_train_epochs", "1", "--mixed_precision", "bf16",
+        "--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te1", "1e-30", "--no-save_state",
+        "--save_samples", "--num_sample_images", "2", "--num_inference_steps", "2",
+    )
+    run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags)
+    assert len(scalars(tmp_path / "rates", "val/loss")) == 2  # the base model's, then after the epoch
+    assert (tmp_path / "rates" / "samples" / "sample_grid.png").is_file()
+    trained, base = exported_text_encoders(tmp_path / "rates" / "pipeline"), exported_text_encoders(tiny_pipeline_dir)
+    assert largest_change(trained["text_encoder"], base["text_encoder"]) < 1e-28
+    assert largest_change(trained["text_encoder_2"], base["text_encoder_2"]) > 1e-5
+
+
+def largest_change(trained: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> float:
+    return max((trained[key] - base[key]).abs().max().item() for key in base)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--train_text_encoder"], "--train_text_encoder needs --encode_captions_each_step"),
+        (["--encode_captions_each_step", "--learning_rate_te1", "1e-5"], "--learning_rate_te1 / --learning_rate_te2 apply to trained text encoders"),
+        (["--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te2", "0"], "--learning_rate_te2 must be > 0"),
+    ],
+)
+def test_text_encoder_options_are_checked(flags, message, capsys):
+    from sdxl_FSDP_train import TrainConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--cached_dataset_dirs", "c", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_the_schedule_scales_each_group_from_its_own_peak():
+    optimizer = torch.optim.AdamW(
+        [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(2))], LR_SCALE: 0.25}], lr=1e-4
+    )
+    set_learning_rate(optimizer, 2e-4)
+    assert [group["lr"] for group in optimizer.param_groups] == [2e-4, 5e-5]
+
+
+def test_a_trainer_state_from_before_text_encoder_training_reads_as_unet_only(tmp_path):
+    state = TrainerState(
+        update=3, epoch=0, updates_in_epoch=3, seed=5, optimizer="adamw", use_ema=False, ema_updates=0, world_size=2,
+        global_batch_size=2, gradient_accumulation_steps=1, skipped_updates=0, consecutive_skipped_updates=0, loss_scaler=None,
+        train_text_encoder=True,
+    )
+    data = json.loads(state.to_json())
+    assert TrainerState.from_json(json.dumps(data), tmp_path / "state.json").train_text_encoder is True
+    del data["train_text_encoder"]
+    assert TrainerState.from_json(json.dumps(data), tmp_path / "state.json").train_text_encoder is False
+    with pytest.raises(CheckpointError, match="fields missing: \\['seed'\\]"):
+        TrainerState.from_json(json.dumps({key: value for key, value in data.items() if key != "seed"}), tmp_path / "state.json")
