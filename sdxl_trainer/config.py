@@ -69,10 +69,11 @@ def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
         if not isinstance(value, list):
             raise ValueError(f"{source}: {name} must be a list")
         item_type = typing.get_args(base)[0]
-        accepted = str if item_type is Path else item_type
+        accepted = str if item_type is Path else (int, float) if item_type is float else item_type  # TOML writes 3200 for 3200.0
         wrong = [item for item in value if not isinstance(item, accepted) or isinstance(item, bool)]
         if wrong:
-            raise ValueError(f"{source}: {name} items must be of type {accepted.__name__}, got {wrong!r}")
+            expected = "str" if item_type is Path else "number" if item_type is float else item_type.__name__
+            raise ValueError(f"{source}: {name} items must be of type {expected}, got {wrong!r}")
         return [item_type(item) for item in value]
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

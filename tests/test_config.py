@@ -23,6 +23,7 @@ class ExampleConfig:
     shuffle: bool = option(True, help="shuffle the data")
     mode: Literal["fast", "slow"] = option("fast", help="how to run")
     extra_dirs: list[Path] = option([Path("x")], help="more folders")
+    thresholds: list[float] | None = option(None, help="numbers")
     seed: int | None = option(None, help="seed; None = random")
 
     def validate(self) -> list[str]:
@@ -108,6 +109,13 @@ def test_int_in_toml_for_float_field_becomes_float(tmp_path):
     assert config.learning_rate == 1.0 and isinstance(config.learning_rate, float)
 
 
+def test_ints_in_a_toml_list_of_floats_become_floats(tmp_path, capsys):
+    config = parse(["--config", str(toml_file(tmp_path, 'data_dir = "d"\nthresholds = [3200, 6.5]\n'))])
+    assert config.thresholds == [3200.0, 6.5] and all(isinstance(value, float) for value in config.thresholds)
+    err = parse_error(capsys, ["--config", str(toml_file(tmp_path, 'data_dir = "d"\nthresholds = [1, "high", true]\n'))])
+    assert "thresholds items must be of type number, got ['high', True]" in err
+
+
 def test_unknown_toml_key(tmp_path, capsys):
     err = parse_error(capsys, ["--config", str(toml_file(tmp_path, 'data_dir = "d"\nlerning_rate = 0.1\n'))])
     assert "unknown keys ['lerning_rate']" in err
@@ -191,6 +199,7 @@ def test_write_resolved_config(tmp_path):
         "shuffle": True,
         "mode": "fast",
         "extra_dirs": ["a", "b/c"],
+        "thresholds": None,
         "seed": None,
     }
     assert list(saved) == sorted(saved)
