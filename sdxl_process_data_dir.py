@@ -22,6 +22,7 @@ without loading any model. Several workers (one per GPU or machine) split the da
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -85,6 +86,12 @@ class CacheConfig:
     tag_replacements: Path | None = option(
         None, help='with --metadata_table: JSON object of tag -> replacement applied to every caption\'s tags first, e.g. {"1girl": "one girl", "lowres": ""} ("" removes)'
     )
+    score_tags: list[float] | None = option(
+        None,
+        help="with --metadata_table: score thresholds, e.g. 3200 1600 800 400 200 100 50; a row's caption lines start with the tag of the "
+        "highest one its score reaches (--score_tag_prefix + threshold: scr800); rows without a score or below all get none",
+    )
+    score_tag_prefix: str = option("scr", help="with --score_tags: the text before the threshold in a score tag")
     pretrained_model_name_or_path: str = option(
         "stabilityai/stable-diffusion-xl-base-1.0",
         help="SDXL model whose text encoders and VAE encode the data: hub id, local diffusers folder, or single-file .safetensors (A1111/ComfyUI layout)",
@@ -138,11 +145,16 @@ class CacheConfig:
     def _table_problems(self) -> list[str]:
         problems = []
         if self.metadata_table is None:
-            for flag, value in (("--min_score", self.min_score), ("--exclude_tags", self.exclude_tags), ("--tag_replacements", self.tag_replacements)):
+            for flag, value in (("--min_score", self.min_score), ("--exclude_tags", self.exclude_tags), ("--tag_replacements", self.tag_replacements),
+                                ("--score_tags", self.score_tags)):
                 if value is not None:
-                    problems.append(f"{flag} filters the rows of a --metadata_table: give one (caption files have no tags or scores to filter)")
+                    problems.append(f"{flag} works on the rows of a --metadata_table: give one (caption files have no tags or scores)")
         elif self.metadata_table.suffix not in TABLE_SUFFIXES or not self.metadata_table.is_file():
             problems.append(f"--metadata_table {self.metadata_table} must be an existing {' or '.join(TABLE_SUFFIXES)} file")
+        if any(character in self.score_tag_prefix for character in ",\n"):
+            problems.append(f"--score_tag_prefix {self.score_tag_prefix!r} must hold no comma or line break: it is part of one tag")
+        if any(math.isnan(threshold) for threshold in self.score_tags or ()):
+            problems.append("--score_tags must be numbers, not nan")
         if self.tag_replacements is not None:
             try:
                 read_tag_replacements(self.tag_replacements)
@@ -152,7 +164,9 @@ class CacheConfig:
 
     def table_filters(self) -> TableFilters:
         replacements = read_tag_replacements(self.tag_replacements) if self.tag_replacements else {}
-        return TableFilters(self.min_score, frozenset(tag.strip() for tag in self.exclude_tags or ()), replacements)
+        return TableFilters(
+            self.min_score, frozenset(tag.strip() for tag in self.exclude_tags or ()), replacements, tuple(self.score_tags or ()), self.score_tag_prefix
+        )
 
     def validate(self) -> list[str]:
         problems = []

@@ -4,13 +4,16 @@ Columns (others are ignored):
 - path: the image's path relative to --data_dir ('/'-separated), its identity in the cache;
 - caption: the caption text (several captions: one per line), or
 - tags: a list of tags, or one comma-separated string;
-- score: a number, needed where --min_score filters.
+- score: a number, needed where --min_score filters and read by --score_tags.
 The table is read in batches of rows (Parquet row groups / JSONL lines), and a worker keeps only its own
 rows, so a table of millions of rows never sits in memory whole; images are read later, one by one.
 
 Tag edits apply to the comma-separated tags of every caption line, in this order: replacements
 (--tag_replacements: a JSON object tag -> new tag, "" removes the tag), then exclusion (--exclude_tags: a
-row with any of these tags is skipped). Without either the caption is kept exactly as written.
+row with any of these tags is skipped), then the score tag (--score_tags: the highest threshold the row's
+score reaches, e.g. "scr800" for a score of 950 with thresholds 3200, 1600, 800, ..., becomes the first tag
+of every line; a row without a score or below every threshold gets none). Without any of them the caption
+is kept exactly as written.
 """
 
 from __future__ import annotations
@@ -36,10 +39,23 @@ class TableFilters:
     min_score: float | None = None
     excluded_tags: frozenset[str] = frozenset()
     tag_replacements: dict[str, str] = field(default_factory=dict)
+    score_tags: tuple[float, ...] = ()  # thresholds
+    score_tag_prefix: str = "scr"
 
     @property
     def edits_tags(self) -> bool:
         return bool(self.excluded_tags or self.tag_replacements)
+
+    def score_tag(self, score: object) -> str | None:
+        """The tag for the highest threshold `score` reaches ("scr800"), None below all or without a score."""
+        if not is_number(score):
+            return None
+        reached = [threshold for threshold in self.score_tags if score >= threshold]
+        return f"{self.score_tag_prefix}{max(reached):g}" if reached else None
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def read_tag_replacements(path: Path) -> dict[str, str]:
@@ -143,7 +159,7 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
             continue
         if filters.min_score is not None:
             score = row.get("score")
-            if not isinstance(score, (int, float)) or isinstance(score, bool) or math.isnan(score):
+            if not is_number(score):
                 problems.append(ScanProblem(relative_path, f"row {number} has no score, and --min_score {filters.min_score} needs one", "no score"))
                 continue
             if score < filters.min_score:
@@ -154,6 +170,9 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
             if excluded:
                 problems.append(ScanProblem(relative_path, f"has the excluded tag(s) {sorted(set(excluded))} (--exclude_tags)", "excluded tag"))
                 continue
+        score_tag = filters.score_tag(row.get("score"))
+        if score_tag is not None:
+            caption = "\n".join(", ".join(tag for tag in (score_tag, line) if tag) for line in caption.splitlines() or [""])
         pairs.append(SourcePair(data_dir / relative_path, relative_path, caption_text=caption))
     pairs.sort(key=lambda pair: pair.relative_path)
     problems.sort(key=lambda problem: problem.relative_path)

@@ -1,5 +1,5 @@
 """A metadata table (JSONL or Parquet) instead of caption files: captions and tags from its rows, tag
-replacements, tag exclusion and a score threshold applied, every unusable row named, rows read in
+replacements, tag exclusion, a score threshold and score tags applied, every unusable row named, rows read in
 batches and split between workers."""
 
 from __future__ import annotations
@@ -63,16 +63,15 @@ def test_a_table_caches_its_rows_with_tags_edited_and_filtered(tmp_path, tiny_pi
     exit_code = sdxl_process_data_dir.main(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION), "--metadata_table", str(table),
-         "--min_score", "5", "--exclude_tags", "nsfw", "--tag_replacements", str(replacements)]
+         "--min_score", "5", "--exclude_tags", "nsfw", "--tag_replacements", str(replacements), "--score_tags", "9", "7", "8.5"]
     )
     assert exit_code == 0
     manifest = load_manifest(cache_dir)
     captions = dict(zip(manifest.column("image_path").to_pylist(), manifest.column("caption").to_pylist()))
-    tags_01 = "landscape, blue sky, cloud"
     assert captions == {
-        "sample_00.jpg": "one girl, solo, smile",
-        "sample_01.jpg": tags_01,
-        "sample_02.jpg": "a pink triangle\nsimple flat illustration",
+        "sample_00.jpg": "scr9, one girl, solo, smile",
+        "sample_01.jpg": "scr7, landscape, blue sky, cloud",
+        "sample_02.jpg": "a pink triangle\nsimple flat illustration",  # score 6: below every threshold
     }
     log = "".join(path.read_text() for path in (cache_dir / LOG_DIR).glob("errors-*.log"))
     for expected in (
@@ -96,6 +95,27 @@ def test_without_tag_edits_a_caption_is_kept_as_written(tmp_path):
     assert [pair.caption_text for pair in scan.pairs] == ["1girl,solo ,  smile"]
 
 
+def test_the_score_tag_is_the_highest_threshold_reached_first_on_every_line(tmp_path):
+    rows = [
+        {"path": "a.jpg", "tags": ["solo", "smile"], "score": 950},
+        {"path": "b.jpg", "caption": "red, circle\nblue, square", "score": 5000},
+        {"path": "c.jpg", "tags": ["sketch"], "score": 5},
+        {"path": "d.jpg", "tags": ["unscored"]},
+        {"path": "e.jpg", "tags": ["lowres"], "score": 800},
+        {"path": "f.jpg", "tags": ["fine"], "score": 6.5},
+    ]
+    filters = TableFilters(tag_replacements={"lowres": ""}, score_tags=(3200.0, 1600.0, 800.0, 6.5), score_tag_prefix="score_")
+    scan = scan_table(write_table(tmp_path / "meta.jsonl", rows), tmp_path, filters, lambda path: True)
+    assert {pair.relative_path: pair.caption_text for pair in scan.pairs} == {
+        "a.jpg": "score_800, solo, smile",
+        "b.jpg": "score_3200, red, circle\nscore_3200, blue, square",
+        "c.jpg": "sketch",
+        "d.jpg": "unscored",
+        "e.jpg": "score_800",  # its only tag replaced by nothing
+        "f.jpg": "score_6.5, fine",
+    }
+
+
 def test_workers_split_the_rows_and_each_bad_row_is_named_once(tmp_path):
     rows = [{"path": f"folder{index % 10}/image_{index:06d}.jpg", "tags": ["tag"]} for index in range(50_000)] + [{"tags": ["no path"]}]
     table = write_table(tmp_path / "big.parquet", rows)
@@ -115,7 +135,10 @@ def test_table_flags_are_checked_before_anything_loads(tmp_path, tiny_pipeline_d
     bad_json = tmp_path / "bad.json"
     bad_json.write_text('["1girl"]')
     for extra, message in (
-        (["--min_score", "5"], "--min_score filters the rows of a --metadata_table: give one"),
+        (["--min_score", "5"], "--min_score works on the rows of a --metadata_table: give one"),
+        (["--score_tags", "100"], "--score_tags works on the rows of a --metadata_table: give one"),
+        (["--metadata_table", str(write_table(tmp_path / "p.jsonl", ROWS)), "--score_tags", "100", "--score_tag_prefix", "a,b"],
+         "--score_tag_prefix 'a,b' must hold no comma or line break"),
         (["--metadata_table", str(tmp_path / "meta.csv")], "must be an existing .jsonl or .parquet file"),
         (["--metadata_table", str(write_table(tmp_path / "m.jsonl", ROWS)), "--tag_replacements", str(bad_json)], "must be one JSON object of tag -> replacement strings"),
     ):
