@@ -73,9 +73,10 @@ def run_processes(
     return result
 
 
-def trainer_flags(cache_dir: Path, pipeline_dir: Path, output_dir: Path, project: str, *extra: str) -> list[str]:
+def trainer_flags(cache_dir: Path | list[Path], pipeline_dir: Path, output_dir: Path, project: str, *extra: str) -> list[str]:
+    cache_dirs = cache_dir if isinstance(cache_dir, list) else [cache_dir]
     return [
-        "--cached_dataset_dirs", str(cache_dir),
+        "--cached_dataset_dirs", *(str(path) for path in cache_dirs),
         "--pretrained_model_name_or_path", str(pipeline_dir),
         "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
         "--output_dir", str(output_dir), "--project_name", project,
@@ -140,6 +141,33 @@ def tag_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
     assert sdxl_process_data_dir.main(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION)]
+    ) == 0
+    return cache_dir
+
+
+@pytest.fixture(scope="session")
+def table_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
+    """Seven sample images listed in a Parquet table (tag lists, scores; no caption files), cached with score tags."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import sdxl_process_data_dir
+
+    root = tmp_path_factory.mktemp("table")
+    images = root / "images"
+    images.mkdir()
+    rows = []
+    for index in range(7):
+        for image in SAMPLE_DATASET.glob(f"sample_{index:02d}.*"):
+            if image.suffix != ".txt":
+                shutil.copy(image, images)
+                words = image.with_suffix(".txt").read_text().replace(",", "").split()[:5]
+                rows.append({"path": image.name, "tags": ["table", *words], "score": 100.0 * index})
+    pq.write_table(pa.Table.from_pylist(rows), root / "meta.parquet", row_group_size=3)
+    cache_dir = root / "cache"
+    assert sdxl_process_data_dir.main(
+        ["--data_dir", str(images), "--metadata_table", str(root / "meta.parquet"), "--score_tags", "300", "100", "--cache_dir", str(cache_dir),
+         "--pretrained_model_name_or_path", str(tiny_pipeline_dir), "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION)]
     ) == 0
     return cache_dir
 

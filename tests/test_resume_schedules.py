@@ -18,7 +18,7 @@ from sdxl_trainer.lr_schedule import SCHEDULE_NAMES, LearningRateSchedule
 RESUME_AT = 2  # of 6 updates: inside the warm-up (3 updates) and in the middle of the first epoch
 
 
-def train(run_root: Path, cache_dir: Path, pipeline_dir: Path, schedule: str, *extra: str) -> Path:
+def train(run_root: Path, cache_dir: Path | list[Path], pipeline_dir: Path, schedule: str, *extra: str) -> Path:
     # Accumulation 5 over 12 batches an epoch: updates of 5, 5 and 2 microbatches, 6 updates in 2 epochs.
     run_processes(
         2,

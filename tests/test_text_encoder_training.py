@@ -1,7 +1,7 @@
 """--train_text_encoder: both text encoders train with the UNet in caption mode, each at its own peak rate,
-sharded on 2 processes; a resumed run equals the straight one bitwise for all three models; the pipeline
-folder and the single file hold the trained encoders; a checkpoint with trained encoders is resumed only
-with them."""
+sharded on 2 processes, on a caption-file cache and a Parquet-table cache together; a resumed run equals
+the straight one bitwise for all three models; the pipeline folder and the single file hold the trained
+encoders; a checkpoint with trained encoders is resumed only with them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
+from sdxl_trainer.cache import load_manifest
 from sdxl_trainer.checkpoint import METADATA_FILE, CheckpointError, TrainerState
 from sdxl_trainer.config import parse_config
 from sdxl_trainer.lr_schedule import LR_SCALE, set_learning_rate
@@ -30,11 +31,15 @@ def bitwise_equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor
     return first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
 
 
-def test_trained_encoders_resume_bitwise_and_are_exported(tmp_path, tag_cache, tiny_pipeline_dir):
+def test_trained_encoders_resume_bitwise_and_are_exported(tmp_path, tag_cache, table_cache, tiny_pipeline_dir):
+    """Multi-line tag captions and a Parquet table's tags (with score tags), shuffled and dropped, train the
+    UNet and both encoders on 2 processes."""
+    caches = [tag_cache, table_cache]
+    assert any(caption.startswith("scr300, table, ") for caption in load_manifest(table_cache).column("caption").to_pylist())
     flags = (*VARIATION_FLAGS, "--train_text_encoder", "--learning_rate_te2", "5e-5", "--save_single_file")
-    straight = train(tmp_path / "straight", tag_cache, tiny_pipeline_dir, "cosine", *flags)
+    straight = train(tmp_path / "straight", caches, tiny_pipeline_dir, "cosine", *flags)
     resumed_copy(straight, tmp_path / "resumed")
-    resumed = train(tmp_path / "resumed", tag_cache, tiny_pipeline_dir, "cosine", *flags, "--load_saved_state", "latest")
+    resumed = train(tmp_path / "resumed", caches, tiny_pipeline_dir, "cosine", *flags, "--load_saved_state", "latest")
 
     assert scalars(resumed, "train/loss") == scalars(straight, "train/loss")[RESUME_AT:]
     assert bitwise_equal(exported_unet(straight), exported_unet(resumed))
@@ -55,7 +60,7 @@ def test_trained_encoders_resume_bitwise_and_are_exported(tmp_path, tag_cache, t
     plain = [flag for flag in flags if flag not in ("--train_text_encoder", "--learning_rate_te2", "5e-5")]
     result = run_processes(
         1, REPO_ROOT / "sdxl_FSDP_train.py",
-        trainer_flags(tag_cache, tiny_pipeline_dir, tmp_path / "resumed", "run", *plain, "--load_saved_state", "latest"), expect_success=False,
+        trainer_flags(caches, tiny_pipeline_dir, tmp_path / "resumed", "run", *plain, "--load_saved_state", "latest"), expect_success=False,
     )
     assert result.returncode != 0
     assert "the checkpoint was saved with trained text encoders: resume with --train_text_encoder" in result.stdout + result.stderr
