@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -64,6 +65,11 @@ from sdxl_trainer.watchdog import JobWatchdog
 @dataclass
 class TrainConfig:
     cached_dataset_dirs: list[Path] = option(help="cache folders written by sdxl_process_data_dir.py (one or more)")
+    dataset_repeats: list[float] | None = option(
+        None,
+        help="times each --cached_dataset_dirs entry's items are trained per epoch, one number per entry in the same order: 3 = three "
+        "copies, each with its own noise and caption draws; 0.5 = a seeded half of the items, another half every epoch; None = 1 for all",
+    )
     pretrained_model_name_or_path: str = option(
         "stabilityai/stable-diffusion-xl-base-1.0",
         help="SDXL model to fine-tune: hub id, local diffusers folder, or single-file .safetensors; must be the one the caches were made with",
@@ -214,6 +220,10 @@ class TrainConfig:
         unknown_metrics = set(self.validation_metrics or ()) - set(METRICS)
         if unknown_metrics:
             problems.append(f"--validation_metrics: unknown {sorted(unknown_metrics)}; choose from {METRICS}")
+        if self.dataset_repeats is not None and len(self.dataset_repeats) != len(self.cached_dataset_dirs):
+            problems.append(f"--dataset_repeats needs one number per --cached_dataset_dirs entry ({len(self.cached_dataset_dirs)}), got {len(self.dataset_repeats)}")
+        if any(not 0 < repeat < math.inf for repeat in self.dataset_repeats or ()):
+            problems.append(f"--dataset_repeats must be > 0 and finite (leave a cache out instead of 0), got {self.dataset_repeats}")
         if self.validation_source_dirs is not None and len(self.validation_source_dirs) != len(self.cached_dataset_dirs):
             problems.append("--validation_source_dirs needs one image folder per --cached_dataset_dirs entry, in the same order")
         if not self.sample_prompts.is_file():
@@ -548,13 +558,14 @@ def train(config: TrainConfig, world: World) -> int:
     except HoldoutError as error:
         raise SystemExit(f"Cannot start training: {error}") from error
     trainable = holdout.trainable(len(dataset))
-    too_small = small_buckets(dataset.bucket_sizes, bucket_ids, trainable, global_batch_size)
+    repeats = np.asarray(config.dataset_repeats)[dataset.cache_index] if config.dataset_repeats else None
+    planner = EpochPlanner(bucket_ids, trainable, global_batch_size, config.gradient_accumulation_steps, seed, repeats)
+    too_small = small_buckets(dataset.bucket_sizes, bucket_ids, planner.epoch_samples(0) % len(dataset), global_batch_size)
     if world.is_main and too_small:
         print(
             f"Warning: {sum(too_small.values())} items in buckets smaller than one global batch of {global_batch_size} "
             f"will not be trained on: {too_small}. Lower --train_batch_size or add images of those shapes to use them."
         )
-    planner = EpochPlanner(bucket_ids, trainable, global_batch_size, config.gradient_accumulation_steps, seed)
     first_update = saved.update if saved else 0
     position = DataPosition.epoch_start(0)
     empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cached_dataset_dirs[0]))
@@ -646,7 +657,9 @@ def train(config: TrainConfig, world: World) -> int:
     if world.is_main:
         write_resolved_config(config, run_dir / "config.json")
         print(
-            f"{len(dataset)} cached items, {world.world_size} process{'es' if world.world_size > 1 else ''}, {config.num_train_epochs} epochs, "
+            f"{len(dataset)} cached items"
+            + (f" ({len(planner.epoch_samples(0))} samples an epoch with --dataset_repeats)" if config.dataset_repeats else "")
+            + f", {world.world_size} process{'es' if world.world_size > 1 else ''}, {config.num_train_epochs} epochs, "
             f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
             f"compute {str(compute_dtype).removeprefix('torch.')}, "
             + (

@@ -105,7 +105,7 @@ def timed(updates_per_round: int, rounds: int) -> None:
                 "prompt_embeds": encoded.prompt_embeds,
                 "pooled_prompt_embeds": encoded.pooled_prompt_embeds,
                 "time_ids": torch.tensor([[256, 256, 0, 0, 256, 256]] * BATCH, dtype=torch.float32),
-                "item_index": torch.tensor(items),
+                "sample_index": torch.tensor(items),
             })
     times: dict[str, list[float]] = {mode: [] for mode in steps}
     for update in range(2):  # warm-up

@@ -7,7 +7,7 @@ A cache keeps every item's caption text (its manifest), one caption per line of 
      each other tag is dropped with --caption_tag_dropout_rate, and the others are shuffled
      (--shuffle_caption);
 then both text encoders (frozen) encode it by the cache's chunk rule (encoding.encode_prompts). Every
-draw comes from a generator seeded by (seed, epoch, item) and a stream of its own, so the same run gives
+draw comes from a generator seeded by (seed, epoch, sample) and a stream of its own, so the same run gives
 the same captions on any number of processes, a resumed run continues exactly, and the noise, timestep and
 caption-dropout draws (diffusion.py) are the same whether or not captions vary.
 
@@ -28,7 +28,7 @@ from .cache import captions_in
 from .encoding import TextSide, encode_prompts
 
 TAG_SEPARATOR = ","
-CAPTION_STREAM = 7  # the 4th entry of the seed sequence: apart from the noise draws' (seed, epoch, item)
+CAPTION_STREAM = 7  # the 4th entry of the seed sequence: apart from the noise draws' (seed, epoch, sample)
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class CaptionVariation:
         return f"one of each image's captions, its tags after the first {self.keep_tags} {' and '.join(changes)}"
 
 
-def caption_generator(run_seed: int, epoch: int, item_index: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([run_seed, epoch, item_index, CAPTION_STREAM])))
+def caption_generator(run_seed: int, epoch: int, sample_index: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([run_seed, epoch, sample_index, CAPTION_STREAM])))
 
 
 def vary_caption(text: str, rng: np.random.Generator, variation: CaptionVariation) -> str:
@@ -85,13 +85,17 @@ class StepCaptionEncoder:
         self.device = device
         self.trains = trains
 
-    def captions_for(self, item_indices: list[int], epoch: int) -> list[str]:
-        return [vary_caption(self.captions[item], caption_generator(self.run_seed, epoch, item), self.variation) for item in item_indices]
+    def captions_for(self, sample_indices: list[int], epoch: int) -> list[str]:
+        """This epoch's caption of each sample (of item sample % dataset size, data.CachedDataset)."""
+        return [
+            vary_caption(self.captions[sample % len(self.captions)], caption_generator(self.run_seed, epoch, sample), self.variation)
+            for sample in sample_indices
+        ]
 
     def __call__(self, batch: dict[str, torch.Tensor], epoch: int) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
         """The batch with this step's caption embeddings, and the empty caption as the trained encoders encode
         it now (None when they are frozen: the cached one stands)."""
-        captions = self.captions_for(batch["item_index"].tolist(), epoch) + ([""] if self.trains else [])
+        captions = self.captions_for(batch["sample_index"].tolist(), epoch) + ([""] if self.trains else [])
         with torch.set_grad_enabled(self.trains and torch.is_grad_enabled()):
             encoded = encode_prompts(self.tokenizers, self.text_encoders, captions, self.chunks, self.device)
         embeds, pooled = encoded.prompt_embeds, encoded.pooled_prompt_embeds
@@ -104,6 +108,6 @@ class StepCaptionEncoder:
     def first_captions(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch with its items' first captions as the encoders encode them now, unvaried (validation
         loss with trained encoders: the caption the cached embeddings hold, through the current weights)."""
-        captions = [captions_in(self.captions[item])[0] for item in batch["item_index"].tolist()]
+        captions = [captions_in(self.captions[sample % len(self.captions)])[0] for sample in batch["sample_index"].tolist()]
         encoded = encode_prompts(self.tokenizers, self.text_encoders, captions, self.chunks, self.device)
         return {**batch, "prompt_embeds": encoded.prompt_embeds, "pooled_prompt_embeds": encoded.pooled_prompt_embeds}

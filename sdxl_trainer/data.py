@@ -11,6 +11,12 @@ Epoch plan (the same on every rank, from the seed alone):
   - rank r takes items [r * train_batch_size, (r + 1) * train_batch_size) of each global batch.
 So within an epoch every item is used at most once, every batch comes from one bucket, and an item left
 out of an epoch (only ever a bucket's remainder) is trained in the first updates of the next one.
+
+Repeats (--dataset_repeats, one number per cache): the plan's units are samples, copy k of item i being
+sample k * num_items + i (copy 0 is the item's own index). An item with repeats r has copies 0 .. floor(r)-1
+in every epoch, and copy floor(r) in the epoch for a share r - floor(r) of its cache's items, chosen anew
+each epoch from the seed (exactly that share, rounded). Everything above holds for samples: each copy is
+planned like an item, and draws its own noise and caption (diffusion.py, captions.py).
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ from .cache import CacheReader, captions_in, load_manifest
 from .checkpoint import DataPosition
 from .stop_request import ignore_stop_signals
 
-# Rows of a global batch plan are item indices into the dataset.
+# Rows of a global batch plan are sample indices: item sample % len(dataset) (see Repeats above).
 GlobalBatch = np.ndarray
+REPEATS_STREAM = 11  # seed-sequence entry of the fractional-repeat draws, apart from the plan's (seed, epoch)
 
 
 class CachedDataset(Dataset):
@@ -79,10 +86,12 @@ class CachedDataset(Dataset):
             self._readers[cache_index] = CacheReader(self.cache_dirs[cache_index])
         return self._readers[cache_index]
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, sample: int) -> dict[str, torch.Tensor]:
+        """Sample `sample` of a plan: the tensors of item sample % len(self), and the sample index itself."""
+        index = sample % self.num_items
         tensors = self._reader(int(self.cache_index[index])).read(self.shard[index], int(self.index_in_shard[index]))
         tensors["time_ids"] = torch.from_numpy(self.time_ids[index])
-        tensors["item_index"] = torch.tensor(index, dtype=torch.int64)
+        tensors["sample_index"] = torch.tensor(sample, dtype=torch.int64)
         return tensors
 
 
@@ -105,22 +114,42 @@ class EpochPlan:
 class EpochPlanner:
     """Deterministic bucketed epoch plans; see the module docstring for the rules."""
 
-    def __init__(self, bucket_ids: np.ndarray, trainable: np.ndarray, global_batch_size: int, accumulation_steps: int, seed: int):
+    def __init__(self, bucket_ids: np.ndarray, trainable: np.ndarray, global_batch_size: int, accumulation_steps: int, seed: int,
+                 repeats: np.ndarray | None = None):
+        """`repeats`: per item, its cache's --dataset_repeats (None: 1 for every item)."""
         self.global_batch_size = global_batch_size
         self.accumulation_steps = accumulation_steps
         self.seed = seed
         self.bucket_of = bucket_ids
-        self.items_by_bucket = {int(bucket): np.sort(trainable[bucket_ids[trainable] == bucket]) for bucket in np.unique(bucket_ids[trainable])}
+        self.num_items = len(bucket_ids)
+        self.trainable = np.sort(trainable).astype(np.int64)
+        self.repeats = np.ones(self.num_items) if repeats is None else np.asarray(repeats, dtype=np.float64)
+
+    def epoch_samples(self, epoch: int) -> np.ndarray:
+        """The samples (sorted) of `epoch` by the repeat rule of the module docstring."""
+        whole = np.floor(self.repeats[self.trainable]).astype(np.int64)
+        samples = [self.trainable[whole > copy] + copy * self.num_items for copy in range(int(whole.max(initial=0)))]
+        rng = np.random.default_rng([self.seed, epoch, REPEATS_STREAM])
+        for repeat in np.unique(self.repeats[self.trainable]):
+            share = repeat - math.floor(repeat)
+            if share:
+                items = self.trainable[self.repeats[self.trainable] == repeat]
+                chosen = rng.permutation(items)[: round(share * len(items))]
+                samples.append(chosen + math.floor(repeat) * self.num_items)
+        return np.sort(np.concatenate(samples)) if samples else np.zeros(0, dtype=np.int64)
 
     def plan(self, epoch: int, carried_in: np.ndarray, exclude: np.ndarray | None = None) -> EpochPlan:
-        """The epoch's plan; `exclude` leaves items out (those a resumed epoch has already trained on)."""
+        """The epoch's plan; `exclude` leaves samples out (those a resumed epoch has already trained on)."""
+        samples = self.epoch_samples(epoch)
         rng = np.random.default_rng([self.seed, epoch])
         if exclude is not None and len(exclude):
             carried_in = np.setdiff1d(carried_in, exclude)
+        sample_buckets, carried_buckets = self.bucket_of[samples % self.num_items], self.bucket_of[carried_in % self.num_items]
         batches: list[GlobalBatch] = []
         leftovers: list[np.ndarray] = []
-        for bucket, items in self.items_by_bucket.items():
-            carried_here = carried_in[self.bucket_of[carried_in] == bucket] if len(carried_in) else carried_in
+        for bucket in np.unique(np.concatenate([sample_buckets, carried_buckets])):
+            items = samples[sample_buckets == bucket]
+            carried_here = carried_in[carried_buckets == bucket]
             fresh = np.setdiff1d(items, carried_here, assume_unique=True)
             if exclude is not None and len(exclude):
                 fresh = np.setdiff1d(fresh, exclude, assume_unique=True)

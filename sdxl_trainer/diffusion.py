@@ -1,10 +1,13 @@
 """The denoising objective: per-sample noise, timesteps and caption dropout, the prediction target and the loss.
 
-Every random draw for a sample comes from its own generator seeded by (run seed, epoch, item index), not
-from the rank's global RNG: numpy's PCG64 (128-bit state) seeded through a SeedSequence, which hashes the
-three numbers, so no two (run, epoch, item) share their draws. (torch's CPU generator keeps only 32 bits
-of a seed: with a linear seed, item i+2 in epoch e+2 repeated item i's noise of epoch e.) So a sample gets the same noise whichever rank or microbatch it lands in, which
-makes runs on 1 and N processes comparable step by step, and resumed runs identical to straight ones.
+Every random draw for a sample comes from its own generator seeded by (run seed, epoch, sample index),
+not from the rank's global RNG: numpy's PCG64 (128-bit state) seeded through a SeedSequence, which hashes
+the three numbers, so no two (run, epoch, sample) share their draws. (torch's CPU generator keeps only 32
+bits of a seed: with a linear seed, item i+2 in epoch e+2 repeated item i's noise of epoch e.) The sample
+index is the item's for its first copy in an epoch, so a repeated item's copies (--dataset_repeats,
+data.py) get draws of their own. So a sample gets the same noise whichever rank or microbatch it lands
+in, which makes runs on 1 and N processes comparable step by step, and resumed runs identical to straight
+ones.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ def build_noise_scheduler(base_model: str, prediction_type: PredictionType, zero
     )
 
 
-def sample_generator(run_seed: int, epoch: int, item_index: int) -> np.random.Generator:
+def sample_generator(run_seed: int, epoch: int, sample_index: int) -> np.random.Generator:
     """The generator of one sample's draws in one epoch (see the module docstring)."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([run_seed, epoch, item_index])))
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([run_seed, epoch, sample_index])))
 
 
 def sample_seed(run_seed: int, key: int, item_index: int) -> int:
@@ -56,12 +59,12 @@ class SampleRandomness:
     drop_caption: torch.Tensor  # (B,) bool
 
 
-def draw_sample_randomness(latents: torch.Tensor, item_indices: torch.Tensor, run_seed: int, epoch: int, settings: NoiseSettings) -> SampleRandomness:
+def draw_sample_randomness(latents: torch.Tensor, sample_indices: torch.Tensor, run_seed: int, epoch: int, settings: NoiseSettings) -> SampleRandomness:
     """Noise, timestep and caption dropout of each sample, drawn on the CPU from the sample's own generator."""
     noises, timesteps, drop = [], [], []
     channels = latents.shape[1]
-    for item_index in item_indices.tolist():
-        generator = sample_generator(run_seed, epoch, item_index)
+    for sample_index in sample_indices.tolist():
+        generator = sample_generator(run_seed, epoch, sample_index)
         noise = torch.from_numpy(generator.standard_normal(tuple(latents.shape[1:]), dtype=np.float32))
         timesteps.append(torch.from_numpy(generator.integers(settings.min_timestep, settings.max_timestep, (1,), dtype=np.int64)))
         drop.append(torch.from_numpy(generator.random(1) < settings.conditional_dropout_percent))
@@ -107,7 +110,7 @@ def training_loss(
 ) -> torch.Tensor:
     """Mean (optionally Min-SNR-weighted) MSE of one microbatch against the scheduler's target (fp32)."""
     latents = batch["latents"].float()
-    randomness = draw_sample_randomness(latents, batch["item_index"], run_seed, epoch, settings)
+    randomness = draw_sample_randomness(latents, batch["sample_index"], run_seed, epoch, settings)
     prompt_embeds, pooled = condition_on_captions(batch, randomness.drop_caption, empty_prompt)
     noisy_latents = noise_scheduler.add_noise(latents, randomness.noise, randomness.timesteps)
     prediction = unet(

@@ -225,7 +225,9 @@ def test_cached_dataset_time_ids_and_bucket_ids(tmp_path):
     sample = dataset[2]
     assert torch.equal(sample["latents"], torch.randn(4, 8, 12, generator=torch.Generator().manual_seed(2)).half())
     assert sample["time_ids"].tolist() == [640, 960, 0, 0, 64, 96]
-    assert sample["item_index"].item() == 2
+    assert sample["sample_index"].item() == 2
+    copy = dataset[2 + 2 * len(dataset)]  # item 2's third copy (--dataset_repeats): its tensors, its own sample index
+    assert torch.equal(copy["latents"], sample["latents"]) and copy["sample_index"].item() == 8
     batch = collate([dataset[0], dataset[2]])
     assert batch["latents"].shape == (2, 4, 8, 12) and batch["time_ids"].shape == (2, 6)
 
@@ -283,3 +285,78 @@ def test_fuzz_a_resumed_epoch_trains_exactly_the_rest():
         assert [batch.tolist() for batch in resumed[0].batches] == [batch.tolist() for batch in remaining]
         assert np.array_equal(resumed[0].carried_out, straight[1].carried_out)
         assert [batch.tolist() for batch in resumed[1].batches] == [batch.tolist() for batch in straight[2].batches]
+
+
+# --- repeats (--dataset_repeats) ---------------------------------------------------------------------------
+
+
+def copies_per_item(samples, num_items: int) -> Counter:
+    return Counter((np.asarray(samples) % num_items).tolist())
+
+
+def test_whole_repeats_plan_every_copy_once_an_epoch():
+    """Items 0-5 (repeat 1) and 6-9 (repeat 3) in two buckets, global batch 1: nothing is carried, so each
+    epoch trains item i exactly its repeats, as samples i, i + 10, i + 20."""
+    ids = np.array([0, 1] * 5, dtype=np.int64)
+    repeats = np.array([1.0] * 6 + [3.0] * 4)
+    planner = EpochPlanner(ids, np.arange(10), 1, 1, seed=4, repeats=repeats)
+    for plan in planner.plans(3):
+        used = used_items(plan)
+        assert len(used) == len(set(used)) == 6 + 3 * 4
+        assert copies_per_item(used, 10) == {**{item: 1 for item in range(6)}, **{item: 3 for item in range(6, 10)}}
+        assert {sample for sample in used if sample >= 10} == {item + copy * 10 for item in range(6, 10) for copy in (1, 2)}
+        assert all(len({ids[sample % 10] for sample in batch}) == 1 for batch in plan.batches)  # one bucket per batch
+
+
+def test_fractional_repeats_take_that_share_of_items_anew_each_epoch():
+    ids = np.zeros(20, dtype=np.int64)
+    repeats = np.array([0.5] * 10 + [2.3] * 10)
+    planner = EpochPlanner(ids, np.arange(20), 1, 1, seed=8, repeats=repeats)
+    halves = []
+    for epoch in range(4):
+        counts = copies_per_item(planner.epoch_samples(epoch), 20)
+        halves.append(frozenset(item for item in range(10) if counts[item]))
+        assert len(halves[-1]) == 5 and all(counts[item] == 1 for item in halves[-1])  # exactly half of the first cache
+        assert sorted(counts[item] for item in range(10, 20)) == [2] * 7 + [3] * 3  # 0.3 of ten items get a third copy
+    assert len(set(halves)) > 1, "the same half was chosen in every epoch"
+    again = EpochPlanner(ids, np.arange(20), 1, 1, seed=8, repeats=repeats)
+    assert np.array_equal(again.epoch_samples(2), planner.epoch_samples(2))
+
+
+def test_repeats_leave_held_out_items_out_and_one_is_the_plain_plan():
+    ids = bucket_ids_for([7, 5])
+    trainable = np.array([0, 1, 2, 4, 5, 7, 8, 9, 10])
+    repeated = EpochPlanner(ids, trainable, 2, 1, seed=3, repeats=np.full(12, 2.0))
+    assert set(copies_per_item(repeated.epoch_samples(0), 12)) == set(trainable.tolist())
+    ones = EpochPlanner(ids, trainable, 2, 1, seed=3, repeats=np.ones(12))
+    plain = EpochPlanner(ids, trainable, 2, 1, seed=3)
+    assert [batch.tolist() for plan in ones.plans(2) for batch in plan.batches] == [batch.tolist() for plan in plain.plans(2) for batch in plan.batches]
+
+
+def test_copies_of_an_item_get_their_own_noise_and_caption():
+    from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder
+    from sdxl_trainer.diffusion import NoiseSettings, draw_sample_randomness
+
+    latents = torch.zeros(2, 4, 8, 8)
+    copies = draw_sample_randomness(latents, torch.tensor([3, 3 + 10]), 5, 0, NoiseSettings(0.1))
+    assert not torch.equal(copies.noise[0], copies.noise[1])
+    captions = ["a, b"] * 3 + ["tag1, tag2, tag3, tag4, tag5, tag6"] + ["c"] * 6
+    encoder = StepCaptionEncoder((None, None), captions, CaptionVariation(shuffle_tags=True), 5, 1, torch.device("cpu"))
+    first, second = encoder.captions_for([3, 13], epoch=0)
+    assert sorted(first.split(", ")) == sorted(second.split(", ")) == sorted(captions[3].split(", ")) and first != second
+
+
+@pytest.mark.parametrize(
+    "repeats,message",
+    [
+        (["1"], "--dataset_repeats needs one number per --cached_dataset_dirs entry (2), got 1"),
+        (["1", "0"], "--dataset_repeats must be > 0 and finite (leave a cache out instead of 0), got [1.0, 0.0]"),
+    ],
+)
+def test_dataset_repeats_are_checked(repeats, message, capsys):
+    from sdxl_FSDP_train import TrainConfig
+    from sdxl_trainer.config import parse_config
+
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--cached_dataset_dirs", "a", "b", "--dataset_repeats", *repeats])
+    assert message in capsys.readouterr().err

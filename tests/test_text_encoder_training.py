@@ -32,11 +32,11 @@ def bitwise_equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor
 
 
 def test_trained_encoders_resume_bitwise_and_are_exported(tmp_path, tag_cache, table_cache, tiny_pipeline_dir):
-    """Multi-line tag captions and a Parquet table's tags (with score tags), shuffled and dropped, train the
-    UNet and both encoders on 2 processes."""
+    """Multi-line tag captions and a Parquet table's tags (with score tags, repeated 2.5 times an epoch),
+    shuffled and dropped, train the UNet and both encoders on 2 processes."""
     caches = [tag_cache, table_cache]
     assert any(caption.startswith("scr300, table, ") for caption in load_manifest(table_cache).column("caption").to_pylist())
-    flags = (*VARIATION_FLAGS, "--train_text_encoder", "--learning_rate_te2", "5e-5", "--save_single_file")
+    flags = (*VARIATION_FLAGS, "--train_text_encoder", "--learning_rate_te2", "5e-5", "--save_single_file", "--dataset_repeats", "1", "2.5")
     straight = train(tmp_path / "straight", caches, tiny_pipeline_dir, "cosine", *flags)
     resumed_copy(straight, tmp_path / "resumed")
     resumed = train(tmp_path / "resumed", caches, tiny_pipeline_dir, "cosine", *flags, "--load_saved_state", "latest")

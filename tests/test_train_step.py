@@ -150,7 +150,7 @@ def test_conditional_dropout_swaps_in_the_empty_prompt_and_its_pooled_embedding(
     noise_scheduler = build_noise_scheduler(str(tiny_pipeline_dir), "epsilon", zero_terminal_snr=False)
     settings = NoiseSettings(conditional_dropout_percent=dropout)
     seen = captured_unet_inputs(unet, lambda: training_loss(unet, batch, noise_scheduler, (empty_embeds, empty_pooled), 1, 0, settings))
-    dropped = draw_sample_randomness(batch["latents"], batch["item_index"], 1, 0, settings).drop_caption
+    dropped = draw_sample_randomness(batch["latents"], batch["sample_index"], 1, 0, settings).drop_caption
     assert dropped.sum().item() == {0.0: 0, 1.0: 8}.get(dropout, dropped.sum().item())
     if dropout == 0.5:
         assert 0 < dropped.sum().item() < 8, "this seed should drop some captions and keep others"
@@ -249,14 +249,14 @@ def test_epsilon_and_v_prediction_targets(tiny_pipeline_dir):
     latents = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     batch = {
         "latents": latents,
-        "item_index": torch.tensor([4, 5, 6]),
+        "sample_index": torch.tensor([4, 5, 6]),
         "prompt_embeds": torch.zeros(3, 77, 32),
         "pooled_prompt_embeds": torch.zeros(3, 32),
         "time_ids": torch.zeros(3, 6),
     }
     empty = (torch.zeros(77, 32), torch.zeros(32))
     settings = NoiseSettings(0.0)
-    randomness = draw_sample_randomness(latents, batch["item_index"], 9, 2, settings)
+    randomness = draw_sample_randomness(latents, batch["sample_index"], 9, 2, settings)
     for prediction_type in ("epsilon", "v_prediction"):
         scheduler = build_noise_scheduler(str(tiny_pipeline_dir), prediction_type, zero_terminal_snr=False)
         alpha_bar = scheduler.alphas_cumprod[randomness.timesteps].view(-1, 1, 1, 1)

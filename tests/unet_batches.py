@@ -33,7 +33,7 @@ def synthetic_batch(unet: UNet2DConditionModel, item_indices: list[int], seed: i
                 "pooled_prompt_embeds": torch.randn(pooled_dim(unet), generator=generator),
                 # original (h, w), crop (top, left), target (h, w): different for every item
                 "time_ids": torch.tensor([height * 8 + item, width * 8 + 2 * item, item, 3 * item, height * 8, width * 8], dtype=torch.float32),
-                "item_index": torch.tensor(item),
+                "sample_index": torch.tensor(item),
             }
         )
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
