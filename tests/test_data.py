@@ -360,3 +360,13 @@ def test_dataset_repeats_are_checked(repeats, message, capsys):
     with pytest.raises(SystemExit):
         parse_config(TrainConfig, ["--cached_dataset_dirs", "a", "b", "--dataset_repeats", *repeats])
     assert message in capsys.readouterr().err
+
+
+def test_a_resume_with_other_repeats_plans_the_rest_of_the_epoch_anew():
+    """Saved after 2 of 4 batches without repeats, resumed with every item repeated twice: the rest of the
+    epoch holds every sample not yet trained, each once."""
+    ids = np.zeros(8, dtype=np.int64)
+    saved_plan = EpochPlanner(ids, np.arange(8), 2, 1, seed=1).plans(1)[0]
+    consumed = np.concatenate(saved_plan.batches[:2])
+    resumed = EpochPlanner(ids, np.arange(8), 2, 1, seed=1, repeats=np.full(8, 2.0)).plans(1, consumed=consumed)[0]
+    assert sorted(used_items(resumed) + consumed.tolist()) == list(range(16))
