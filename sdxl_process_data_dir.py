@@ -67,7 +67,9 @@ from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
 from sdxl_trainer.files import write_error_reason
 from sdxl_trainer.metadata import TABLE_SUFFIXES, TableError, TableFilters, read_tag_replacements, scan_table
-from sdxl_trainer.sources import PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_source, scan_images, worker_of
+from sdxl_trainer.sources import (
+    PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_caption, read_source, scan_images, worker_of,
+)
 from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
 from sdxl_trainer.upscale import Upscaler, load_upscaler, weights_problems
 
@@ -322,15 +324,20 @@ def bounded_map(pool: ThreadPoolExecutor, function: Callable, items: Iterable, w
 
 
 def dry_run(config: CacheConfig, sources: list[SourcePair], scan_problems: list[ScanProblem], worker_name: str) -> int:
-    """Bucket histogram and counts from image headers and captions only."""
+    """Bucket histogram and counts from image headers and captions only (from a metadata table's width and
+    height where it gives them, without opening the image)."""
 
     def plan(source: SourcePair):
         try:
-            data, _, _ = read_source(source)
-            try:
-                width, height = upright_size(data)
-            except UnreadableImage as error:
-                raise SkippedItem(source, str(error), "unreadable image") from error
+            if source.table_size is not None:
+                read_caption(source)
+                width, height = source.table_size
+            else:
+                data, _, _ = read_source(source)
+                try:
+                    width, height = upright_size(data)
+                except UnreadableImage as error:
+                    raise SkippedItem(source, str(error), "unreadable image") from error
             crop, upscale_bucket = choose_bucket(source, width, height, config.min_resolution, config.max_resolution, config.upscale_to_resolution)
             return upscale_bucket or crop.bucket, upscale_bucket is not None
         except SkippedItem as skipped:

@@ -2,9 +2,11 @@
 
 Columns (others are ignored):
 - path: the image's path relative to --data_dir ('/'-separated), its identity in the cache;
-- caption: the caption text (several captions: one per line), or
+- caption: the caption text (several captions: one per line, or a list of strings), or
 - tags: a list of tags, or one comma-separated string;
-- score: a number, needed where --min_score filters and read by --score_tags.
+- score: a number, needed where --min_score filters and read by --score_tags;
+- width, height: the image's upright size in px, optional: --dry_run then buckets the row without opening
+  the image (caching always reads the image's own size).
 The table is read in batches of rows (Parquet row groups / JSONL lines), and a worker keeps only its own
 rows, so a table of millions of rows never sits in memory whole; images are read later, one by one.
 
@@ -31,7 +33,7 @@ from .sources import DataScan, ScanProblem, SourcePair
 
 TABLE_SUFFIXES = (".jsonl", ".parquet")
 ROWS_PER_BATCH = 65_536
-WANTED_COLUMNS = ("path", "caption", "tags", "score")
+WANTED_COLUMNS = ("path", "caption", "tags", "score", "width", "height")
 
 
 @dataclass(frozen=True)
@@ -108,14 +110,25 @@ def _read_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
 
 
 def row_caption(row: dict) -> str | None:
-    """The row's caption text: `caption`, else its `tags` joined with ", "; None if it has neither."""
+    """The row's caption text: `caption` (a list: one caption per line), else its `tags` joined with ", ";
+    None if it has neither."""
     caption, tags = row.get("caption"), row.get("tags")
     if isinstance(caption, str):
         return caption
+    if isinstance(caption, list) and caption and all(isinstance(line, str) for line in caption):
+        return "\n".join(line.replace("\n", " ") for line in caption)
     if isinstance(tags, str):
         return tags
     if isinstance(tags, list) and all(isinstance(tag, str) for tag in tags):
         return ", ".join(tags)
+    return None
+
+
+def row_size(row: dict) -> tuple[int, int] | None:
+    """(width, height) where the row gives both as positive whole numbers, else None."""
+    width, height = row.get("width"), row.get("height")
+    if all(is_number(side) and side > 0 and float(side).is_integer() for side in (width, height)):
+        return int(width), int(height)
     return None
 
 
@@ -173,7 +186,7 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
         score_tag = filters.score_tag(row.get("score"))
         if score_tag is not None:
             caption = "\n".join(", ".join(tag for tag in (score_tag, line) if tag) for line in caption.splitlines() or [""])
-        pairs.append(SourcePair(data_dir / relative_path, relative_path, caption_text=caption))
+        pairs.append(SourcePair(data_dir / relative_path, relative_path, caption_text=caption, table_size=row_size(row)))
     pairs.sort(key=lambda pair: pair.relative_path)
     problems.sort(key=lambda problem: problem.relative_path)
     return DataScan(pairs, problems)

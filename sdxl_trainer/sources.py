@@ -26,6 +26,7 @@ class SourcePair:
     relative_path: str  # image path relative to the data folder, '/'-separated: the item's identity
     caption_path: Path | None = None  # found by the scan (any case of .txt); None = the image's name with .txt
     caption_text: str | None = None  # from a metadata table (metadata.py): used instead of a caption file
+    table_size: tuple[int, int] | None = None  # (width, height) upright, as a metadata table states it: --dry_run trusts it
 
     @property
     def expected_caption(self) -> Path:

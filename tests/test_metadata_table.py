@@ -116,6 +116,31 @@ def test_the_score_tag_is_the_highest_threshold_reached_first_on_every_line(tmp_
     }
 
 
+def test_a_caption_list_is_one_caption_per_line(tmp_path):
+    table = write_table(tmp_path / "meta.jsonl", [{"path": "a.jpg", "caption": ["a red circle", "a flat\nillustration"]}])
+    scan = scan_table(table, tmp_path, TableFilters(), lambda path: True)
+    assert [pair.caption_text for pair in scan.pairs] == ["a red circle\na flat illustration"]
+
+
+def test_the_dry_run_buckets_rows_by_the_tables_size_without_opening_images(tmp_path, capsys):
+    rows = [
+        {"path": "wide.jpg", "tags": ["a"], "width": 1280, "height": 640},
+        {"path": "square.jpg", "tags": ["b"], "width": 900, "height": 900},
+        {"path": "tiny.jpg", "tags": ["c"], "width": 100, "height": 100},
+        {"path": "unsized.jpg", "tags": ["d"]},  # no size: the image is opened, and it does not exist
+    ]
+    table = write_table(tmp_path / "meta.jsonl", rows)
+    (tmp_path / "images").mkdir()
+    exit_code = sdxl_process_data_dir.main(
+        ["--data_dir", str(tmp_path / "images"), "--cache_dir", str(tmp_path / "cache"), "--metadata_table", str(table), "--dry_run",
+         "--min_resolution", "512", "--max_resolution", "1024"]
+    )
+    assert exit_code == 0
+    out = capsys.readouterr().out
+    assert "would cache 2 (upscaled: 0); would skip 3 (bad table row: 1, too small: 1, unreadable image: 1)" in out
+    assert not (tmp_path / "cache").exists()
+
+
 def test_workers_split_the_rows_and_each_bad_row_is_named_once(tmp_path):
     rows = [{"path": f"folder{index % 10}/image_{index:06d}.jpg", "tags": ["tag"]} for index in range(50_000)] + [{"tags": ["no path"]}]
     table = write_table(tmp_path / "big.parquet", rows)
