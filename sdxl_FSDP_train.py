@@ -146,7 +146,9 @@ class TrainConfig:
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
         "auto", help="UNet compute precision over fp32 master weights (FSDP2's param dtype; torch.autocast on one process): auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, about 5x slower)"
     )
-    gradient_checkpointing: bool = option(True, help="recompute activations in backward: much less memory, about 30%% more compute")
+    gradient_checkpointing: bool = option(
+        True, help="recompute activations in backward (the UNet's, and trained text encoders'): much less memory, about 30%% more compute"
+    )
     cpu_offload: bool = option(
         False,
         help="keep the sharded weights, gradients and optimizer state in CPU memory (FSDP2 CPU offload): one 24 GB GPU "
@@ -598,7 +600,7 @@ def train(config: TrainConfig, world: World) -> int:
         # Frozen encoders compute in compute_dtype; trained ones keep fp32 master weights, sharded like the UNet.
         tokenizers, text_encoders = load_text_encoders(
             config.pretrained_model_name_or_path, world.device, torch.float32 if config.train_text_encoder else compute_dtype,
-            config.single_file_config, trainable=config.train_text_encoder,
+            config.single_file_config, trainable=config.train_text_encoder, checkpointed=config.gradient_checkpointing,
         )
         if config.train_text_encoder:
             for encoder in text_encoders:

@@ -147,16 +147,21 @@ def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -
 
 
 def load_text_encoders(
-    model_name_or_path: str, device: torch.device, dtype: torch.dtype, single_file_config: str = SDXL_CONFIG_SOURCE, trainable: bool = False
+    model_name_or_path: str, device: torch.device, dtype: torch.dtype, single_file_config: str = SDXL_CONFIG_SOURCE, trainable: bool = False,
+    checkpointed: bool = False,
 ) -> TextSide:
     """Both tokenizers and both text encoders in `dtype` on `device` (the trainer's caption mode): frozen, or
-    with trainable=True in train mode with gradients (pass fp32: their master weights).
+    with trainable=True in train mode with gradients (pass fp32: their master weights), each CLIP layer's
+    activations recomputed in backward with checkpointed=True (--gradient_checkpointing).
 
     Trained, CLIP-L's last layer and final norm stay frozen: SDXL reads CLIP-L's penultimate hidden
     state and takes the pooled embedding from bigG alone, so they never reach the UNet and get no gradient."""
     (tokenizers, text_encoders), _ = _text_side(model_name_or_path, single_file_config, dtype)
     if trainable:
         clip_l, clip_g = (encoder.to(device, dtype).requires_grad_(True).train() for encoder in text_encoders)
+        if checkpointed:
+            for encoder in (clip_l, clip_g):
+                encoder.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint per layer
         clip_l.encoder.layers[-1].requires_grad_(False)
         clip_l.final_layer_norm.requires_grad_(False)
         return tokenizers, (clip_l, clip_g)

@@ -128,3 +128,27 @@ def test_a_trainer_state_from_before_text_encoder_training_reads_as_unet_only(tm
     assert TrainerState.from_json(json.dumps(data), tmp_path / "state.json").train_text_encoder is False
     with pytest.raises(CheckpointError, match="fields missing: \\['seed'\\]"):
         TrainerState.from_json(json.dumps({key: value for key, value in data.items() if key != "seed"}), tmp_path / "state.json")
+
+
+def test_checkpointed_encoders_recompute_each_layer_and_give_the_same_gradients(tiny_pipeline_dir):
+    from sdxl_trainer.encoding import encode_prompts, load_text_encoders
+
+    gradients, forward_calls = [], []
+    for checkpointed in (False, True):
+        tokenizers, encoders = load_text_encoders(str(tiny_pipeline_dir), torch.device("cpu"), torch.float32, trainable=True, checkpointed=checkpointed)
+        calls = []
+        encoders[1].text_model.encoder.layers[0].mlp.register_forward_pre_hook(lambda module, args: calls.append(1))
+        encoded = encode_prompts(tokenizers, encoders, ["a red circle, flat", "a blue square"], 1, torch.device("cpu"))
+        (encoded.prompt_embeds.square().mean() + encoded.pooled_prompt_embeds.square().mean()).backward()
+        forward_calls.append(len(calls))
+        gradients.append({
+            (index, name): weight.grad for index, encoder in enumerate(encoders) for name, weight in encoder.named_parameters() if weight.requires_grad
+        })
+    assert forward_calls == [1, 2]  # checkpointed: the layer's MLP runs again in backward
+    assert gradients[0].keys() == gradients[1].keys()
+    assert all(torch.equal(gradients[0][name], gradients[1][name]) for name in gradients[0])
+    # CLIP-L's last layer and final norm never reach the UNet: frozen, outside the gradients; its other layers train.
+    last = f"encoder.layers.{len(encoders[0].encoder.layers) - 1}."
+    clip_l_trained = [name for index, name in gradients[0] if index == 0]
+    assert "encoder.layers.0.mlp.fc1.weight" in clip_l_trained
+    assert not any(name.startswith((last, "final_layer_norm.")) for name in clip_l_trained)
