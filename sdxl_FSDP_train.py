@@ -58,7 +58,7 @@ from sdxl_trainer.parallel import World, broadcast_text, init_distributed, prepa
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_unet, model_location_problem
 from sdxl_trainer.stop_request import StopRequest
 from sdxl_trainer.train_step import TrainStep
-from sdxl_trainer.trained_models import TrainedModels
+from sdxl_trainer.trained_models import TEXT_ENCODER_NAMES, TrainedModels, text_encoder_label
 from sdxl_trainer.watchdog import JobWatchdog
 
 
@@ -133,8 +133,12 @@ class TrainConfig:
         help="caption mode: train both text encoders with the UNet (fp32 weights sharded like the UNet's: about 8 GB more over all "
         "GPUs with adamw8bit); checkpoints, validation, samples and exports then hold the trained encoders",
     )
-    learning_rate_te1: float | None = option(None, help="peak learning rate of text encoder 1 (CLIP ViT-L) with --train_text_encoder; None = --learning_rate")
-    learning_rate_te2: float | None = option(None, help="peak learning rate of text encoder 2 (OpenCLIP ViT-bigG) with --train_text_encoder; None = --learning_rate")
+    learning_rate_te1: float | None = option(
+        None, help="peak learning rate of text encoder 1 (CLIP ViT-L) with --train_text_encoder; None = --learning_rate; 0 keeps it frozen"
+    )
+    learning_rate_te2: float | None = option(
+        None, help="peak learning rate of text encoder 2 (OpenCLIP ViT-bigG) with --train_text_encoder; None = --learning_rate; 0 keeps it frozen"
+    )
     prediction_type: Literal["epsilon", "v_prediction"] = option("epsilon", help="training target; SDXL base predicts epsilon")
     zero_terminal_snr: bool = option(
         False, help="rescale the noise schedule to zero SNR at the last timestep (needs --prediction_type v_prediction)"
@@ -265,11 +269,30 @@ class TrainConfig:
             problems.append(f"--load_saved_state {self.load_saved_state} is not a folder: give a checkpoint folder (OUTPUT_DIR/PROJECT_NAME/checkpoints/update_N) or 'latest'")
         return problems
 
+    def text_encoder_rates(self) -> dict[str, float]:
+        """The peak learning rate of each trained text encoder, by pipeline name: --learning_rate_te1/te2, unset
+        = --learning_rate. An encoder at 0 stays frozen and is left out (kohya's rule); {} without
+        --train_text_encoder."""
+        if not self.train_text_encoder:
+            return {}
+        rates = (self.learning_rate_te1, self.learning_rate_te2)
+        return {name: self.learning_rate if rate is None else rate for name, rate in zip(TEXT_ENCODER_NAMES, rates) if rate != 0}
+
+    def frozen_text_encoder(self) -> str:
+        """The text encoder kept frozen by a rate of 0 while the other trains ("" if none)."""
+        rates = self.text_encoder_rates()
+        return next((name for name in TEXT_ENCODER_NAMES if name not in rates), "") if rates else ""
+
     def _number_problems(self) -> list[str]:
         problems = []
-        for name in ("learning_rate", "adam_epsilon", "polynomial_power", "learning_rate_te1", "learning_rate_te2"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
+        for name in ("learning_rate", "adam_epsilon", "polynomial_power"):
+            if not getattr(self, name) > 0:
                 problems.append(f"--{name} must be > 0, got {getattr(self, name)}")
+        for name in ("learning_rate_te1", "learning_rate_te2"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
+                problems.append(f"--{name} must be >= 0 (0 keeps that text encoder frozen), got {getattr(self, name)}")
+        if self.train_text_encoder and self.learning_rate_te1 == 0 and self.learning_rate_te2 == 0:
+            problems.append("--learning_rate_te1 and --learning_rate_te2 are both 0, so no text encoder trains: drop --train_text_encoder")
         for name in ("weight_decay", "dataloader_num_workers", "guidance_scale", "polynomial_lr_end"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0, got {getattr(self, name)}")
@@ -417,6 +440,12 @@ def resume_problems(saved: TrainerState, config: TrainConfig) -> list[str]:
     if saved.train_text_encoder != config.train_text_encoder:
         flag = "--train_text_encoder" if saved.train_text_encoder else "--no-train_text_encoder"
         problems.append(f"the checkpoint was saved {'with' if saved.train_text_encoder else 'without'} trained text encoders: resume with {flag}")
+    elif saved.frozen_text_encoder != config.frozen_text_encoder():
+        for number, name in enumerate(TEXT_ENCODER_NAMES, start=1):
+            if saved.frozen_text_encoder == name:
+                problems.append(f"the checkpoint kept text encoder {number} frozen: resume with --learning_rate_te{number} 0")
+            elif config.frozen_text_encoder() == name:
+                problems.append(f"the checkpoint trained text encoder {number}: resume with --learning_rate_te{number} above 0 (0 keeps it frozen)")
     if config.set_seed is not None and config.set_seed != saved.seed:
         problems.append(f"the checkpoint's run used seed {saved.seed} (data order and noise follow it): drop --set_seed or pass {saved.seed}")
     return problems
@@ -510,7 +539,8 @@ def export_model(config: TrainConfig, world, models: TrainedModels, ema: Sharded
                 weights, config.pretrained_model_name_or_path, folder, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config,
                 single_file, cache_vae(read_cache_info(config.cached_dataset_dirs[0])),
             )
-            what = ("EMA UNet" if ema is not None else "UNet") + (" and trained text encoders" if models.trains_text_encoders else "")
+            encoders = [text_encoder_label(name) for name in TEXT_ENCODER_NAMES if name in weights]
+            what = " and ".join(["EMA UNet" if ema is not None else "UNet", *encoders])
             written = " and ".join(str(path) for path in (folder, single_file) if path is not None)
             tqdm.write(f"Saved the trained model ({what}, {config.save_precision}) to {written} in {time.perf_counter() - started:.1f} s.")
         except ExportError as error:
@@ -596,15 +626,17 @@ def train(config: TrainConfig, world: World) -> int:
         max_timestep=config.max_timestep,
     )
     caption_encoder = None
+    text_encoder_rates = config.text_encoder_rates()
+    trained_text_encoders = {}
     if config.encode_captions_each_step:
         # Frozen encoders compute in compute_dtype; trained ones keep fp32 master weights, sharded like the UNet.
         tokenizers, text_encoders = load_text_encoders(
-            config.pretrained_model_name_or_path, world.device, torch.float32 if config.train_text_encoder else compute_dtype,
-            config.single_file_config, trainable=config.train_text_encoder, checkpointed=config.gradient_checkpointing,
+            config.pretrained_model_name_or_path, world.device, compute_dtype, config.single_file_config,
+            trained=tuple(name in text_encoder_rates for name in TEXT_ENCODER_NAMES), checkpointed=config.gradient_checkpointing,
         )
-        if config.train_text_encoder:
-            for encoder in text_encoders:
-                prepare_text_encoder(encoder, world, param_dtype, config.reshard_after_forward, cpu_offload=config.cpu_offload)
+        trained_text_encoders = {name: encoder for name, encoder in zip(TEXT_ENCODER_NAMES, text_encoders) if name in text_encoder_rates}
+        for encoder in trained_text_encoders.values():
+            prepare_text_encoder(encoder, world, param_dtype, config.reshard_after_forward, cpu_offload=config.cpu_offload)
         caption_encoder = StepCaptionEncoder(
             (tokenizers, text_encoders),
             dataset.caption_texts,
@@ -614,8 +646,7 @@ def train(config: TrainConfig, world: World) -> int:
             world.device,
             trains=config.train_text_encoder,
         )
-    models = TrainedModels(unet, caption_encoder.text_encoders if config.train_text_encoder else None)
-    text_encoder_rates = (config.learning_rate_te1 or config.learning_rate, config.learning_rate_te2 or config.learning_rate)
+    models = TrainedModels(unet, trained_text_encoders)
     optimizer = build_optimizer(
         config.optimizer, models.parameter_groups(config.learning_rate, text_encoder_rates), config.learning_rate, config.weight_decay,
         (config.adam_beta1, config.adam_beta2), config.adam_epsilon,
@@ -673,7 +704,9 @@ def train(config: TrainConfig, world: World) -> int:
         if caption_encoder is not None:
             print(f"Caption mode: both text encoders encode every step's captions: {caption_encoder.variation.describe()}.")
         if config.train_text_encoder:
-            print(f"Training both text encoders too, at peak learning rates {text_encoder_rates[0]:g} and {text_encoder_rates[1]:g} (the UNet's: {config.learning_rate:g}).")
+            trained = [f"{text_encoder_label(name)} at {rate:g}" for name, rate in text_encoder_rates.items()]
+            frozen = f"; {text_encoder_label(config.frozen_text_encoder())} stays frozen (rate 0)" if config.frozen_text_encoder() else ""
+            print(f"Training {' and '.join(trained)} too (peak learning rates; the UNet's: {config.learning_rate:g}){frozen}.")
     wandb_settings = WandbSettings(config.wandb_project, config.project_name, run_dir, config_to_dict(config)) if config.report_to_wandb else None
     metrics = MetricsWriter(log_dir, world.is_main, wandb_settings)
     monitor = TrainingMonitor(metrics, total_updates, first_update, world.device, world.is_main, config.log_every_n_updates)
@@ -690,6 +723,7 @@ def train(config: TrainConfig, world: World) -> int:
             optimizer=config.optimizer,
             use_ema=config.use_ema,
             train_text_encoder=config.train_text_encoder,
+            frozen_text_encoder=config.frozen_text_encoder(),
             global_batch_size=global_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
         ),

@@ -70,7 +70,7 @@ def timed(updates_per_round: int, rounds: int) -> None:
     from sdxl_trainer.parallel import init_distributed, prepare_unet, shutdown_distributed
     from sdxl_trainer.tiny_model import save_tiny_pipeline
     from sdxl_trainer.train_step import TrainStep
-    from sdxl_trainer.trained_models import TrainedModels
+    from sdxl_trainer.trained_models import TEXT_ENCODER_NAMES, TrainedModels
     from diffusers import UNet2DConditionModel
 
     world = init_distributed()
@@ -85,9 +85,9 @@ def timed(updates_per_round: int, rounds: int) -> None:
             unet = prepare_unet(UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet"), world, param_dtype=None)
             unet.enable_gradient_checkpointing()
             trains = mode == "trained encoders"
-            mode_text_side = load_text_encoders(str(pipeline_dir), world.device, torch.float32, trainable=True) if trains else text_side
-            models = TrainedModels(unet, mode_text_side[1] if trains else None)
-            optimizer = build_optimizer("adamw", models.parameter_groups(1e-5, (1e-5, 1e-5)), 1e-5, 1e-2, (0.9, None), 1e-8)
+            mode_text_side = load_text_encoders(str(pipeline_dir), world.device, torch.float32, trained=(True, True)) if trains else text_side
+            models = TrainedModels(unet, dict(zip(TEXT_ENCODER_NAMES, mode_text_side[1])) if trains else None)
+            optimizer = build_optimizer("adamw", models.parameter_groups(1e-5, dict.fromkeys(TEXT_ENCODER_NAMES, 1e-5)), 1e-5, 1e-2, (0.9, None), 1e-8)
             encoder = None
             if mode != "cached embeddings":
                 encoder = StepCaptionEncoder(mode_text_side, captions, CaptionVariation(shuffle_tags=True, keep_tags=1), SEED, 1, world.device, trains)

@@ -254,6 +254,7 @@ class TrainerState:
     consecutive_skipped_updates: int
     loss_scaler: dict[str, float | int] | None  # the fp16 gradient scaler's state
     train_text_encoder: bool = False  # the checkpoint holds trained text encoders (and their optimizer state)
+    frozen_text_encoder: str = ""  # the one of them kept frozen by a learning rate of 0 ("text_encoder" / "text_encoder_2"), "" if none
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:

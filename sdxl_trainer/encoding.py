@@ -147,25 +147,29 @@ def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -
 
 
 def load_text_encoders(
-    model_name_or_path: str, device: torch.device, dtype: torch.dtype, single_file_config: str = SDXL_CONFIG_SOURCE, trainable: bool = False,
-    checkpointed: bool = False,
+    model_name_or_path: str, device: torch.device, dtype: torch.dtype, single_file_config: str = SDXL_CONFIG_SOURCE,
+    trained: tuple[bool, bool] = (False, False), checkpointed: bool = False,
 ) -> TextSide:
-    """Both tokenizers and both text encoders in `dtype` on `device` (the trainer's caption mode): frozen, or
-    with trainable=True in train mode with gradients (pass fp32: their master weights), each CLIP layer's
-    activations recomputed in backward with checkpointed=True (--gradient_checkpointing).
+    """Both tokenizers and both text encoders on `device` (the trainer's caption mode): frozen ones in `dtype`,
+    those `trained` says (CLIP-L, bigG) in fp32 (their master weights) in train mode with gradients, each CLIP
+    layer's activations recomputed in backward with checkpointed=True (--gradient_checkpointing).
 
     Trained, CLIP-L's last layer and final norm stay frozen: SDXL reads CLIP-L's penultimate hidden
     state and takes the pooled embedding from bigG alone, so they never reach the UNet and get no gradient."""
-    (tokenizers, text_encoders), _ = _text_side(model_name_or_path, single_file_config, dtype)
-    if trainable:
-        clip_l, clip_g = (encoder.to(device, dtype).requires_grad_(True).train() for encoder in text_encoders)
+    (tokenizers, text_encoders), _ = _text_side(model_name_or_path, single_file_config, torch.float32 if any(trained) else dtype)
+    prepared = []
+    for encoder, trains in zip(text_encoders, trained):
+        if not trains:
+            prepared.append(_frozen(encoder, device, dtype))
+            continue
+        encoder = encoder.to(device, torch.float32).requires_grad_(True).train()
         if checkpointed:
-            for encoder in (clip_l, clip_g):
-                encoder.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint per layer
-        clip_l.encoder.layers[-1].requires_grad_(False)
-        clip_l.final_layer_norm.requires_grad_(False)
-        return tokenizers, (clip_l, clip_g)
-    return tokenizers, tuple(_frozen(encoder, device, dtype) for encoder in text_encoders)  # type: ignore[return-value]
+            encoder.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint per layer
+        if isinstance(encoder, CLIPTextModel):
+            encoder.encoder.layers[-1].requires_grad_(False)
+            encoder.final_layer_norm.requires_grad_(False)
+        prepared.append(encoder)
+    return tokenizers, tuple(prepared)  # type: ignore[return-value]
 
 
 def load_encoders(

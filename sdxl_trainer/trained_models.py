@@ -1,5 +1,5 @@
 """The modules a run trains, under the pipeline's component names: the UNet, and with --train_text_encoder
-both text encoders. One object for what is checkpointed, exported and handed to sampling, so those three
+the text encoders whose learning rate is not 0. One object for what is checkpointed, exported and handed to sampling, so those three
 always agree on which weights were trained.
 """
 
@@ -17,12 +17,19 @@ TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2")  # the pipeline's attrib
 ComponentWeights = dict[str, dict[str, torch.Tensor]]  # pipeline component name -> its full state dict
 
 
+def text_encoder_label(name: str) -> str:
+    """"text encoder 1" for CLIP ViT-L (pipeline name "text_encoder"), "text encoder 2" for OpenCLIP bigG."""
+    return f"text encoder {TEXT_ENCODER_NAMES.index(name) + 1}"
+
+
 class TrainedModels(nn.Module):
-    def __init__(self, unet: nn.Module, text_encoders: tuple[nn.Module, nn.Module] | None = None):
+    def __init__(self, unet: nn.Module, text_encoders: dict[str, nn.Module] | None = None):
+        """text_encoders: the trained ones by pipeline name (TEXT_ENCODER_NAMES); frozen ones stay out."""
         super().__init__()
         self.unet = unet
-        for name, encoder in zip(TEXT_ENCODER_NAMES, text_encoders or ()):
-            self.add_module(name, encoder)
+        for name in TEXT_ENCODER_NAMES:
+            if name in (text_encoders or {}):
+                self.add_module(name, text_encoders[name])
 
     @property
     def trains_text_encoders(self) -> bool:
@@ -32,17 +39,18 @@ class TrainedModels(nn.Module):
     def checkpointed(self) -> nn.Module:
         """The module whose weights and optimizer state a checkpoint holds: the UNet alone when only it trains
         (its parameter names are the checkpoint's, as in every UNet-only checkpoint), else all of them
-        (names prefixed "unet.", "text_encoder.", "text_encoder_2.")."""
+        (names prefixed "unet.", "text_encoder.", "text_encoder_2.": the trained ones)."""
         return self if self.trains_text_encoders else self.unet
 
-    def parameter_groups(self, learning_rate: float, text_encoder_rates: tuple[float, float]) -> list[dict]:
+    def parameter_groups(self, learning_rate: float, text_encoder_rates: dict[str, float]) -> list[dict]:
         """Optimizer param groups: the UNet at learning_rate, each trained text encoder (its parameters that
-        require gradients) at its own rate. The rates are peaks: the schedule scales every group alike
-        (lr_schedule.LR_SCALE)."""
+        require gradients) at its own rate (by pipeline name). The rates are peaks: the schedule scales every
+        group alike (lr_schedule.LR_SCALE)."""
         groups = [{"params": list(self.unet.parameters()), "lr": learning_rate}]
-        for name, rate in zip(TEXT_ENCODER_NAMES, text_encoder_rates):
+        for name in TEXT_ENCODER_NAMES:
             if name in self._modules:
                 trained = [parameter for parameter in self._modules[name].parameters() if parameter.requires_grad]
+                rate = text_encoder_rates[name]
                 groups.append({"params": trained, "lr": rate, LR_SCALE: rate / learning_rate})
         return groups
 

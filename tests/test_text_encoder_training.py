@@ -1,5 +1,5 @@
-"""--train_text_encoder: both text encoders train with the UNet in caption mode, each at its own peak rate,
-sharded on 2 processes, on a caption-file cache and a Parquet-table cache together; a resumed run equals
+"""--train_text_encoder: both text encoders train with the UNet in caption mode, each at its own peak rate
+(0 keeps one frozen), sharded on 2 processes, on a caption-file cache and a Parquet-table cache together; a resumed run equals
 the straight one bitwise for all three models; the pipeline folder and the single file hold the trained
 encoders; a checkpoint with trained encoders is resumed only with them."""
 
@@ -71,21 +71,51 @@ def read_checkpoint_keys(run: Path) -> list[str]:
     return [key.removeprefix("model.") for key in index["state_dict_metadata"] if key.startswith("model.")]
 
 
-def test_each_encoder_trains_at_its_own_rate(tmp_path, tag_cache, tiny_pipeline_dir):
-    """One process (no sharding): text encoder 1 at a rate of 1e-30 moves by about that much (AdamW steps are
-    about the rate in size), text encoder 2 at the default rate by about 1e-4 per update. Validation loss
-    and the sample grid run through the trained encoders."""
+def test_a_rate_of_zero_keeps_that_encoder_frozen_and_the_other_trains(tmp_path, tag_cache, tiny_pipeline_dir):
+    """One process (no sharding), bf16 autocast: --learning_rate_te1 0 (kohya's "0 = not trained") leaves
+    CLIP-L exactly the base model's, in the export and out of the checkpoint, while bigG trains at the
+    default rate; validation loss and the sample grid run through the trained encoder. The checkpoint is
+    not resumed with CLIP-L trained."""
     flags = trainer_flags(
         tag_cache, tiny_pipeline_dir, tmp_path, "rates", "--optimizer", "adamw", "--num_train_epochs", "1", "--mixed_precision", "bf16",
-        "--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te1", "1e-30", "--no-save_state",
+        "--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te1", "0",
         "--save_samples", "--num_sample_images", "2", "--num_inference_steps", "2",
     )
-    run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags)
+    result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags)
+    assert "Training text encoder 2 at 0.0001 too (peak learning rates; the UNet's: 0.0001); text encoder 1 stays frozen (rate 0)." in result.stdout
     assert len(scalars(tmp_path / "rates", "val/loss")) == 2  # the base model's, then after the epoch
     assert (tmp_path / "rates" / "samples" / "sample_grid.png").is_file()
     trained, base = exported_text_encoders(tmp_path / "rates" / "pipeline"), exported_text_encoders(tiny_pipeline_dir)
-    assert largest_change(trained["text_encoder"], base["text_encoder"]) < 1e-28
+    assert bitwise_equal(trained["text_encoder"], base["text_encoder"])
     assert largest_change(trained["text_encoder_2"], base["text_encoder_2"]) > 1e-5
+    checkpoint = sorted((tmp_path / "rates" / "checkpoints").glob("update_*"))[-1]
+    keys = [key.removeprefix("model.") for key in json.loads((checkpoint / METADATA_FILE).read_text())["state_dict_metadata"] if key.startswith("model.")]
+    assert any(key.startswith("text_encoder_2.") for key in keys) and not any(key.startswith("text_encoder.") for key in keys)
+
+    resumed = [*flags[: flags.index("--learning_rate_te1")], "--load_saved_state", "latest"]
+    result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", resumed, expect_success=False)
+    assert result.returncode != 0
+    assert "the checkpoint kept text encoder 1 frozen: resume with --learning_rate_te1 0" in result.stdout + result.stderr
+
+
+def test_a_resume_keeps_which_encoders_train():
+    from sdxl_FSDP_train import TrainConfig, resume_problems
+
+    def config(*flags: str) -> TrainConfig:
+        return parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--encode_captions_each_step", "--train_text_encoder", *flags])
+
+    assert config("--learning_rate_te2", "3e-6").text_encoder_rates() == {"text_encoder": 1e-5, "text_encoder_2": 3e-6}
+    assert config("--learning_rate_te2", "0").text_encoder_rates() == {"text_encoder": 1e-5}
+    assert config("--learning_rate_te2", "0").frozen_text_encoder() == "text_encoder_2"
+    both_trained = trainer_state(train_text_encoder=True)
+    assert resume_problems(both_trained, config()) == []
+    assert resume_problems(both_trained, config("--learning_rate_te2", "0")) == [
+        "the checkpoint trained text encoder 2: resume with --learning_rate_te2 above 0 (0 keeps it frozen)"
+    ]
+    assert resume_problems(trainer_state(train_text_encoder=True, frozen_text_encoder="text_encoder"), config("--learning_rate_te2", "0")) == [
+        "the checkpoint kept text encoder 1 frozen: resume with --learning_rate_te1 0",
+        "the checkpoint trained text encoder 2: resume with --learning_rate_te2 above 0 (0 keeps it frozen)",
+    ]
 
 
 def largest_change(trained: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> float:
@@ -97,7 +127,9 @@ def largest_change(trained: dict[str, torch.Tensor], base: dict[str, torch.Tenso
     [
         (["--train_text_encoder"], "--train_text_encoder needs --encode_captions_each_step"),
         (["--encode_captions_each_step", "--learning_rate_te1", "1e-5"], "--learning_rate_te1 / --learning_rate_te2 apply to trained text encoders"),
-        (["--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te2", "0"], "--learning_rate_te2 must be > 0"),
+        (["--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te2=-1e-5"], "--learning_rate_te2 must be >= 0 (0 keeps that text encoder frozen)"),
+        (["--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te1", "0", "--learning_rate_te2", "0"],
+         "--learning_rate_te1 and --learning_rate_te2 are both 0, so no text encoder trains: drop --train_text_encoder"),
     ],
 )
 def test_text_encoder_options_are_checked(flags, message, capsys):
@@ -116,16 +148,20 @@ def test_the_schedule_scales_each_group_from_its_own_peak():
     assert [group["lr"] for group in optimizer.param_groups] == [2e-4, 5e-5]
 
 
-def test_a_trainer_state_from_before_text_encoder_training_reads_as_unet_only(tmp_path):
-    state = TrainerState(
-        update=3, epoch=0, updates_in_epoch=3, seed=5, optimizer="adamw", use_ema=False, ema_updates=0, world_size=2,
-        global_batch_size=2, gradient_accumulation_steps=1, skipped_updates=0, consecutive_skipped_updates=0, loss_scaler=None,
-        train_text_encoder=True,
+def trainer_state(**fields) -> TrainerState:
+    return TrainerState(
+        update=3, epoch=0, updates_in_epoch=3, seed=5, optimizer="adamw8bit", use_ema=False, ema_updates=0, world_size=2,
+        global_batch_size=2, gradient_accumulation_steps=1, skipped_updates=0, consecutive_skipped_updates=0, loss_scaler=None, **fields,
     )
-    data = json.loads(state.to_json())
-    assert TrainerState.from_json(json.dumps(data), tmp_path / "state.json").train_text_encoder is True
-    del data["train_text_encoder"]
-    assert TrainerState.from_json(json.dumps(data), tmp_path / "state.json").train_text_encoder is False
+
+
+def test_a_trainer_state_from_before_text_encoder_training_reads_as_unet_only(tmp_path):
+    data = json.loads(trainer_state(train_text_encoder=True, frozen_text_encoder="text_encoder").to_json())
+    read = TrainerState.from_json(json.dumps(data), tmp_path / "state.json")
+    assert (read.train_text_encoder, read.frozen_text_encoder) == (True, "text_encoder")
+    del data["train_text_encoder"], data["frozen_text_encoder"]
+    read = TrainerState.from_json(json.dumps(data), tmp_path / "state.json")
+    assert (read.train_text_encoder, read.frozen_text_encoder) == (False, "")
     with pytest.raises(CheckpointError, match="fields missing: \\['seed'\\]"):
         TrainerState.from_json(json.dumps({key: value for key, value in data.items() if key != "seed"}), tmp_path / "state.json")
 
@@ -135,7 +171,7 @@ def test_checkpointed_encoders_recompute_each_layer_and_give_the_same_gradients(
 
     gradients, forward_calls = [], []
     for checkpointed in (False, True):
-        tokenizers, encoders = load_text_encoders(str(tiny_pipeline_dir), torch.device("cpu"), torch.float32, trainable=True, checkpointed=checkpointed)
+        tokenizers, encoders = load_text_encoders(str(tiny_pipeline_dir), torch.device("cpu"), torch.float32, trained=(True, True), checkpointed=checkpointed)
         calls = []
         encoders[1].text_model.encoder.layers[0].mlp.register_forward_pre_hook(lambda module, args: calls.append(1))
         encoded = encode_prompts(tokenizers, encoders, ["a red circle, flat", "a blue square"], 1, torch.device("cpu"))
