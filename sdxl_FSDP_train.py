@@ -288,6 +288,8 @@ class TrainConfig:
         for name in ("learning_rate", "adam_epsilon", "polynomial_power"):
             if not getattr(self, name) > 0:
                 problems.append(f"--{name} must be > 0, got {getattr(self, name)}")
+        if self.learning_rate == 0 and self.train_text_encoder:
+            problems.append("the UNet always trains here: kohya's --learning_rate 0 (text encoders alone) is not supported; give the UNet a rate")
         for name in ("learning_rate_te1", "learning_rate_te2"):
             if getattr(self, name) is not None and not getattr(self, name) >= 0:
                 problems.append(f"--{name} must be >= 0 (0 keeps that text encoder frozen), got {getattr(self, name)}")

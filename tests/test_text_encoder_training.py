@@ -130,6 +130,7 @@ def largest_change(trained: dict[str, torch.Tensor], base: dict[str, torch.Tenso
         (["--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te2=-1e-5"], "--learning_rate_te2 must be >= 0 (0 keeps that text encoder frozen)"),
         (["--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te1", "0", "--learning_rate_te2", "0"],
          "--learning_rate_te1 and --learning_rate_te2 are both 0, so no text encoder trains: drop --train_text_encoder"),
+        (["--encode_captions_each_step", "--train_text_encoder", "--learning_rate", "0"], "kohya's --learning_rate 0 (text encoders alone) is not supported"),
     ],
 )
 def test_text_encoder_options_are_checked(flags, message, capsys):
