@@ -97,7 +97,7 @@ def _read_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
                 number += 1
                 yield number, row
         return
-    with open(path, encoding="utf-8") as lines:
+    with open(path, encoding="utf-8-sig") as lines:  # a BOM (Windows tools write one) is not part of row 1
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
@@ -168,7 +168,10 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
         seen.add(relative_path)
         caption = row_caption(row)
         if caption is None:
-            problems.append(ScanProblem(relative_path, f"row {number} of {label} has neither a caption nor tags", "missing caption"))
+            problems.append(ScanProblem(
+                relative_path, f"row {number} of {label} has no caption (text or list of texts) or tags (list of texts or comma-separated text)",
+                "missing caption",
+            ))
             continue
         if filters.min_score is not None:
             score = row.get("score")

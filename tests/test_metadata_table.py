@@ -81,7 +81,7 @@ def test_a_table_caches_its_rows_with_tags_edited_and_filtered(tmp_path, tiny_pi
         f"sample_01.jpg: listed again in row 7 of meta{suffix}: the first row is used",
         f"meta{suffix}:8: row 8 has no usable path ('../outside.jpg'): give one relative to --data_dir",
         "missing.jpg: cannot read the file",
-        f"sample_06.png: row 10 of meta{suffix} has neither a caption nor tags",
+        f"sample_06.png: row 10 of meta{suffix} has no caption (text or list of texts) or tags (list of texts or comma-separated text)",
     ):
         assert expected in log, f"{expected!r} not in the cache log:\n{log}"
     if suffix == ".jsonl":
@@ -186,3 +186,12 @@ def test_a_damaged_table_is_refused_naming_it(tmp_path, tiny_pipeline_dir, capsy
     assert f"refused: cannot read the metadata table {table}" in out
     assert "repair or re-export the table" in out
     assert not (tmp_path / "cache").exists()  # refused before anything was written
+
+
+def test_a_jsonl_table_saved_with_a_byte_order_mark_reads_its_first_row(tmp_path):
+    """Windows tools (Notepad, PowerShell's UTF8 encoding) start UTF-8 files with a BOM; caption files may too."""
+    table = tmp_path / "meta.jsonl"
+    table.write_bytes(b"\xef\xbb\xbf" + b'{"path": "a.jpg", "tags": "solo, smile"}\r\n{"path": "b.jpg", "caption": "red"}\r\n')
+    scan = scan_table(table, tmp_path, TableFilters(), lambda path: True)
+    assert [(pair.relative_path, pair.caption_text) for pair in scan.pairs] == [("a.jpg", "solo, smile"), ("b.jpg", "red")]
+    assert scan.problems == []
