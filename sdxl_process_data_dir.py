@@ -66,7 +66,7 @@ from sdxl_trainer.encoding import TOKENS_PER_CHUNK, Encoders, chunks_for, load_e
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
 from sdxl_trainer.files import write_error_reason
-from sdxl_trainer.metadata import TABLE_SUFFIXES, TableError, TableFilters, read_tag_replacements, scan_table
+from sdxl_trainer.metadata import TABLE_SUFFIXES, TableError, TableFilters, read_tag_replacements, read_text_replacements, scan_table
 from sdxl_trainer.sources import (
     PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_caption, read_source, scan_images, worker_of,
 )
@@ -87,6 +87,11 @@ class CacheConfig:
     exclude_tags: list[str] | None = option(None, help="with --metadata_table: skip rows whose caption holds any of these comma-separated tags")
     tag_replacements: Path | None = option(
         None, help='with --metadata_table: JSON object of tag -> replacement applied to every caption\'s tags first, e.g. {"1girl": "one girl", "lowres": ""} ("" removes)'
+    )
+    tag_text_replacements: Path | None = option(
+        None,
+        help='with --metadata_table: JSON object of text -> replacement inside every tag, applied in the file\'s order after --tag_replacements, '
+        'e.g. {"artist:": "by=", ":": "=", "_": " "} (a tag left empty is removed)',
     )
     score_tags: list[float] | None = option(
         None,
@@ -148,7 +153,7 @@ class CacheConfig:
         problems = []
         if self.metadata_table is None:
             for flag, value in (("--min_score", self.min_score), ("--exclude_tags", self.exclude_tags), ("--tag_replacements", self.tag_replacements),
-                                ("--score_tags", self.score_tags)):
+                                ("--tag_text_replacements", self.tag_text_replacements), ("--score_tags", self.score_tags)):
                 if value is not None:
                     problems.append(f"{flag} works on the rows of a --metadata_table: give one (caption files have no tags or scores)")
         elif self.metadata_table.suffix not in TABLE_SUFFIXES or not self.metadata_table.is_file():
@@ -157,17 +162,22 @@ class CacheConfig:
             problems.append(f"--score_tag_prefix {self.score_tag_prefix!r} must hold no comma or line break: it is part of one tag")
         if any(math.isnan(threshold) for threshold in self.score_tags or ()):
             problems.append("--score_tags must be numbers, not nan")
-        if self.tag_replacements is not None:
-            try:
-                read_tag_replacements(self.tag_replacements)
-            except ValueError as error:
-                problems.append(str(error))
+        for path, read in ((self.tag_replacements, read_tag_replacements), (self.tag_text_replacements, read_text_replacements)):
+            if path is not None:
+                try:
+                    read(path)
+                except ValueError as error:
+                    problems.append(str(error))
         return problems
 
     def table_filters(self) -> TableFilters:
-        replacements = read_tag_replacements(self.tag_replacements) if self.tag_replacements else {}
         return TableFilters(
-            self.min_score, frozenset(tag.strip() for tag in self.exclude_tags or ()), replacements, tuple(self.score_tags or ()), self.score_tag_prefix
+            self.min_score,
+            frozenset(tag.strip() for tag in self.exclude_tags or ()),
+            read_tag_replacements(self.tag_replacements) if self.tag_replacements else {},
+            read_text_replacements(self.tag_text_replacements) if self.tag_text_replacements else (),
+            tuple(self.score_tags or ()),
+            self.score_tag_prefix,
         )
 
     def validate(self) -> list[str]:

@@ -11,8 +11,10 @@ The table is read in batches of rows (Parquet row groups / JSONL lines), and a w
 rows, so a table of millions of rows never sits in memory whole; images are read later, one by one.
 
 Tag edits apply to the comma-separated tags of every caption line, in this order: replacements
-(--tag_replacements: a JSON object tag -> new tag, "" removes the tag), then exclusion (--exclude_tags: a
-row with any of these tags is skipped), then the score tag (--score_tags: the highest threshold the row's
+(--tag_replacements: a JSON object tag -> new tag, "" removes the tag), text replacements inside every tag
+(--tag_text_replacements: a JSON object text -> new text, applied in the file's order, e.g. "artist:" ->
+"by=", ":" -> "=" as prompt syntax reads ":" as a weight, "_" -> " " for underscore tags; a tag left
+empty is removed), then exclusion (--exclude_tags: a row with any of these tags is skipped), then the score tag (--score_tags: the highest threshold the row's
 score reaches, e.g. "scr800" for a score of 950 with thresholds 3200, 1600, 800, ..., becomes the first tag
 of every line; a row without a score or below every threshold gets none). Without any of them the caption
 is kept exactly as written.
@@ -40,13 +42,14 @@ WANTED_COLUMNS = ("path", "caption", "tags", "score", "width", "height")
 class TableFilters:
     min_score: float | None = None
     excluded_tags: frozenset[str] = frozenset()
-    tag_replacements: dict[str, str] = field(default_factory=dict)
+    tag_replacements: dict[str, str] = field(default_factory=dict)  # whole tag -> tag
+    text_replacements: tuple[tuple[str, str], ...] = ()  # (text, new text) inside every tag, in order
     score_tags: tuple[float, ...] = ()  # thresholds
     score_tag_prefix: str = "scr"
 
     @property
     def edits_tags(self) -> bool:
-        return bool(self.excluded_tags or self.tag_replacements)
+        return bool(self.excluded_tags or self.tag_replacements or self.text_replacements)
 
     def score_tag(self, score: object) -> str | None:
         """The tag for the highest threshold `score` reaches ("scr800"), None below all or without a score."""
@@ -61,14 +64,27 @@ def is_number(value: object) -> bool:
 
 
 def read_tag_replacements(path: Path) -> dict[str, str]:
-    """A JSON object of tag -> replacement ("" removes the tag); ValueError names what is wrong."""
-    try:
-        mapping = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"--tag_replacements {path} cannot be read as JSON ({error})") from error
-    if not isinstance(mapping, dict) or not all(isinstance(key, str) and isinstance(value, str) for key, value in mapping.items()):
-        raise ValueError(f'--tag_replacements {path} must be one JSON object of tag -> replacement strings, e.g. {{"1girl": "one girl", "lowres": ""}}')
+    """--tag_replacements: a JSON object of tag -> replacement ("" removes the tag); ValueError names what is wrong."""
+    mapping = _read_string_mapping(path, "--tag_replacements", "tag", '{"1girl": "one girl", "lowres": ""}')
     return {key.strip(): value.strip() for key, value in mapping.items()}
+
+
+def read_text_replacements(path: Path) -> tuple[tuple[str, str], ...]:
+    """--tag_text_replacements: (text, new text) pairs in the file's order, spaces kept ("_" -> " ")."""
+    mapping = _read_string_mapping(path, "--tag_text_replacements", "text", '{"artist:": "by=", ":": "=", "_": " "}')
+    if "" in mapping:
+        raise ValueError(f"--tag_text_replacements {path} replaces the empty text, which is everywhere: remove that entry")
+    return tuple(mapping.items())
+
+
+def _read_string_mapping(path: Path, flag: str, key: str, example: str) -> dict[str, str]:
+    try:
+        mapping = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{flag} {path} cannot be read as JSON ({error})") from error
+    if not isinstance(mapping, dict) or not all(isinstance(key, str) and isinstance(value, str) for key, value in mapping.items()):
+        raise ValueError(f"{flag} {path} must be one JSON object of {key} -> replacement strings, e.g. {example}")
+    return mapping
 
 
 class TableError(RuntimeError):
@@ -137,7 +153,9 @@ def edit_tags(caption: str, filters: TableFilters) -> tuple[str, list[str]]:
     lines, excluded = [], []
     for line in caption.splitlines():
         tags = [filters.tag_replacements.get(tag.strip(), tag.strip()) for tag in line.split(",")]
-        tags = [tag for tag in tags if tag]
+        for text, new_text in filters.text_replacements:
+            tags = [tag.replace(text, new_text) for tag in tags]
+        tags = [tag.strip() for tag in tags if tag.strip()]
         excluded += [tag for tag in tags if tag in filters.excluded_tags]
         lines.append(", ".join(tags))
     return "\n".join(lines), excluded

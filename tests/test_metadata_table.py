@@ -15,7 +15,7 @@ import pytest
 import sdxl_process_data_dir
 from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET
 from sdxl_trainer.cache import LOG_DIR, load_manifest
-from sdxl_trainer.metadata import TableFilters, scan_table
+from sdxl_trainer.metadata import TableFilters, read_text_replacements, scan_table
 
 ROWS = [
     {"path": "sample_00.jpg", "tags": ["1girl", "solo", "lowres", "smile"], "score": 9.0},
@@ -59,18 +59,21 @@ def test_a_table_caches_its_rows_with_tags_edited_and_filtered(tmp_path, tiny_pi
     table = write_table(tmp_path / f"meta{suffix}", ROWS)
     replacements = tmp_path / "replacements.json"
     replacements.write_text(json.dumps(REPLACEMENTS))
+    text_replacements = tmp_path / "text_replacements.json"
+    text_replacements.write_text(json.dumps({"cloud": "clouds"}))
     cache_dir = tmp_path / "cache"
     exit_code = sdxl_process_data_dir.main(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION), "--metadata_table", str(table),
-         "--min_score", "5", "--exclude_tags", "nsfw", "--tag_replacements", str(replacements), "--score_tags", "9", "7", "8.5"]
+         "--min_score", "5", "--exclude_tags", "nsfw", "--tag_replacements", str(replacements),
+         "--tag_text_replacements", str(text_replacements), "--score_tags", "9", "7", "8.5"]
     )
     assert exit_code == 0
     manifest = load_manifest(cache_dir)
     captions = dict(zip(manifest.column("image_path").to_pylist(), manifest.column("caption").to_pylist()))
     assert captions == {
         "sample_00.jpg": "scr9, one girl, solo, smile",
-        "sample_01.jpg": "scr7, landscape, blue sky, cloud",
+        "sample_01.jpg": "scr7, landscape, blue sky, clouds",
         "sample_02.jpg": "a pink triangle\nsimple flat illustration",  # score 6: below every threshold
     }
     log = "".join(path.read_text() for path in (cache_dir / LOG_DIR).glob("errors-*.log"))
@@ -116,6 +119,27 @@ def test_the_score_tag_is_the_highest_threshold_reached_first_on_every_line(tmp_
     }
 
 
+def test_text_replacements_edit_inside_every_tag_in_the_files_order_after_whole_tag_replacements(tmp_path):
+    """002_*'s recipe: "artist:" -> "by=" before ":" -> "=" (prompt syntax reads ":" as a weight), and
+    underscore tags written with spaces; the space of a replacement is kept."""
+    mapping = tmp_path / "text.json"
+    mapping.write_text(json.dumps({"artist:": "by=", ":": "=", "_": " ", "(": "", "sketch": ""}))
+    rows = [
+        {"path": "a.jpg", "tags": ["artist:lulubell", "long_hair", "rating:safe", "1girl"]},
+        {"path": "b.jpg", "caption": "oc:kindle, (sketch)\nsolo_focus"},
+        {"path": "c.jpg", "tags": ["kirin", "hidden_tag"]},  # excluded after the edits
+    ]
+    filters = TableFilters(
+        excluded_tags=frozenset({"hidden tag"}), tag_replacements={"1girl": "one_girl"}, text_replacements=read_text_replacements(mapping)
+    )
+    scan = scan_table(write_table(tmp_path / "meta.jsonl", rows), tmp_path, filters, lambda path: True)
+    assert {pair.relative_path: pair.caption_text for pair in scan.pairs} == {
+        "a.jpg": "by=lulubell, long hair, rating=safe, one girl",
+        "b.jpg": "oc=kindle, )\nsolo focus",
+    }
+    assert [problem.relative_path for problem in scan.problems if problem.category == "excluded tag"] == ["c.jpg"]
+
+
 def test_a_caption_list_is_one_caption_per_line(tmp_path):
     table = write_table(tmp_path / "meta.jsonl", [{"path": "a.jpg", "caption": ["a red circle", "a flat\nillustration"]}])
     scan = scan_table(table, tmp_path, TableFilters(), lambda path: True)
@@ -159,6 +183,8 @@ def test_table_flags_are_checked_before_anything_loads(tmp_path, tiny_pipeline_d
     base = ["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), "--pretrained_model_name_or_path", str(tiny_pipeline_dir)]
     bad_json = tmp_path / "bad.json"
     bad_json.write_text('["1girl"]')
+    empty_key = tmp_path / "empty_key.json"
+    empty_key.write_text('{"_": " ", "": "x"}')
     for extra, message in (
         (["--min_score", "5"], "--min_score works on the rows of a --metadata_table: give one"),
         (["--score_tags", "100"], "--score_tags works on the rows of a --metadata_table: give one"),
@@ -166,6 +192,9 @@ def test_table_flags_are_checked_before_anything_loads(tmp_path, tiny_pipeline_d
          "--score_tag_prefix 'a,b' must hold no comma or line break"),
         (["--metadata_table", str(tmp_path / "meta.csv")], "must be an existing .jsonl or .parquet file"),
         (["--metadata_table", str(write_table(tmp_path / "m.jsonl", ROWS)), "--tag_replacements", str(bad_json)], "must be one JSON object of tag -> replacement strings"),
+        (["--tag_text_replacements", str(bad_json)], "--tag_text_replacements works on the rows of a --metadata_table: give one"),
+        (["--metadata_table", str(write_table(tmp_path / "t.jsonl", ROWS)), "--tag_text_replacements", str(empty_key)],
+         "replaces the empty text, which is everywhere: remove that entry"),
     ):
         with pytest.raises(SystemExit):
             sdxl_process_data_dir.main([*base, *extra])
