@@ -246,6 +246,17 @@ def test_script_config_help(config_fixture, expected_flags, request, capsys):
     assert all(flag in out for flag in expected_flags)
 
 
+@pytest.mark.parametrize("config_fixture", ["train_config_class", "cache_config_class"])
+def test_every_option_of_both_scripts_is_in_the_readme(config_fixture, request):
+    import dataclasses
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    documented = set(re.findall(r"`--(\w+)`", readme))
+    missing = [field.name for field in dataclasses.fields(request.getfixturevalue(config_fixture)) if field.name not in documented]
+    assert missing == [], f"options without a word in README.md: {missing}"
+
+
 def test_train_config_defaults(train_config_class):
     config = parse_config(train_config_class, ["--cached_dataset_dirs", "c1", "c2"])
     assert config.cached_dataset_dirs == [Path("c1"), Path("c2")]
