@@ -1,7 +1,8 @@
 """Cache a folder of image + caption pairs for SDXL training: VAE latents, both text embeddings, buckets.
 
 For every image under --data_dir with a caption file of the same name (photo.jpg + photo.txt), or every row
-of a --metadata_table (JSONL or Parquet: path, caption or tags, score; see sdxl_trainer/metadata.py):
+of a --metadata_table (JSONL or Parquet: path, caption or tags, score, under other names with
+--table_columns; see sdxl_trainer/metadata.py):
   1. read it upright (EXIF rotation), RGB, with transparency composited on white;
   2. skip it if it is smaller than the smallest bucket of --min_resolution;
   3. pick its aspect-ratio bucket (the largest resolution category up to --max_resolution that fits); with
@@ -66,7 +67,9 @@ from sdxl_trainer.encoding import TOKENS_PER_CHUNK, Encoders, chunks_for, load_e
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
 from sdxl_trainer.files import write_error_reason
-from sdxl_trainer.metadata import TABLE_SUFFIXES, TableError, TableFilters, read_tag_replacements, read_text_replacements, scan_table
+from sdxl_trainer.metadata import (
+    TABLE_SUFFIXES, TableError, TableFilters, parse_column_names, read_tag_replacements, read_text_replacements, scan_table,
+)
 from sdxl_trainer.sources import (
     PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_caption, read_source, scan_images, worker_of,
 )
@@ -82,6 +85,11 @@ class CacheConfig:
         None,
         help="a .jsonl or .parquet table listing the images instead of caption files: columns path (relative to --data_dir), "
         "caption or tags, and score for --min_score; read in batches, so millions of rows need no scan of the folder",
+    )
+    table_columns: list[str] | None = option(
+        None,
+        help="with --metadata_table: the table's names of the columns it calls otherwise, as COLUMN=NAME pairs (COLUMN: path, caption, "
+        "tags, score, width, height), e.g. path=file_name caption=text for a table made for another trainer",
     )
     min_score: float | None = option(None, help="with --metadata_table: skip rows whose score is below this (and rows without a score)")
     exclude_tags: list[str] | None = option(None, help="with --metadata_table: skip rows whose caption holds any of these comma-separated tags")
@@ -153,7 +161,8 @@ class CacheConfig:
         problems = []
         if self.metadata_table is None:
             for flag, value in (("--min_score", self.min_score), ("--exclude_tags", self.exclude_tags), ("--tag_replacements", self.tag_replacements),
-                                ("--tag_text_replacements", self.tag_text_replacements), ("--score_tags", self.score_tags)):
+                                ("--tag_text_replacements", self.tag_text_replacements), ("--score_tags", self.score_tags),
+                                ("--table_columns", self.table_columns)):
                 if value is not None:
                     problems.append(f"{flag} works on the rows of a --metadata_table: give one (caption files have no tags or scores)")
         elif self.metadata_table.suffix not in TABLE_SUFFIXES or not self.metadata_table.is_file():
@@ -162,6 +171,10 @@ class CacheConfig:
             problems.append(f"--score_tag_prefix {self.score_tag_prefix!r} must hold no comma or line break: it is part of one tag")
         if any(math.isnan(threshold) for threshold in self.score_tags or ()):
             problems.append("--score_tags must be numbers, not nan")
+        try:
+            parse_column_names(self.table_columns or [])
+        except ValueError as error:
+            problems.append(str(error))
         for path, read in ((self.tag_replacements, read_tag_replacements), (self.tag_text_replacements, read_text_replacements)):
             if path is not None:
                 try:
@@ -436,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if config.metadata_table:
         try:
-            scan = scan_table(config.metadata_table, config.data_dir, config.table_filters(), mine)
+            scan = scan_table(config.metadata_table, config.data_dir, config.table_filters(), mine, parse_column_names(config.table_columns or []))
         except TableError as error:
             print(f"[{worker_name}] refused: {error}")
             return 2

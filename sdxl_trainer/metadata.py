@@ -7,6 +7,7 @@ Columns (others are ignored):
 - score: a number, needed where --min_score filters and read by --score_tags;
 - width, height: the image's upright size in px, optional: --dry_run then buckets the row without opening
   the image (caching always reads the image's own size).
+A table made for another trainer names them otherwise: --table_columns maps ours to its names.
 The table is read in batches of rows (Parquet row groups / JSONL lines), and a worker keeps only its own
 rows, so a table of millions of rows never sits in memory whole; images are read later, one by one.
 
@@ -91,11 +92,26 @@ class TableError(RuntimeError):
     """The table as a whole cannot be read (damaged, unreadable, not UTF-8); the message names it."""
 
 
-def table_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
-    """(row number from 1, the row's wanted columns) in order, read in batches; a row that cannot be read
-    comes as (number, why) instead. Raises TableError when the file itself cannot be read."""
+def parse_column_names(pairs: list[str]) -> dict[str, str]:
+    """--table_columns ["path=file_name", "caption=text"] -> {"path": "file_name", "caption": "text"}; ValueError
+    names a pair that is not OURS=THEIRS with OURS one of WANTED_COLUMNS."""
+    names = {}
+    for pair in pairs:
+        ours, separator, theirs = pair.partition("=")
+        if not separator or ours not in WANTED_COLUMNS or not theirs:
+            raise ValueError(f"--table_columns {pair!r} must be COLUMN=NAME_IN_THE_TABLE with COLUMN one of {', '.join(WANTED_COLUMNS)}, e.g. path=file_name")
+        names[ours] = theirs
+    return names
+
+
+def table_rows(path: Path, column_names: dict[str, str] | None = None) -> Iterator[tuple[int, dict | str]]:
+    """(row number from 1, the row's wanted columns under our names) in order, read in batches; a row that
+    cannot be read comes as (number, why) instead. column_names maps our column names to the table's where
+    they differ (--table_columns). Raises TableError when the file itself cannot be read, or when a Parquet
+    table has no path column, or no caption or tags column."""
+    names = {ours: (column_names or {}).get(ours, ours) for ours in WANTED_COLUMNS}
     try:
-        yield from _read_rows(path)
+        yield from _read_rows(path, names)
     except (OSError, UnicodeDecodeError, pa.ArrowException) as error:
         raise TableError(
             f"cannot read the metadata table {path} ({type(error).__name__}: {error}): nothing was cached; repair or re-export the table "
@@ -103,15 +119,21 @@ def table_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
         ) from error
 
 
-def _read_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
+def _read_rows(path: Path, names: dict[str, str]) -> Iterator[tuple[int, dict | str]]:
     if path.suffix == ".parquet":
         table = pq.ParquetFile(path)
-        columns = [name for name in WANTED_COLUMNS if name in table.schema_arrow.names]
+        present = {ours: theirs for ours, theirs in names.items() if theirs in table.schema_arrow.names}
+        if "path" not in present or not {"caption", "tags"} & set(present):
+            missing = "path" if "path" not in present else "caption or tags"
+            raise TableError(
+                f"the metadata table {path} has no {missing} column (its columns: {', '.join(table.schema_arrow.names)}): nothing was "
+                "cached; name the table's columns with --table_columns, e.g. path=file_name caption=text"
+            )
         number = 0
-        for batch in table.iter_batches(batch_size=ROWS_PER_BATCH, columns=columns):
+        for batch in table.iter_batches(batch_size=ROWS_PER_BATCH, columns=list(present.values())):
             for row in pa.Table.from_batches([batch]).to_pylist():
                 number += 1
-                yield number, row
+                yield number, {ours: row[theirs] for ours, theirs in present.items()}
         return
     with open(path, encoding="utf-8-sig") as lines:  # a BOM (Windows tools write one) is not part of row 1
         for number, line in enumerate(lines, start=1):
@@ -122,7 +144,10 @@ def _read_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
             except json.JSONDecodeError as error:
                 yield number, f"not JSON ({error})"
                 continue
-            yield number, row if isinstance(row, dict) else "not a JSON object"
+            if not isinstance(row, dict):
+                yield number, "not a JSON object"
+                continue
+            yield number, {ours: row[theirs] for ours, theirs in names.items() if theirs in row}
 
 
 def row_caption(row: dict) -> str | None:
@@ -161,21 +186,23 @@ def edit_tags(caption: str, filters: TableFilters) -> tuple[str, list[str]]:
     return "\n".join(lines), excluded
 
 
-def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callable[[str], bool]) -> DataScan:
+def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callable[[str], bool], column_names: dict[str, str] | None = None) -> DataScan:
     """The images a table lists (only those `mine` accepts: this worker's), their captions edited as
-    `filters` says; rows that cannot be used are listed with why (row number, or path where there is one)."""
+    `filters` says; rows that cannot be used are listed with why (row number, or path where there is one).
+    column_names: our column names -> the table's, where they differ (table_rows)."""
     pairs: list[SourcePair] = []
     problems: list[ScanProblem] = []
     seen: set[str] = set()
     label = table.name
-    for number, row in table_rows(table):
+    for number, row in table_rows(table, column_names):
         if isinstance(row, str):
             problems.append(ScanProblem(f"{label}:{number}", f"row {number} {row}: fix the table", "bad table row"))
             continue
         path = row.get("path")
         relative = PurePosixPath(path) if isinstance(path, str) and path else None
         if relative is None or relative.is_absolute() or ".." in relative.parts:
-            problems.append(ScanProblem(f"{label}:{number}", f"row {number} has no usable path ({path!r}): give one relative to --data_dir", "bad table row"))
+            hint = " (a column of another name: --table_columns path=NAME)" if path is None else ""
+            problems.append(ScanProblem(f"{label}:{number}", f"row {number} has no usable path ({path!r}): give one relative to --data_dir{hint}", "bad table row"))
             continue
         relative_path = relative.as_posix()
         if not mine(relative_path):

@@ -15,7 +15,7 @@ import pytest
 import sdxl_process_data_dir
 from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET
 from sdxl_trainer.cache import LOG_DIR, load_manifest
-from sdxl_trainer.metadata import TableFilters, read_text_replacements, scan_table
+from sdxl_trainer.metadata import TableError, TableFilters, parse_column_names, read_text_replacements, scan_table
 
 ROWS = [
     {"path": "sample_00.jpg", "tags": ["1girl", "solo", "lowres", "smile"], "score": 9.0},
@@ -224,3 +224,36 @@ def test_a_jsonl_table_saved_with_a_byte_order_mark_reads_its_first_row(tmp_path
     scan = scan_table(table, tmp_path, TableFilters(), lambda path: True)
     assert [(pair.relative_path, pair.caption_text) for pair in scan.pairs] == [("a.jpg", "solo, smile"), ("b.jpg", "red")]
     assert scan.problems == []
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_a_table_made_for_another_trainer_is_read_with_its_column_names(tmp_path, suffix):
+    """SimpleTuner's Parquet tables name the image column `filename`; --table_columns maps it."""
+    rows = [{"filename": "a.jpg", "text": "a red circle", "w": 640, "h": 480}, {"filename": "b.jpg", "text": "a blue square", "w": 512, "h": 512}]
+    table = tmp_path / f"meta{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), table)
+    else:
+        table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    columns = parse_column_names(["path=filename", "caption=text", "width=w", "height=h"])
+    scan = scan_table(table, tmp_path, TableFilters(), lambda path: True, columns)
+    assert [(pair.relative_path, pair.caption_text, pair.table_size) for pair in scan.pairs] == [
+        ("a.jpg", "a red circle", (640, 480)), ("b.jpg", "a blue square", (512, 512)),
+    ]
+    assert scan.problems == []
+    if suffix == ".parquet":  # without the names, the table is refused at once, not row by row
+        with pytest.raises(TableError, match="has no path column \\(its columns: filename, text, w, h\\).*--table_columns"):
+            scan_table(table, tmp_path, TableFilters(), lambda path: True)
+        with pytest.raises(TableError, match="has no caption or tags column"):
+            scan_table(table, tmp_path, TableFilters(), lambda path: True, {"path": "filename"})
+    else:
+        problems = scan_table(table, tmp_path, TableFilters(), lambda path: True).problems
+        assert [problem.reason for problem in problems][0] == (
+            "row 1 has no usable path (None): give one relative to --data_dir (a column of another name: --table_columns path=NAME)"
+        )
+
+
+@pytest.mark.parametrize("pair", ["path", "file=filename", "path="])
+def test_a_column_name_pair_must_name_one_of_ours(pair):
+    with pytest.raises(ValueError, match="must be COLUMN=NAME_IN_THE_TABLE with COLUMN one of path, caption, tags, score, width, height"):
+        parse_column_names([pair])
