@@ -89,9 +89,12 @@ class CacheConfig:
     table_columns: list[str] | None = option(
         None,
         help="with --metadata_table: the table's names of the columns it calls otherwise, as COLUMN=NAME pairs (COLUMN: path, caption, "
-        "tags, score, width, height), e.g. path=file_name caption=text for a table made for another trainer",
+        "tags, score, rating, width, height), e.g. path=file_name caption=text for a table made for another trainer",
     )
     min_score: float | None = option(None, help="with --metadata_table: skip rows whose score is below this (and rows without a score)")
+    allowed_ratings: list[str] | None = option(
+        None, help="with --metadata_table: keep only rows whose rating column is one of these (any case), e.g. general sensitive; rows without one are skipped"
+    )
     exclude_tags: list[str] | None = option(None, help="with --metadata_table: skip rows whose caption holds any of these comma-separated tags")
     tag_replacements: Path | None = option(
         None, help='with --metadata_table: JSON object of tag -> replacement applied to every caption\'s tags first, e.g. {"1girl": "one girl", "lowres": ""} ("" removes)'
@@ -160,11 +163,11 @@ class CacheConfig:
     def _table_problems(self) -> list[str]:
         problems = []
         if self.metadata_table is None:
-            for flag, value in (("--min_score", self.min_score), ("--exclude_tags", self.exclude_tags), ("--tag_replacements", self.tag_replacements),
+            for flag, value in (("--min_score", self.min_score), ("--allowed_ratings", self.allowed_ratings), ("--exclude_tags", self.exclude_tags), ("--tag_replacements", self.tag_replacements),
                                 ("--tag_text_replacements", self.tag_text_replacements), ("--score_tags", self.score_tags),
                                 ("--table_columns", self.table_columns)):
                 if value is not None:
-                    problems.append(f"{flag} works on the rows of a --metadata_table: give one (caption files have no tags or scores)")
+                    problems.append(f"{flag} works on the rows of a --metadata_table: give one (caption files have no tags, scores or ratings)")
         elif self.metadata_table.suffix not in TABLE_SUFFIXES or not self.metadata_table.is_file():
             problems.append(f"--metadata_table {self.metadata_table} must be an existing {' or '.join(TABLE_SUFFIXES)} file")
         if any(character in self.score_tag_prefix for character in ",\n"):
@@ -185,12 +188,13 @@ class CacheConfig:
 
     def table_filters(self) -> TableFilters:
         return TableFilters(
-            self.min_score,
-            frozenset(tag.strip() for tag in self.exclude_tags or ()),
-            read_tag_replacements(self.tag_replacements) if self.tag_replacements else {},
-            read_text_replacements(self.tag_text_replacements) if self.tag_text_replacements else (),
-            tuple(self.score_tags or ()),
-            self.score_tag_prefix,
+            min_score=self.min_score,
+            allowed_ratings=frozenset(rating.strip().lower() for rating in self.allowed_ratings or ()),
+            excluded_tags=frozenset(tag.strip() for tag in self.exclude_tags or ()),
+            tag_replacements=read_tag_replacements(self.tag_replacements) if self.tag_replacements else {},
+            text_replacements=read_text_replacements(self.tag_text_replacements) if self.tag_text_replacements else (),
+            score_tags=tuple(self.score_tags or ()),
+            score_tag_prefix=self.score_tag_prefix,
         )
 
     def validate(self) -> list[str]:

@@ -5,6 +5,8 @@ Columns (others are ignored):
 - caption: the caption text (several captions: one per line, or a list of strings), or
 - tags: a list of tags, or one comma-separated string;
 - score: a number, needed where --min_score filters and read by --score_tags;
+- rating: a text (e.g. general, sensitive, questionable, explicit, or g/s/q/e), needed where --allowed_ratings
+  filters;
 - width, height: the image's upright size in px, optional: --dry_run then buckets the row without opening
   the image (caching always reads the image's own size).
 A table made for another trainer names them otherwise: --table_columns maps ours to its names.
@@ -36,12 +38,13 @@ from .sources import DataScan, ScanProblem, SourcePair
 
 TABLE_SUFFIXES = (".jsonl", ".parquet")
 ROWS_PER_BATCH = 65_536
-WANTED_COLUMNS = ("path", "caption", "tags", "score", "width", "height")
+WANTED_COLUMNS = ("path", "caption", "tags", "score", "rating", "width", "height")
 
 
 @dataclass(frozen=True)
 class TableFilters:
     min_score: float | None = None
+    allowed_ratings: frozenset[str] = frozenset()  # lower case; empty = every row, with a rating or not
     excluded_tags: frozenset[str] = frozenset()
     tag_replacements: dict[str, str] = field(default_factory=dict)  # whole tag -> tag
     text_replacements: tuple[tuple[str, str], ...] = ()  # (text, new text) inside every tag, in order
@@ -225,6 +228,14 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
                 continue
             if score < filters.min_score:
                 problems.append(ScanProblem(relative_path, f"score {score} is below --min_score {filters.min_score}", "score below minimum"))
+                continue
+        if filters.allowed_ratings:
+            rating = row.get("rating")
+            if not isinstance(rating, str) or not rating.strip():
+                problems.append(ScanProblem(relative_path, f"row {number} has no rating, and --allowed_ratings needs one", "no rating"))
+                continue
+            if rating.strip().lower() not in filters.allowed_ratings:
+                problems.append(ScanProblem(relative_path, f"rating {rating!r} is not one of --allowed_ratings {sorted(filters.allowed_ratings)}", "rating not allowed"))
                 continue
         if filters.edits_tags:
             caption, excluded = edit_tags(caption, filters)

@@ -18,16 +18,17 @@ from sdxl_trainer.cache import LOG_DIR, load_manifest
 from sdxl_trainer.metadata import TableError, TableFilters, parse_column_names, read_text_replacements, scan_table
 
 ROWS = [
-    {"path": "sample_00.jpg", "tags": ["1girl", "solo", "lowres", "smile"], "score": 9.0},
-    {"path": "sample_01.jpg", "tags": "landscape, blue sky,  cloud", "score": 7.5},
-    {"path": "sample_02.jpg", "caption": "a pink triangle\nsimple flat illustration", "score": 6.0},
-    {"path": "sample_03.jpg", "tags": ["1girl", "nsfw"], "score": 9.5},  # excluded tag
+    {"path": "sample_00.jpg", "tags": ["1girl", "solo", "lowres", "smile"], "score": 9.0, "rating": "general"},
+    {"path": "sample_01.jpg", "tags": "landscape, blue sky,  cloud", "score": 7.5, "rating": "Sensitive"},
+    {"path": "sample_02.jpg", "caption": "a pink triangle\nsimple flat illustration", "score": 6.0, "rating": "general"},
+    {"path": "sample_03.jpg", "tags": ["1girl", "nsfw"], "score": 9.5, "rating": "general"},  # excluded tag
     {"path": "sample_04.jpg", "tags": ["sketch"], "score": 2.0},  # score below the minimum
     {"path": "sample_05.png", "tags": ["no score"]},  # no score
     {"path": "sample_01.jpg", "tags": ["again"], "score": 8.0},  # listed twice
     {"path": "../outside.jpg", "tags": ["escape"], "score": 8.0},  # outside --data_dir
-    {"path": "missing.jpg", "tags": ["gone"], "score": 8.0},  # no such image
+    {"path": "missing.jpg", "tags": ["gone"], "score": 8.0, "rating": "general"},  # no such image
     {"path": "sample_06.png", "score": 8.0},  # neither caption nor tags
+    {"path": "rated.jpg", "tags": ["solo"], "score": 8.0, "rating": "explicit"},  # a rating not allowed
 ]
 REPLACEMENTS = {"1girl": "one girl", "lowres": ""}
 
@@ -45,7 +46,7 @@ def image_folder(tmp_path: Path) -> Path:
 
 def write_table(path: Path, rows: list[dict]) -> Path:
     if path.suffix == ".parquet":
-        columns = {name: [row.get(name) for row in rows] for name in ("path", "tags", "caption", "score")}
+        columns = {name: [row.get(name) for row in rows] for name in ("path", "tags", "caption", "score", "rating")}
         columns["tags"] = [tags if isinstance(tags, list) or tags is None else tags.split(", ") for tags in columns["tags"]]
         pq.write_table(pa.table(columns), path, row_group_size=3)  # several row groups: read in batches
     else:
@@ -66,7 +67,7 @@ def test_a_table_caches_its_rows_with_tags_edited_and_filtered(tmp_path, tiny_pi
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION), "--metadata_table", str(table),
          "--min_score", "5", "--exclude_tags", "nsfw", "--tag_replacements", str(replacements),
-         "--tag_text_replacements", str(text_replacements), "--score_tags", "9", "7", "8.5"]
+         "--tag_text_replacements", str(text_replacements), "--score_tags", "9", "7", "8.5", "--allowed_ratings", "General", "sensitive"]
     )
     assert exit_code == 0
     manifest = load_manifest(cache_dir)
@@ -84,11 +85,12 @@ def test_a_table_caches_its_rows_with_tags_edited_and_filtered(tmp_path, tiny_pi
         f"sample_01.jpg: listed again in row 7 of meta{suffix}: the first row is used",
         f"meta{suffix}:8: row 8 has no usable path ('../outside.jpg'): give one relative to --data_dir",
         "missing.jpg: cannot read the file",
+        "rated.jpg: rating 'explicit' is not one of --allowed_ratings ['general', 'sensitive']",
         f"sample_06.png: row 10 of meta{suffix} has no caption (text or list of texts) or tags (list of texts or comma-separated text)",
     ):
         assert expected in log, f"{expected!r} not in the cache log:\n{log}"
     if suffix == ".jsonl":
-        assert "meta.jsonl:11: row 11 not JSON" in log
+        assert "meta.jsonl:12: row 12 not JSON" in log
     assert "skipped" in capsys.readouterr().out
 
 
@@ -138,6 +140,25 @@ def test_text_replacements_edit_inside_every_tag_in_the_files_order_after_whole_
         "b.jpg": "oc=kindle, )\nsolo focus",
     }
     assert [problem.relative_path for problem in scan.problems if problem.category == "excluded tag"] == ["c.jpg"]
+
+
+def test_only_rows_of_an_allowed_rating_are_kept_in_any_case(tmp_path):
+    rows = [
+        {"path": "a.jpg", "tags": "solo", "rating": "General"},
+        {"path": "b.jpg", "tags": "solo", "rating": "explicit"},
+        {"path": "c.jpg", "tags": "solo"},
+        {"path": "d.jpg", "tags": "solo", "rating": " s "},
+        {"path": "e.jpg", "tags": "solo", "rating": 3},
+    ]
+    filters = TableFilters(allowed_ratings=frozenset({"general", "s"}))
+    scan = scan_table(write_table(tmp_path / "meta.jsonl", rows), tmp_path, filters, lambda path: True)
+    assert [pair.relative_path for pair in scan.pairs] == ["a.jpg", "d.jpg"]
+    assert [(problem.relative_path, problem.reason) for problem in scan.problems] == [
+        ("b.jpg", "rating 'explicit' is not one of --allowed_ratings ['general', 's']"),
+        ("c.jpg", "row 3 has no rating, and --allowed_ratings needs one"),
+        ("e.jpg", "row 5 has no rating, and --allowed_ratings needs one"),
+        ("meta.jsonl:6", "row 6 not JSON (Expecting value: line 1 column 1 (char 0)): fix the table"),
+    ]
 
 
 def test_a_caption_list_is_one_caption_per_line(tmp_path):
@@ -193,6 +214,7 @@ def test_table_flags_are_checked_before_anything_loads(tmp_path, tiny_pipeline_d
         (["--metadata_table", str(tmp_path / "meta.csv")], "must be an existing .jsonl or .parquet file"),
         (["--metadata_table", str(write_table(tmp_path / "m.jsonl", ROWS)), "--tag_replacements", str(bad_json)], "must be one JSON object of tag -> replacement strings"),
         (["--tag_text_replacements", str(bad_json)], "--tag_text_replacements works on the rows of a --metadata_table: give one"),
+        (["--allowed_ratings", "general"], "--allowed_ratings works on the rows of a --metadata_table: give one"),
         (["--metadata_table", str(write_table(tmp_path / "t.jsonl", ROWS)), "--tag_text_replacements", str(empty_key)],
          "replaces the empty text, which is everywhere: remove that entry"),
     ):
@@ -255,5 +277,5 @@ def test_a_table_made_for_another_trainer_is_read_with_its_column_names(tmp_path
 
 @pytest.mark.parametrize("pair", ["path", "file=filename", "path="])
 def test_a_column_name_pair_must_name_one_of_ours(pair):
-    with pytest.raises(ValueError, match="must be COLUMN=NAME_IN_THE_TABLE with COLUMN one of path, caption, tags, score, width, height"):
+    with pytest.raises(ValueError, match="must be COLUMN=NAME_IN_THE_TABLE with COLUMN one of path, caption, tags, score, rating, width, height"):
         parse_column_names([pair])
