@@ -110,8 +110,8 @@ def parse_column_names(pairs: list[str]) -> dict[str, str]:
 def table_rows(path: Path, column_names: dict[str, str] | None = None) -> Iterator[tuple[int, dict | str]]:
     """(row number from 1, the row's wanted columns under our names) in order, read in batches; a row that
     cannot be read comes as (number, why) instead. column_names maps our column names to the table's where
-    they differ (--table_columns). Raises TableError when the file itself cannot be read, or when a Parquet
-    table has no path column, or no caption or tags column."""
+    they differ (--table_columns). Raises TableError when the file itself cannot be read, when a Parquet
+    table has no path column or no caption or tags column, or when a JSONL table's first row has no path."""
     names = {ours: (column_names or {}).get(ours, ours) for ours in WANTED_COLUMNS}
     try:
         yield from _read_rows(path, names)
@@ -127,17 +127,14 @@ def _read_rows(path: Path, names: dict[str, str]) -> Iterator[tuple[int, dict | 
         table = pq.ParquetFile(path)
         present = {ours: theirs for ours, theirs in names.items() if theirs in table.schema_arrow.names}
         if "path" not in present or not {"caption", "tags"} & set(present):
-            missing = "path" if "path" not in present else "caption or tags"
-            raise TableError(
-                f"the metadata table {path} has no {missing} column (its columns: {', '.join(table.schema_arrow.names)}): nothing was "
-                "cached; name the table's columns with --table_columns, e.g. path=file_name caption=text"
-            )
+            _refuse_columns(path, "path" if "path" not in present else "caption or tags", table.schema_arrow.names)
         number = 0
         for batch in table.iter_batches(batch_size=ROWS_PER_BATCH, columns=list(present.values())):
             for row in pa.Table.from_batches([batch]).to_pylist():
                 number += 1
                 yield number, {ours: row[theirs] for ours, theirs in present.items()}
         return
+    first_row = True
     with open(path, encoding="utf-8-sig") as lines:  # a BOM (Windows tools write one) is not part of row 1
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -150,7 +147,17 @@ def _read_rows(path: Path, names: dict[str, str]) -> Iterator[tuple[int, dict | 
             if not isinstance(row, dict):
                 yield number, "not a JSON object"
                 continue
+            if first_row and names["path"] not in row:  # its keys are the table's columns, as a Parquet schema
+                _refuse_columns(path, "path", list(row))
+            first_row = False
             yield number, {ours: row[theirs] for ours, theirs in names.items() if theirs in row}
+
+
+def _refuse_columns(path: Path, missing: str, columns: list[str]) -> None:
+    raise TableError(
+        f"the metadata table {path} has no {missing} column (its columns: {', '.join(columns)}): nothing was cached; name the "
+        "table's columns with --table_columns, e.g. path=file_name caption=text"
+    )
 
 
 def row_caption(row: dict) -> str | None:

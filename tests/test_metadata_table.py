@@ -263,16 +263,19 @@ def test_a_table_made_for_another_trainer_is_read_with_its_column_names(tmp_path
         ("a.jpg", "a red circle", (640, 480)), ("b.jpg", "a blue square", (512, 512)),
     ]
     assert scan.problems == []
-    if suffix == ".parquet":  # without the names, the table is refused at once, not row by row
-        with pytest.raises(TableError, match="has no path column \\(its columns: filename, text, w, h\\).*--table_columns"):
-            scan_table(table, tmp_path, TableFilters(), lambda path: True)
+    # Without the names the table is refused at once (a JSONL table by its first row), not row by row.
+    with pytest.raises(TableError, match="has no path column \\(its columns: filename, text, w, h\\).*--table_columns"):
+        scan_table(table, tmp_path, TableFilters(), lambda path: True)
+    if suffix == ".parquet":
         with pytest.raises(TableError, match="has no caption or tags column"):
             scan_table(table, tmp_path, TableFilters(), lambda path: True, {"path": "filename"})
-    else:
-        problems = scan_table(table, tmp_path, TableFilters(), lambda path: True).problems
-        assert [problem.reason for problem in problems][0] == (
-            "row 1 has no usable path (None): give one relative to --data_dir (a column of another name: --table_columns path=NAME)"
-        )
+    else:  # a later row without a path is named, and the rest is cached
+        table.write_text("".join(json.dumps(row) + "\n" for row in [{"filename": "a.jpg", "text": "red"}, {"text": "blue"}]))
+        scan = scan_table(table, tmp_path, TableFilters(), lambda path: True, columns)
+        assert [pair.relative_path for pair in scan.pairs] == ["a.jpg"]
+        assert [problem.reason for problem in scan.problems] == [
+            "row 2 has no usable path (None): give one relative to --data_dir (a column of another name: --table_columns path=NAME)"
+        ]
 
 
 @pytest.mark.parametrize("pair", ["path", "file=filename", "path="])
