@@ -17,10 +17,11 @@ Tag edits apply to the comma-separated tags of every caption line, in this order
 (--tag_replacements: a JSON object tag -> new tag, "" removes the tag), text replacements inside every tag
 (--tag_text_replacements: a JSON object text -> new text, applied in the file's order, e.g. "artist:" ->
 "by=", ":" -> "=" as prompt syntax reads ":" as a weight, "_" -> " " for underscore tags; a tag left
-empty is removed), then exclusion (--exclude_tags: a row with any of these tags is skipped), then the score tag (--score_tags: the highest threshold the row's
-score reaches, e.g. "scr800" for a score of 950 with thresholds 3200, 1600, 800, ..., becomes the first tag
-of every line; a row without a score or below every threshold gets none). Without any of them the caption
-is kept exactly as written.
+empty is removed), then exclusion (--exclude_tags: a row with any of these tags is skipped), then the
+score tag (--score_tags: the highest threshold the row's score reaches, e.g. "scr800" for a score of 950
+with thresholds 3200, 1600, 800, ..., becomes the first tag of every line; a row without a score or below
+every threshold gets none). Without any of them the caption is kept exactly as written. Rows are filtered
+by --min_score and --allowed_ratings before their tags are edited.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NoReturn
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -153,7 +154,7 @@ def _read_rows(path: Path, names: dict[str, str]) -> Iterator[tuple[int, dict | 
             yield number, {ours: row[theirs] for ours, theirs in names.items() if theirs in row}
 
 
-def _refuse_columns(path: Path, missing: str, columns: list[str]) -> None:
+def _refuse_columns(path: Path, missing: str, columns: list[str]) -> NoReturn:
     raise TableError(
         f"the metadata table {path} has no {missing} column (its columns: {', '.join(columns)}): nothing was cached; name the "
         "table's columns with --table_columns, e.g. path=file_name caption=text"
