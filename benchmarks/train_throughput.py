@@ -37,6 +37,8 @@ recomputed forward counts too, so that MFU is then strictly hardware FLOP utilis
 the ResNet and transformer blocks, not the whole forward: SDXL at 1024 px counts 20.23 TFLOP per image
 without checkpointing and 25.44 with it (issue 7's nominal figures, 20.3 and 27.0, assume a full recompute). Peak: a large matmul in the compute dtype, timed here on this device (bf16 8192^3 on a GPU).
 MFU = images/s per GPU x FLOP per image / peak.
+Optimizer ms: optimizer.step alone, the device synchronized before and after it (global step hooks), over
+OPTIMIZER_TIMED_STEPS steps after the measured window so the synchronizations stay out of its timing.
 Peak memory: torch.cuda.max_memory_allocated / max_memory_reserved of each path (reset before its model is
 built; the largest over ranks). On the CPU there is no per-path figure: the table reads n/a, and the
 process's peak resident size over the whole run is printed below it.
@@ -71,6 +73,7 @@ import torch.nn.functional as F  # noqa: E402
 from diffusers import DDPMScheduler, UNet2DConditionModel  # noqa: E402
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from sdxl_FSDP_train import resolve_compute_dtype  # noqa: E402
@@ -98,9 +101,10 @@ ATTENTION_BACKENDS = {
 }
 GPU_ONLY_ATTENTION = ("efficient", "cudnn")
 COLUMNS = (
-    "batch", "checkpointing", "path", "images/s per GPU", "ms per step", "MFU %", "peak allocated GiB", "peak reserved GiB",
-    "step time / reference",
+    "batch", "checkpointing", "path", "images/s per GPU", "ms per step", "optimizer ms", "MFU %", "peak allocated GiB",
+    "peak reserved GiB", "step time / reference",
 )
+OPTIMIZER_TIMED_STEPS = 3  # after the measured window: the synchronizations around optimizer.step stay out of it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -164,6 +168,7 @@ class PathResult:
     row: Row
     path: str
     seconds_per_step: float | None  # None: ran out of GPU memory
+    optimizer_seconds: float | None  # of optimizer.step alone; None: out of memory, or every step skipped (fp16 overflow)
     peak_allocated_gib: float | None  # None: not measured (CPU)
     peak_reserved_gib: float | None
 
@@ -305,6 +310,32 @@ def seconds_per_step(step: Callable[[int], object], args: argparse.Namespace, wo
     return max(gather_floats(elapsed, world.device)) / args.measured_steps
 
 
+def optimizer_seconds(step: Callable[[int], object], args: argparse.Namespace, world: World) -> float | None:
+    """Mean seconds of optimizer.step alone (the device synchronized before and after it), of the slowest
+    rank, over OPTIMIZER_TIMED_STEPS more steps: its share of the step, e.g. torchao's 8-bit AdamW, which
+    launches compiled code tensor by tensor (about 1,700 for SDXL)."""
+    durations, started = [], []
+
+    def before(*_) -> None:
+        synchronize(world.device)
+        started.append(time.perf_counter())
+
+    def after(*_) -> None:
+        synchronize(world.device)
+        durations.append(time.perf_counter() - started[-1])
+
+    hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+    try:
+        first = args.warmup_steps + args.measured_steps
+        for index in range(first, first + OPTIMIZER_TIMED_STEPS):
+            step(index)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    means = gather_floats(sum(durations) / len(durations) if durations else math.nan, world.device)
+    return None if any(math.isnan(mean) for mean in means) else max(means)
+
+
 def run_path(name: str, build: Callable[[], Callable[[int], object]], args: argparse.Namespace, row: Row, world: World) -> PathResult:
     """Build one path, time it and free it; a CUDA out-of-memory error makes the row read OOM."""
     if args.compile:
@@ -313,16 +344,19 @@ def run_path(name: str, build: Callable[[], Callable[[int], object]], args: argp
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(world.device)
     try:
-        seconds = seconds_per_step(build(), args, world)
+        step = build()
+        seconds = seconds_per_step(step, args, world)
+        optimizer = optimizer_seconds(step, args, world)
+        del step
     except torch.OutOfMemoryError:
-        seconds = None  # the row reads OOM; the model is freed below, once the handler has dropped the traceback
+        seconds = optimizer = None  # the row reads OOM; the model is freed below, once the handler has dropped the traceback
     gc.collect()
     allocated = reserved = None
     if on_gpu:
         allocated = max(gather_floats(peak_memory_gib(world.device), world.device))
         reserved = max(gather_floats(torch.cuda.max_memory_reserved(world.device) / 2**30, world.device))
         torch.cuda.empty_cache()
-    result = PathResult(row, name, seconds, allocated, reserved)
+    result = PathResult(row, name, seconds, optimizer, allocated, reserved)
     if world.is_main:
         speed = "OOM" if seconds is None else f"{row.batch_size / seconds:.3f} images/s"
         print(f"  batch {row.batch_size}, checkpointing {_on_off(row.gradient_checkpointing)}, {name}: {speed}", flush=True)
@@ -355,6 +389,7 @@ def table(results: list[PathResult], peak_flops: float, args: argparse.Namespace
             result.path,
             _number(images_per_second, ".3f", "OOM"),
             _number(None if oom else seconds * 1000, ".1f", "OOM"),
+            _number(None if result.optimizer_seconds is None else result.optimizer_seconds * 1000, ".1f", "OOM" if oom else "n/a"),
             _number(mfu, ".3g", "OOM"),  # 3 significant digits: tiny CPU runs are far below 1%
             _number(result.peak_allocated_gib, ".2f", "n/a"),  # on a GPU, an OOM row shows the peak it reached
             _number(result.peak_reserved_gib, ".2f", "n/a"),

@@ -20,7 +20,7 @@ from conftest import REPO_ROOT, run_processes
 SCRIPT = REPO_ROOT / "benchmarks" / "train_throughput.py"
 # adamw: torchao's 8-bit step compiles for minutes on a cold 2-core machine; the paths are the same otherwise.
 TINY = ["--model", "tiny", "--resolution", "32", "--warmup_steps", "0", "--measured_steps", "1", "--optimizer", "adamw"]
-NUMERIC_COLUMNS = ("images/s per GPU", "ms per step", "MFU %", "step time / reference")
+NUMERIC_COLUMNS = ("images/s per GPU", "ms per step", "optimizer ms", "MFU %", "step time / reference")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def bench():
 def table_rows(text: str) -> list[dict[str, str]]:
     lines = [line.strip().strip("|") for line in text.splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in lines[0].split("|")]
-    assert header == ["batch", "checkpointing", "path", "images/s per GPU", "ms per step", "MFU %", "peak allocated GiB",
+    assert header == ["batch", "checkpointing", "path", "images/s per GPU", "ms per step", "optimizer ms", "MFU %", "peak allocated GiB",
                       "peak reserved GiB", "step time / reference"]
     return [dict(zip(header, (cell.strip() for cell in line.split("|")))) for line in lines[2:]]
 
@@ -44,6 +44,7 @@ def assert_measured(row: dict[str, str]) -> None:
     for column in NUMERIC_COLUMNS:
         value = float(row[column])
         assert math.isfinite(value) and value > 0, (column, row)
+    assert float(row["optimizer ms"]) < float(row["ms per step"])
     assert row["peak allocated GiB"] == row["peak reserved GiB"] == "n/a"  # no per-path memory figure on the CPU
     if row["path"].startswith("reference"):
         assert float(row["step time / reference"]) == 1.0
@@ -98,17 +99,18 @@ def test_table_marks_out_of_memory_and_divides_by_the_reference(bench):
     args = bench.parse_args(["--model", "tiny", "--resolution", "32"])  # FLOP counts cached by the test above
     fits, too_big = bench.Row(2, True), bench.Row(8, False)
     results = [
-        bench.PathResult(fits, "reference (plain)", 0.5, 3.0, 4.0),
-        bench.PathResult(fits, "trainer", 0.55, 2.5, 3.0),
-        bench.PathResult(too_big, "reference (plain)", None, 70.0, 79.0),
-        bench.PathResult(too_big, "trainer", 0.9, 60.0, 70.0),
+        bench.PathResult(fits, "reference (plain)", 0.5, 0.05, 3.0, 4.0),
+        bench.PathResult(fits, "trainer", 0.55, None, 2.5, 3.0),  # fp16: every timed step skipped on overflow
+        bench.PathResult(too_big, "reference (plain)", None, None, 70.0, 79.0),
+        bench.PathResult(too_big, "trainer", 0.9, 0.2, 60.0, 70.0),
     ]
     rows = table_rows(bench.table(results, peak_flops=1e12, args=args))
     assert float(rows[1]["step time / reference"]) == pytest.approx(1.1)
     assert float(rows[0]["images/s per GPU"]) == pytest.approx(4.0)  # batch 2 in 0.5 s
     mfu = 4.0 * bench.flop_per_image("tiny", 32, True) / 1e12 * 100
     assert float(rows[0]["MFU %"]) == pytest.approx(mfu, rel=0.01)
-    assert [rows[2][column] for column in ("images/s per GPU", "ms per step", "MFU %", "step time / reference")] == ["OOM"] * 4
+    assert (rows[0]["optimizer ms"], rows[1]["optimizer ms"], rows[3]["optimizer ms"]) == ("50.0", "n/a", "200.0")
+    assert [rows[2][column] for column in ("images/s per GPU", "ms per step", "optimizer ms", "MFU %", "step time / reference")] == ["OOM"] * 5
     assert rows[2]["peak allocated GiB"] == "70.00"  # the peak it reached before running out
     assert rows[3]["step time / reference"] == "n/a"  # nothing to divide by
 
