@@ -95,6 +95,11 @@ class TrainConfig:
         "unused on one process without --cpu_offload (the UNet is not sharded there)",
     )
     num_train_epochs: int = option(10, help="passes over the training items")
+    max_train_updates: int = option(
+        0,
+        help="train this many optimizer updates in all, as many epochs or part of one as that takes, instead of --num_train_epochs "
+        "(kohya's --max_train_steps); the LR schedule spans them; 0 = off",
+    )
     learning_rate: float = option(1e-5, help="peak learning rate")
     learning_rate_scheduler: ScheduleName = option("constant_with_warmup", help="learning-rate schedule over optimizer updates")
     percent_lr_warm_up_steps: float = option(0.05, help="share (0-1) of all optimizer updates spent warming up linearly from 0")
@@ -239,6 +244,8 @@ class TrainConfig:
                      "validation_every_n_updates"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0 (0 turns it off)")
+        if self.max_train_updates < 0:
+            problems.append("--max_train_updates must be >= 0 (0 = --num_train_epochs decides)")
         if self.max_grad_norm < 0:
             problems.append("--max_grad_norm must be >= 0 (0 turns clipping off)")
         if self.max_consecutive_skipped_updates < 1:
@@ -492,7 +499,7 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
     prompts = choose_sample_prompts(read_prompts(config.sample_prompts), [dataset.caption(item) for item in range(len(dataset))], config.num_sample_images, seed) if config.save_samples else []
     return Evaluator(
         world,
-        config.num_train_epochs,
+        None if config.max_train_updates else config.num_train_epochs,  # with --max_train_updates the run validates at its end
         dataset,
         holdout,
         noise_scheduler,
@@ -665,8 +672,10 @@ def train(config: TrainConfig, world: World) -> int:
             )
     elif world.is_main and config.load_saved_state == "latest":
         print(f"No complete checkpoint in {run_dir / 'checkpoints'} yet: starting from the base model.")
-    plans = planner.plans(config.num_train_epochs, position.epoch, position.carried_in, position.consumed)
-    total_updates = first_update + sum(plan.num_updates for plan in plans)
+    updates_left = max(config.max_train_updates - first_update, 0) if config.max_train_updates else None
+    plans = planner.plans(config.num_train_epochs, position.epoch, position.carried_in, position.consumed, max_updates=updates_left)
+    stream = DataStream(dataset, plans, position, world.rank, config.train_batch_size, config.dataloader_num_workers, world.device, updates_left)
+    total_updates = first_update + stream.num_updates
     if total_updates == 0:
         raise SystemExit(
             f"No optimizer update is possible: {len(dataset)} items, global batch {global_batch_size} x "
@@ -694,7 +703,7 @@ def train(config: TrainConfig, world: World) -> int:
         print(
             f"{len(dataset)} cached items"
             + (f" ({len(planner.epoch_samples(0))} samples an epoch with --dataset_repeats)" if config.dataset_repeats else "")
-            + f", {world.world_size} process{'es' if world.world_size > 1 else ''}, {config.num_train_epochs} epochs, "
+            + f", {world.world_size} process{'es' if world.world_size > 1 else ''}, {run_length(config, len(plans))}, "
             f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
             f"compute {str(compute_dtype).removeprefix('torch.')}, "
             + (
@@ -732,7 +741,6 @@ def train(config: TrainConfig, world: World) -> int:
         report=monitor.say,
         last_saved_update=first_update if saved else None,
     )
-    stream = DataStream(dataset, plans, position, world.rank, config.train_batch_size, config.dataloader_num_workers, world.device)
     stop = StopRequest()
 
     # ---- training loop ---------------------------------------------------------------------------
@@ -770,21 +778,33 @@ def train(config: TrainConfig, world: World) -> int:
             checkpointer.after_update(update.position_after)
             if config.validation_every_n_updates and train_step.updates_done % config.validation_every_n_updates == 0:
                 evaluate(evaluator, None, models, ema, monitor.metrics, train_step.updates_done)
+            last_update = train_step.updates_done == total_updates
             if update.ends_epoch:
                 finished_epochs = update.epoch + 1
                 monitor.log_epoch(finished_epochs)
-                evaluate(evaluator, finished_epochs, models, ema, monitor.metrics, train_step.updates_done)
-                if finished_epochs < config.num_train_epochs and epoch_save_due(config, finished_epochs):
+                if not (config.max_train_updates and last_update):  # the final validation below covers it
+                    evaluate(evaluator, finished_epochs, models, ema, monitor.metrics, train_step.updates_done)
+                if not last_update and epoch_save_due(config, finished_epochs):
                     export_epoch_model(config, world, models, ema, run_dir / f"pipeline_epoch_{finished_epochs:04d}", monitor)
                     checkpointer.at_epoch_save(update.position_after)
             monitor.throughput.start()
         else:
+            validated_now = config.validation_every_n_updates and train_step.updates_done % config.validation_every_n_updates == 0
+            if config.max_train_updates and not validated_now:
+                # The run ends inside an epoch or at an epoch end without its own validation: validate what is exported.
+                evaluate(evaluator, None, models, ema, monitor.metrics, train_step.updates_done)
             finish(config, world, models, ema, run_dir, checkpointer, stream.position, monitor)
     finally:
         monitor.close()
         stop.restore_handlers()
     shutdown_distributed()
     return 0
+
+
+def run_length(config: TrainConfig, epochs_planned: int) -> str:
+    if not config.max_train_updates:
+        return f"{config.num_train_epochs} epochs"
+    return f"until update {config.max_train_updates} (--max_train_updates; in {epochs_planned} epoch{'s' if epochs_planned != 1 else ''})"
 
 
 def epoch_save_due(config: TrainConfig, finished_epochs: int) -> bool:

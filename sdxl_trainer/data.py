@@ -21,6 +21,7 @@ planned like an item, and draws its own noise and caption (diffusion.py, caption
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,19 +168,29 @@ class EpochPlanner:
         carried_out = np.concatenate(leftovers).astype(np.int64) if leftovers else np.zeros(0, dtype=np.int64)
         return EpochPlan(batches, carried_out, self.accumulation_steps)
 
-    def plans(self, num_epochs: int, start_epoch: int = 0, carried_in: np.ndarray | None = None, consumed: np.ndarray | None = None) -> list[EpochPlan]:
-        """Plans of epochs start_epoch .. num_epochs-1. A resumed run passes the position it saved: the items
-        carried into start_epoch and those start_epoch already trained on; its first plan then holds only
-        the rest of that epoch. With an unchanged global batch and accumulation this is exactly the rest of
-        the original plan (same batches, same order); otherwise the untrained items are planned anew."""
+    def plans(self, num_epochs: int, start_epoch: int = 0, carried_in: np.ndarray | None = None, consumed: np.ndarray | None = None,
+              max_updates: int | None = None) -> list[EpochPlan]:
+        """Plans of epochs start_epoch .. num_epochs-1, or with max_updates of as many epochs as hold that many
+        updates (the last one whole: the run stops inside it). A resumed run passes the position it saved:
+        the items carried into start_epoch and those start_epoch already trained on; its first plan then
+        holds only the rest of that epoch. With an unchanged global batch and accumulation this is exactly
+        the rest of the original plan (same batches, same order); otherwise the untrained items are planned
+        anew."""
         carried = np.zeros(0, dtype=np.int64) if carried_in is None else carried_in
         consumed = np.zeros(0, dtype=np.int64) if consumed is None else consumed
-        plans = []
-        for epoch in range(start_epoch, num_epochs):
+        plans: list[EpochPlan] = []
+        planned_updates = 0
+        epochs = itertools.count(start_epoch) if max_updates is not None else range(start_epoch, num_epochs)
+        for epoch in epochs:
+            if max_updates is not None and planned_updates >= max_updates:
+                break
             plan = self.plan(epoch, carried)
             if epoch == start_epoch and len(consumed):
                 plan = self._rest_of_epoch(epoch, carried, plan, consumed)
+            if max_updates is not None and plan.num_updates == 0 and epoch > start_epoch:
+                break  # no epoch holds an update: the run cannot reach max_updates
             plans.append(plan)
+            planned_updates += plan.num_updates
             carried = plan.carried_out
         return plans
 
@@ -229,31 +240,34 @@ class DataStream:
     start once instead of at every epoch."""
 
     def __init__(self, dataset: CachedDataset, plans: list[EpochPlan], position: DataPosition, rank: int, per_rank_batch: int,
-                 num_workers: int, device: torch.device):
+                 num_workers: int, device: torch.device, max_updates: int | None = None):
+        """max_updates: stop after that many updates, inside an epoch if need be (--max_train_updates)."""
         self.plans = plans
         self.position = position
         self.device = device
+        updates = [(plan, update) for plan in plans for update in range(plan.num_updates)][:max_updates]
+        self.num_updates = len(updates)
         self.loader = DataLoader(
             dataset,
-            batch_sampler=[rank_slice(batch, rank, per_rank_batch) for plan in plans for batch in plan.batches],
+            batch_sampler=[rank_slice(batch, rank, per_rank_batch) for plan, update in updates for batch in plan.update_batches(update)],
             num_workers=num_workers,
             collate_fn=collate,
             pin_memory=device.type == "cuda",
             worker_init_fn=ignore_stop_signals,
         )
 
-    @property
-    def num_updates(self) -> int:
-        return sum(plan.num_updates for plan in self.plans)
-
     def __iter__(self) -> Iterator[Update]:
         batches = iter(self.loader)
         start = self.position
+        left = self.num_updates
         for index, plan in enumerate(self.plans):
             epoch = start.epoch + index
             position = start if index == 0 else DataPosition.epoch_start(epoch, self.plans[index - 1].carried_out)
             consumed = [position.consumed]
             for update_in_plan in range(plan.num_updates):
+                if left == 0:
+                    return  # --max_train_updates reached inside the epoch: self.position is where a resume goes on
+                left -= 1
                 update_batches = plan.update_batches(update_in_plan)
                 microbatches = [{key: value.to(self.device, non_blocking=True) for key, value in next(batches).items()} for _ in update_batches]
                 consumed.extend(update_batches)

@@ -42,7 +42,7 @@ class Schedule:
     every_n_epochs: int
     start_epoch: int = 0
 
-    def due(self, epochs_done: int, num_epochs: int) -> bool:
+    def due(self, epochs_done: int, num_epochs: int | None) -> bool:
         return self.enabled and is_due(epochs_done, self.every_n_epochs, self.start_epoch, num_epochs)
 
 
@@ -63,7 +63,7 @@ class Evaluator:
     def __init__(
         self,
         world: World,
-        num_epochs: int,
+        num_epochs: int | None,  # None: no last epoch (--max_train_updates ends the run)
         dataset: CachedDataset,
         holdout: Holdout,
         noise_scheduler: DDPMScheduler,

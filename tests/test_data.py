@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sdxl_trainer.cache import CachedItem, ShardWriter
-from sdxl_trainer.data import CachedDataset, EpochPlanner, collate, rank_slice, small_buckets
+from sdxl_trainer.checkpoint import DataPosition
+from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, collate, rank_slice, small_buckets
 
 # --- helpers ----------------------------------------------------------------------------------------------
 
@@ -285,6 +286,46 @@ def test_fuzz_a_resumed_epoch_trains_exactly_the_rest():
         assert [batch.tolist() for batch in resumed[0].batches] == [batch.tolist() for batch in remaining]
         assert np.array_equal(resumed[0].carried_out, straight[1].carried_out)
         assert [batch.tolist() for batch in resumed[1].batches] == [batch.tolist() for batch in straight[2].batches]
+
+
+class SampleIndices(torch.utils.data.Dataset):
+    def __getitem__(self, sample: int) -> dict[str, torch.Tensor]:
+        return {"sample_index": torch.tensor(sample)}
+
+
+def streamed(planner: EpochPlanner, global_batch: int, position, max_updates: int) -> tuple[list[list[int]], list[bool], object]:
+    """The samples of each update a DataStream gives with --max_train_updates' cap (1 rank), whether each ends
+    its epoch, and the position after the last one."""
+    plans = planner.plans(99, position.epoch, position.carried_in, position.consumed, max_updates=max_updates)
+    stream = DataStream(SampleIndices(), plans, position, 0, global_batch, 0, torch.device("cpu"), max_updates)
+    updates = list(stream)
+    return [torch.cat([batch["sample_index"] for batch in update.microbatches]).tolist() for update in updates], [u.ends_epoch for u in updates], stream.position
+
+
+def test_fuzz_a_run_capped_in_updates_stops_inside_an_epoch_and_a_resume_goes_on_exactly():
+    """--max_train_updates: a run of `first` updates, resumed to `total`, trains the same samples in the same
+    updates as a straight run of `total`, also when the cap falls inside an epoch."""
+    rng = np.random.default_rng(11)
+    checked = 0
+    for case in range(120):
+        ids, trainable, global_batch, accumulation = random_layout(rng)
+        planner = EpochPlanner(ids, trainable, global_batch, accumulation, seed=case)
+        per_epoch = planner.plan(0, np.zeros(0, dtype=np.int64)).num_updates
+        if per_epoch == 0:
+            plans = planner.plans(99, max_updates=5)  # no epoch can hold an update: planning stops
+            assert len(plans) == 1 and not plans[0].batches
+            continue
+        total = int(rng.integers(1, 3 * per_epoch + 2))
+        first = int(rng.integers(0, total + 1))
+        start = DataPosition.epoch_start(0)
+        straight, straight_ends, _ = streamed(planner, global_batch, start, total)
+        assert len(straight) == total
+        head, _, position = streamed(planner, global_batch, start, first)
+        rest, rest_ends, _ = streamed(planner, global_batch, position, total - first)
+        assert head + rest == straight, f"case {case}: {first} + {total - first} updates differ from {total} straight"
+        assert rest_ends == straight_ends[first:]
+        checked += 1
+    assert checked > 60
 
 
 # --- repeats (--dataset_repeats) ---------------------------------------------------------------------------

@@ -80,3 +80,26 @@ def test_schedules_match_diffusers(schedule):
         assert ours(update) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12, abs=1e-18), update
         optimizer.step()
         reference.step()
+
+
+def test_a_run_of_so_many_updates_stops_inside_an_epoch_validates_exports_and_a_longer_resume_goes_on_exactly(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    """--max_train_updates (kohya's --max_train_steps), 1 process, constant schedule: 5 updates (an epoch has
+    more than 20), then the same run resumed with --max_train_updates 9 equals 9 straight in its last 4
+    losses and its weights (the schedule spans the cap; like --learning_rate, a resume may change it)."""
+
+    def run(name: str, max_updates: int, *extra: str) -> Path:
+        flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, name, "--optimizer", "adamw", "--learning_rate_scheduler", "constant",
+                              "--max_train_updates", str(max_updates), "--num_train_epochs", "1", *extra)
+        result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags)
+        assert f"until update {max_updates} (--max_train_updates; in 1 epoch)" in result.stdout
+        return tmp_path / name
+
+    short = run("capped", 5)
+    assert len(scalars(short, "train/loss")) == 5
+    assert len(scalars(short, "val/loss")) == 2  # the base model's, and after update 5 (inside epoch 1)
+    assert (short / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (short / "checkpoints" / "update_00000005").is_dir()
+    straight = run("straight", 9)
+    resumed = run("capped", 9, "--load_saved_state", "latest")
+    assert scalars(resumed, "train/loss")[5:] == scalars(straight, "train/loss")[5:]
+    assert all(torch.equal(weight, exported_unet(straight)[key]) for key, weight in exported_unet(resumed).items())
