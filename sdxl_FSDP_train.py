@@ -776,7 +776,7 @@ def train(config: TrainConfig, world: World) -> int:
                 monitor.say(f"Stopped on request after update {train_step.updates_done}. Resume with: --load_saved_state latest (or {checkpoint_dir}).")
                 break
             checkpointer.after_update(update.position_after)
-            if config.validation_every_n_updates and train_step.updates_done % config.validation_every_n_updates == 0:
+            if validation_due_after(config, train_step.updates_done):
                 evaluate(evaluator, None, models, ema, monitor.metrics, train_step.updates_done)
             last_update = train_step.updates_done == total_updates
             if update.ends_epoch:
@@ -789,8 +789,7 @@ def train(config: TrainConfig, world: World) -> int:
                     checkpointer.at_epoch_save(update.position_after)
             monitor.throughput.start()
         else:
-            validated_now = config.validation_every_n_updates and train_step.updates_done % config.validation_every_n_updates == 0
-            if config.max_train_updates and not validated_now:
+            if config.max_train_updates and not validation_due_after(config, train_step.updates_done):
                 # The run ends inside an epoch or at an epoch end without its own validation: validate what is exported.
                 evaluate(evaluator, None, models, ema, monitor.metrics, train_step.updates_done)
             finish(config, world, models, ema, run_dir, checkpointer, stream.position, monitor)
@@ -799,6 +798,11 @@ def train(config: TrainConfig, world: World) -> int:
         stop.restore_handlers()
     shutdown_distributed()
     return 0
+
+
+def validation_due_after(config: TrainConfig, update: int) -> bool:
+    """--validation_every_n_updates: whether everything that is on runs after this update."""
+    return bool(config.validation_every_n_updates) and update % config.validation_every_n_updates == 0
 
 
 def run_length(config: TrainConfig, epochs_planned: int) -> str:

@@ -163,9 +163,9 @@ class CacheConfig:
     def _table_problems(self) -> list[str]:
         problems = []
         if self.metadata_table is None:
-            for flag, value in (("--min_score", self.min_score), ("--allowed_ratings", self.allowed_ratings), ("--exclude_tags", self.exclude_tags), ("--tag_replacements", self.tag_replacements),
-                                ("--tag_text_replacements", self.tag_text_replacements), ("--score_tags", self.score_tags),
-                                ("--table_columns", self.table_columns)):
+            for flag, value in (("--min_score", self.min_score), ("--allowed_ratings", self.allowed_ratings), ("--exclude_tags", self.exclude_tags),
+                                ("--tag_replacements", self.tag_replacements), ("--tag_text_replacements", self.tag_text_replacements),
+                                ("--score_tags", self.score_tags), ("--table_columns", self.table_columns)):
                 if value is not None:
                     problems.append(f"{flag} works on the rows of a --metadata_table: give one (caption files have no tags, scores or ratings)")
         elif self.metadata_table.suffix not in TABLE_SUFFIXES or not self.metadata_table.is_file():

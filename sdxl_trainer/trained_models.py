@@ -1,6 +1,6 @@
 """The modules a run trains, under the pipeline's component names: the UNet, and with --train_text_encoder
-the text encoders whose learning rate is not 0. One object for what is checkpointed, exported and handed to sampling, so those three
-always agree on which weights were trained.
+the text encoders whose learning rate is not 0. One object for what is checkpointed, exported and handed
+to sampling, so those three always agree on which weights were trained.
 """
 
 from __future__ import annotations
