@@ -108,7 +108,7 @@ class TrainConfig:
     polynomial_power: float = option(1.0, help="power of the polynomial schedule (1 = linear decay)")
     optimizer: Literal["adamw8bit", "adamw", "adafactor", "lion"] = option(
         "adamw8bit",
-        help="adamw8bit = torchao 8-bit AdamW (2 bytes of state per weight); adamw = fp32 AdamW (8 bytes); "
+        help="adamw8bit = 8-bit AdamW (torchao's state, 2 bytes per weight, stepped many tensors per kernel); adamw = fp32 AdamW (8 bytes); "
         "adafactor = factored second moments, no momentum (least memory); lion = sign updates, one fp32 momentum "
         "(4 bytes; use a 3-10x lower --learning_rate)",
     )
@@ -749,7 +749,7 @@ def train(config: TrainConfig, world: World) -> int:
             evaluate(evaluator, 0, models, ema, monitor.metrics, first_update)
         if config.optimizer == "adamw8bit" or config.compile_unet:
             monitor.say(
-                f"The first update compiles kernels ({'torchao 8-bit AdamW' if config.optimizer == 'adamw8bit' else 'the UNet blocks'}): "
+                f"The first update compiles kernels ({'the 8-bit AdamW step' if config.optimizer == 'adamw8bit' else 'the UNet blocks'}): "
                 f"seconds to a minute on a GPU, up to several minutes on a CPU, then reused from {os.environ['TORCHINDUCTOR_CACHE_DIR']} by later runs."
             )
         monitor.throughput.start()

@@ -39,6 +39,8 @@ without checkpointing and 25.44 with it (issue 7's nominal figures, 20.3 and 27.
 MFU = images/s per GPU x FLOP per image / peak.
 Optimizer ms: optimizer.step alone, the device synchronized before and after it (global step hooks), over
 OPTIMIZER_TIMED_STEPS steps after the measured window so the synchronizations stay out of its timing.
+Run once with --optimizer torchao_adamw8bit to see what the trainer's multi-tensor 8-bit step saves over
+torchao's per-tensor one (about 1,700 compiled calls for SDXL on every rank).
 Peak memory: torch.cuda.max_memory_allocated / max_memory_reserved of each path (reset before its model is
 built; the largest over ranks). On the CPU there is no per-path figure: the table reads n/a, and the
 process's peak resident size over the whole run is printed below it.
@@ -75,6 +77,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+from torchao.optim import AdamW8bit as TorchaoAdamW8bit  # noqa: E402
 
 from sdxl_FSDP_train import resolve_compute_dtype  # noqa: E402
 from sdxl_trainer.diffusion import NoiseSettings  # noqa: E402
@@ -104,6 +107,7 @@ COLUMNS = (
     "batch", "checkpointing", "path", "images/s per GPU", "ms per step", "optimizer ms", "MFU %", "peak allocated GiB",
     "peak reserved GiB", "step time / reference",
 )
+TORCHAO_ADAMW8BIT = "torchao_adamw8bit"
 OPTIMIZER_TIMED_STEPS = 3  # after the measured window: the synchronizations around optimizer.step stay out of it
 
 
@@ -116,7 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=1, help="images per process per step (--sweep runs 1, 4 and 8 instead)")
     parser.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="recompute activations in backward, in both paths (--sweep runs both settings instead)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw8bit", help="build_optimizer's optimizer, in both paths")
+    parser.add_argument("--optimizer", choices=(*OPTIMIZERS, TORCHAO_ADAMW8BIT), default="adamw8bit",
+                        help=f"build_optimizer's optimizer, in both paths; {TORCHAO_ADAMW8BIT} = torchao's own AdamW8bit, which steps "
+                        "tensor by tensor (the trainer's adamw8bit keeps its state and steps many tensors per kernel), to compare with")
     parser.add_argument("--mixed_precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                         help="compute dtype, as the trainer's option: auto = bf16 on GPUs that support it, else fp16; fp32 on the CPU")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
@@ -244,9 +250,15 @@ def param_dtype(compute_dtype: torch.dtype) -> torch.dtype | None:
     return None if compute_dtype == torch.float32 else compute_dtype
 
 
+def make_optimizer(name: str, parameters) -> torch.optim.Optimizer:
+    if name == TORCHAO_ADAMW8BIT:
+        return TorchaoAdamW8bit(parameters, lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+    return build_optimizer(name, parameters, 1e-5, 1e-2, (0.9, 0.999), 1e-8)
+
+
 def trainer_path(args: argparse.Namespace, row: Row, world: World, compute_dtype: torch.dtype) -> Callable[[int], object]:
     unet = prepare_unet(new_unet(args, row, world.device), world, param_dtype(compute_dtype), compile_blocks=args.compile)
-    optimizer = build_optimizer(args.optimizer, unet.parameters(), 1e-5, 1e-2, (0.9, 0.999), 1e-8)
+    optimizer = make_optimizer(args.optimizer, unet.parameters())
     step = TrainStep(
         unet,
         optimizer,
@@ -268,7 +280,7 @@ def reference_path(args: argparse.Namespace, row: Row, world: World, compute_dty
         shard_unet(unet, world.mesh, param_dtype(compute_dtype), compile_blocks=args.compile)
     elif args.compile:
         compile_repeated_blocks(unet)
-    optimizer = build_optimizer(args.optimizer, unet.parameters(), 1e-5, 1e-2, (0.9, 0.999), 1e-8)
+    optimizer = make_optimizer(args.optimizer, unet.parameters())
     # fp16 needs loss scaling; the sharded scaler also serves plain parameters.
     scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
     autocast = not fsdp2 and compute_dtype != torch.float32  # FSDP2's policy does the casting when sharded
@@ -312,8 +324,7 @@ def seconds_per_step(step: Callable[[int], object], args: argparse.Namespace, wo
 
 def optimizer_seconds(step: Callable[[int], object], args: argparse.Namespace, world: World) -> float | None:
     """Mean seconds of optimizer.step alone (the device synchronized before and after it), of the slowest
-    rank, over OPTIMIZER_TIMED_STEPS more steps: its share of the step, e.g. torchao's 8-bit AdamW, which
-    launches compiled code tensor by tensor (about 1,700 for SDXL)."""
+    rank, over OPTIMIZER_TIMED_STEPS more steps: its share of the step."""
     durations, started = [], []
 
     def before(*_) -> None:

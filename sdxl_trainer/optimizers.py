@@ -1,9 +1,10 @@
 """Optimizers that step FSDP2's DTensor shards and save through torch.distributed.checkpoint.
 
 Which implementation, and why (each was tried on 2 gloo ranks with FSDP2 parameters):
-- adamw8bit: torchao's AdamW8bit. bitsandbytes' kernels have no DTensor sharding rule
-  (`NotImplementedError: ... optimizer_update_32bit ... does not have a sharding strategy registered`),
-  while torchao steps DTensor shards directly and DCP saves its quantized state (docs/design.md §2).
+- adamw8bit: torchao's AdamW8bit state with our multi-tensor step (adamw8bit.py). bitsandbytes' kernels
+  have no DTensor sharding rule (`NotImplementedError: ... optimizer_update_32bit ... does not have a
+  sharding strategy registered`), while torchao's quantized state lives in DTensor shards and DCP saves
+  and reshards it (docs/design.md §2).
 - adamw: torch.optim.AdamW, fp32 state.
 - adafactor: our own, below. torch.optim.Adafactor fails on DTensors (an in-place pow_ on a partial
   norm) and transformers' Adafactor mixes plain tensors into DTensor ops.
@@ -123,7 +124,7 @@ def build_optimizer(
     parameters = list(parameters)
     betas = (betas[0], DEFAULT_BETA2.get(name, 0.999) if betas[1] is None else betas[1])
     if name == "adamw8bit":
-        from torchao.optim import AdamW8bit
+        from .adamw8bit import AdamW8bit
 
         return AdamW8bit(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
     if name == "adamw":

@@ -1,0 +1,158 @@
+"""8-bit AdamW that steps many parameter tensors per kernel.
+
+torchao's AdamW8bit keeps Adam's two moments in 8 bits (dynamic-tree codes, one fp32 scale per 256
+values), steps DTensor shards and saves through DCP (docs/design.md §2), but its step runs one compiled
+call per parameter tensor: on these CPUs about 200 us of host work each, and SDXL's UNet has 1,680 tensors
+on every rank however many ranks share it. It also compiles one kernel per distinct shape, which made the
+quickstart's first update wait minutes.
+
+`AdamW8bit` keeps torchao's state objects and checkpoint layout as they are (a checkpoint written by either
+resumes on the other, and DCP reshards it the same way) and replaces only the step: each rank's local
+shards are concatenated into flat chunks of up to CHUNK_VALUES values, one compiled kernel with dynamic
+shapes (compiled once, not per shape) updates a chunk, and multi-tensor copies write the results back.
+The arithmetic and the rounding to codes are torchao's, so both give the same codes and weights to fp32
+rounding (tested).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+from torchao.optim import AdamW8bit as TorchaoAdamW8bit
+from torchao.optim.subclass_8bit import OptimState8bit
+
+# Values per chunk: the kernel's temporaries are about 16 bytes per value (270 MB at this size) and a
+# larger chunk saves little host time, as SDXL's UNet makes about 150 chunks on one GPU.
+CHUNK_VALUES = 1 << 24
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, block_size: int, code_values: torch.Tensor) -> torch.Tensor:
+    return (code_values[codes.int()].view(-1, block_size) * scale[:, None]).view(-1)
+
+
+def _quantize(values: torch.Tensor, block_size: int, code_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's blockwise quantisation: scale each block to an absolute maximum of 1, then round to the
+    nearest of the 256 sorted code values (a branchless binary search, then a step up past the midpoint)."""
+    blocks = values.view(-1, block_size)
+    scale = blocks.abs().amax(-1).clip(1e-12)
+    normalized = (blocks / scale[:, None]).view(-1)
+    below = torch.where(normalized >= code_values[128], 128, 0)
+    for step in (64, 32, 16, 8, 4, 2, 1):
+        below = below + torch.where(normalized >= code_values[below + step], step, 0)
+    above = (below + 1).clip(max=255)
+    value_below, value_above = code_values[below], code_values[above]
+    codes = torch.where(normalized - value_below >= (value_above - value_below) * 0.5, above, below)
+    return codes.to(torch.uint8), scale
+
+
+def _adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step):
+    """One AdamW update in fp32, written as torchao's single_param_adam is (same order of operations)."""
+    param = param.float()
+    grad = grad.float()
+    param = param - lr * weight_decay * param
+    exp_avg = exp_avg.lerp(grad, 1 - beta1)
+    exp_avg_sq = exp_avg_sq.lerp(grad.square(), 1 - beta2)
+    denominator = (exp_avg_sq.sqrt() / (1 - beta2**step).sqrt()) + eps
+    param = param - lr * (exp_avg / (1 - beta1**step)) / denominator
+    return param, exp_avg, exp_avg_sq
+
+
+def _step_8bit_moments(param, grad, avg_codes, avg_scale, sq_codes, sq_scale, block_size, signed_values, unsigned_values, lr, beta1, beta2, weight_decay, eps, step):
+    exp_avg = _dequantize(avg_codes, avg_scale, block_size, signed_values)
+    exp_avg_sq = _dequantize(sq_codes, sq_scale, block_size, unsigned_values)
+    param, exp_avg, exp_avg_sq = _adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step)
+    return (param, *_quantize(exp_avg, block_size, signed_values), *_quantize(exp_avg_sq, block_size, unsigned_values))
+
+
+# Compiled once each with dynamic shapes: every chunk, whatever its length, runs the same kernel.
+_compiled_step_8bit_moments = torch.compile(_step_8bit_moments, dynamic=True, fullgraph=True)
+_compiled_adamw = torch.compile(_adamw, dynamic=True, fullgraph=True)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _chunks(tensors: list, numels: list[int]) -> Iterable[list]:
+    """Consecutive runs of tensors of at most CHUNK_VALUES values together (a larger tensor alone)."""
+    chunk, chunk_values = [], 0
+    for tensor, numel in zip(tensors, numels):
+        if chunk and chunk_values + numel > CHUNK_VALUES:
+            yield chunk
+            chunk, chunk_values = [], 0
+        chunk.append(tensor)
+        chunk_values += numel
+    if chunk:
+        yield chunk
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([tensor.reshape(-1) for tensor in tensors])
+
+
+def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
+    pieces = flat.split([target.numel() for target in targets])
+    torch._foreach_copy_(targets, [piece.view(target.shape) for piece, target in zip(pieces, targets)])
+
+
+class AdamW8bit(TorchaoAdamW8bit):
+    """torchao's AdamW8bit (its state, checkpoints and the fp32 state it keeps for shards under 4,096 values
+    or not a multiple of the 256-value block) with a multi-tensor step. No amsgrad, no bf16 stochastic
+    rounding (the trainer's weights are fp32)."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
+        for group in self.param_groups:
+            with_grads = [param for param in group["params"] if param.grad is not None]
+            for param in with_grads:
+                if not self.state[param]:
+                    self.state[param].update(
+                        step=torch.tensor(0.0), exp_avg=self._new_buffer(param, True), exp_avg_sq=self._new_buffer(param, False)
+                    )
+            steps = [self.state[param]["step"] for param in with_grads]
+            if not steps:
+                continue
+            torch._foreach_add_(steps, 1)
+            # Tensors step together when they share the update count (all of them, unless some had no
+            # gradient on some update), the kind of state, the device and the dtypes.
+            batches = defaultdict(list)
+            for param, step in zip(with_grads, torch.stack(steps).tolist()):
+                local_param = _local(param)
+                if local_param.numel() == 0:  # an uneven shard can leave a rank no values of this tensor
+                    continue
+                is_8bit = isinstance(_local(self.state[param]["exp_avg"]), OptimState8bit)
+                batches[(step, is_8bit, local_param.device, local_param.dtype, param.grad.dtype)].append(param)
+            for (step, is_8bit, _, _, _), params in batches.items():
+                self._step_tensors(params, group, step, is_8bit)
+
+    def _step_tensors(self, params: list[torch.Tensor], group: dict, step: float, is_8bit: bool) -> None:
+        beta1, beta2 = group["betas"]
+        hyper = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], torch.tensor(step))
+        for chunk in _chunks(params, [_local(param).numel() for param in params]):
+            local_params = [_local(param) for param in chunk]
+            grads = _flat([_local(param.grad) for param in chunk])
+            moments = [(_local(self.state[param]["exp_avg"]), _local(self.state[param]["exp_avg_sq"])) for param in chunk]
+            if is_8bit:
+                exp_avgs, exp_avg_sqs = zip(*moments)
+                new_param, avg_codes, avg_scale, sq_codes, sq_scale = _compiled_step_8bit_moments(
+                    _flat(local_params), grads,
+                    _flat([state.codes for state in exp_avgs]), torch.cat([state.scale for state in exp_avgs]),
+                    _flat([state.codes for state in exp_avg_sqs]), torch.cat([state.scale for state in exp_avg_sqs]),
+                    self.block_size, exp_avgs[0].qmap, exp_avg_sqs[0].qmap, *hyper,
+                )  # fmt: skip
+                _write_back([state.codes for state in exp_avgs], avg_codes)
+                _write_back([state.scale for state in exp_avgs], avg_scale)
+                _write_back([state.codes for state in exp_avg_sqs], sq_codes)
+                _write_back([state.scale for state in exp_avg_sqs], sq_scale)
+            else:
+                exp_avgs, exp_avg_sqs = (list(states) for states in zip(*moments))
+                new_param, exp_avg, exp_avg_sq = _compiled_adamw(_flat(local_params), grads, _flat(exp_avgs), _flat(exp_avg_sqs), *hyper)
+                _write_back(exp_avgs, exp_avg)
+                _write_back(exp_avg_sqs, exp_avg_sq)
+            _write_back(local_params, new_param)
