@@ -133,7 +133,7 @@ class AdamW8bit(TorchaoAdamW8bit):
 
     def _step_tensors(self, params: list[torch.Tensor], group: dict, step: float, is_8bit: bool) -> None:
         beta1, beta2 = group["betas"]
-        hyper = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], torch.tensor(step))
+        step_settings = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], torch.tensor(step))
         for chunk in _chunks(params, [_local(param).numel() for param in params]):
             local_params = [_local(param) for param in chunk]
             grads = _flat([_local(param.grad) for param in chunk])
@@ -144,7 +144,7 @@ class AdamW8bit(TorchaoAdamW8bit):
                     _flat(local_params), grads,
                     _flat([state.codes for state in exp_avgs]), torch.cat([state.scale for state in exp_avgs]),
                     _flat([state.codes for state in exp_avg_sqs]), torch.cat([state.scale for state in exp_avg_sqs]),
-                    self.block_size, exp_avgs[0].qmap, exp_avg_sqs[0].qmap, *hyper,
+                    self.block_size, exp_avgs[0].qmap, exp_avg_sqs[0].qmap, *step_settings,
                 )  # fmt: skip
                 _write_back([state.codes for state in exp_avgs], avg_codes)
                 _write_back([state.scale for state in exp_avgs], avg_scale)
@@ -152,7 +152,7 @@ class AdamW8bit(TorchaoAdamW8bit):
                 _write_back([state.scale for state in exp_avg_sqs], sq_scale)
             else:
                 exp_avgs, exp_avg_sqs = (list(states) for states in zip(*moments))
-                new_param, exp_avg, exp_avg_sq = _compiled_adamw(_flat(local_params), grads, _flat(exp_avgs), _flat(exp_avg_sqs), *hyper)
+                new_param, exp_avg, exp_avg_sq = _compiled_adamw(_flat(local_params), grads, _flat(exp_avgs), _flat(exp_avg_sqs), *step_settings)
                 _write_back(exp_avgs, exp_avg)
                 _write_back(exp_avg_sqs, exp_avg_sq)
             _write_back(local_params, new_param)

@@ -95,3 +95,10 @@ def test_sharded_parameters_on_two_ranks_step_as_with_torchao(tmp_path):
     assert reports[0]["state_kinds"] == ["OptimState8bit", "Tensor", "Tensor", "OptimState8bit", "Tensor"]
     for report in reports:
         assert report["weight_difference"] <= 1e-6, report
+
+
+def test_the_trainers_adamw8bit_is_the_multi_tensor_one():
+    from sdxl_trainer.optimizers import build_optimizer
+
+    built = build_optimizer("adamw8bit", parameters(), 1e-4, 1e-2, (0.9, None), 1e-8)
+    assert type(built) is AdamW8bit and built.param_groups[0]["betas"] == (0.9, 0.999)
