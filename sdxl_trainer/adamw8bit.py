@@ -17,7 +17,7 @@ rounding (tested).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -76,14 +76,24 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _chunks(tensors: list, numels: list[int]) -> Iterable[list]:
-    """Consecutive runs of tensors of at most CHUNK_VALUES values together (a larger tensor alone)."""
+class _Shard(NamedTuple):
+    """One parameter's tensors on this rank: the weights, their gradient and Adam's two moments."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor  # OptimState8bit, or fp32 for small shards
+    exp_avg_sq: torch.Tensor
+
+
+def _chunks(shards: list[_Shard]) -> Iterable[list[_Shard]]:
+    """Consecutive runs of shards of at most CHUNK_VALUES values together (a larger shard alone)."""
     chunk, chunk_values = [], 0
-    for tensor, numel in zip(tensors, numels):
+    for shard in shards:
+        numel = shard.param.numel()
         if chunk and chunk_values + numel > CHUNK_VALUES:
             yield chunk
             chunk, chunk_values = [], 0
-        chunk.append(tensor)
+        chunk.append(shard)
         chunk_values += numel
     if chunk:
         yield chunk
@@ -119,29 +129,27 @@ class AdamW8bit(TorchaoAdamW8bit):
             if not steps:
                 continue
             torch._foreach_add_(steps, 1)
-            # Tensors step together when they share the update count (all of them, unless some had no
+            # Shards step together when they share the update count (all of them, unless some had no
             # gradient on some update), the kind of state, the device and the dtypes.
             batches = defaultdict(list)
             for param, step in zip(with_grads, torch.stack(steps).tolist()):
-                local_param = _local(param)
-                if local_param.numel() == 0:  # an uneven shard can leave a rank no values of this tensor
+                state = self.state[param]
+                shard = _Shard(_local(param), _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]))
+                if shard.param.numel() == 0:  # an uneven shard can leave a rank no values of this tensor
                     continue
-                is_8bit = isinstance(_local(self.state[param]["exp_avg"]), OptimState8bit)
-                batches[(step, is_8bit, local_param.device, local_param.dtype, param.grad.dtype)].append(param)
-            for (step, is_8bit, _, _, _), params in batches.items():
-                self._step_tensors(params, group, step, is_8bit)
+                is_8bit = isinstance(shard.exp_avg, OptimState8bit)
+                batches[(step, is_8bit, shard.param.device, shard.param.dtype, shard.grad.dtype)].append(shard)
+            for (step, is_8bit, _, _, _), shards in batches.items():
+                self._step_shards(shards, group, step, is_8bit)
 
-    def _step_tensors(self, params: list[torch.Tensor], group: dict, step: float, is_8bit: bool) -> None:
+    def _step_shards(self, shards: list[_Shard], group: dict, step: float, is_8bit: bool) -> None:
         beta1, beta2 = group["betas"]
         step_settings = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], torch.tensor(step))
-        for chunk in _chunks(params, [_local(param).numel() for param in params]):
-            local_params = [_local(param) for param in chunk]
-            grads = _flat([_local(param.grad) for param in chunk])
-            moments = [(_local(self.state[param]["exp_avg"]), _local(self.state[param]["exp_avg_sq"])) for param in chunk]
+        for chunk in _chunks(shards):
+            params, grads, exp_avgs, exp_avg_sqs = (list(tensors) for tensors in zip(*chunk))
             if is_8bit:
-                exp_avgs, exp_avg_sqs = zip(*moments)
                 new_param, avg_codes, avg_scale, sq_codes, sq_scale = _compiled_step_8bit_moments(
-                    _flat(local_params), grads,
+                    _flat(params), _flat(grads),
                     _flat([state.codes for state in exp_avgs]), torch.cat([state.scale for state in exp_avgs]),
                     _flat([state.codes for state in exp_avg_sqs]), torch.cat([state.scale for state in exp_avg_sqs]),
                     self.block_size, exp_avgs[0].qmap, exp_avg_sqs[0].qmap, *step_settings,
@@ -151,8 +159,7 @@ class AdamW8bit(TorchaoAdamW8bit):
                 _write_back([state.codes for state in exp_avg_sqs], sq_codes)
                 _write_back([state.scale for state in exp_avg_sqs], sq_scale)
             else:
-                exp_avgs, exp_avg_sqs = (list(states) for states in zip(*moments))
-                new_param, exp_avg, exp_avg_sq = _compiled_adamw(_flat(local_params), grads, _flat(exp_avgs), _flat(exp_avg_sqs), *step_settings)
+                new_param, exp_avg, exp_avg_sq = _compiled_adamw(_flat(params), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), *step_settings)
                 _write_back(exp_avgs, exp_avg)
                 _write_back(exp_avg_sqs, exp_avg_sq)
-            _write_back(local_params, new_param)
+            _write_back(params, new_param)
