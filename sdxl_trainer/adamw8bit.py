@@ -21,22 +21,28 @@ from typing import Iterable, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.subclass_8bit import OptimState8bit
 
 # Values per chunk: the kernel's temporaries are about 16 bytes per value (270 MB at this size) and a
-# larger chunk saves little host time, as SDXL's UNet makes about 150 chunks on one GPU.
+# larger chunk saves little host time, as SDXL's UNet makes about 150 chunks on one GPU. A larger shard is a
+# chunk of its own: SDXL's largest tensors (up_blocks.0.resnets.{0,1}.conv1, 29.5 M values) make one of
+# 470 MB of temporaries on one GPU, half that on two.
 CHUNK_VALUES = 1 << 24
+# Values per quantisation block: torchao's default, which this optimizer always uses. A constant, so the
+# kernel compiled with dynamic chunk lengths still divides by a number known when it is compiled.
+BLOCK_SIZE = 256
 
 
-def _dequantize(codes: torch.Tensor, scale: torch.Tensor, block_size: int, code_values: torch.Tensor) -> torch.Tensor:
-    return (code_values[codes.int()].view(-1, block_size) * scale[:, None]).view(-1)
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, code_values: torch.Tensor) -> torch.Tensor:
+    return (code_values[codes.int()].view(-1, BLOCK_SIZE) * scale[:, None]).view(-1)
 
 
-def _quantize(values: torch.Tensor, block_size: int, code_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(values: torch.Tensor, code_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """torchao's blockwise quantisation: scale each block to an absolute maximum of 1, then round to the
     nearest of the 256 sorted code values (a branchless binary search, then a step up past the midpoint)."""
-    blocks = values.view(-1, block_size)
+    blocks = values.view(-1, BLOCK_SIZE)
     scale = blocks.abs().amax(-1).clip(1e-12)
     normalized = (blocks / scale[:, None]).view(-1)
     below = torch.where(normalized >= code_values[128], 128, 0)
@@ -60,11 +66,11 @@ def _adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps
     return param, exp_avg, exp_avg_sq
 
 
-def _step_8bit_moments(param, grad, avg_codes, avg_scale, sq_codes, sq_scale, block_size, signed_values, unsigned_values, lr, beta1, beta2, weight_decay, eps, step):
-    exp_avg = _dequantize(avg_codes, avg_scale, block_size, signed_values)
-    exp_avg_sq = _dequantize(sq_codes, sq_scale, block_size, unsigned_values)
+def _step_8bit_moments(param, grad, avg_codes, avg_scale, sq_codes, sq_scale, signed_values, unsigned_values, lr, beta1, beta2, weight_decay, eps, step):
+    exp_avg = _dequantize(avg_codes, avg_scale, signed_values)
+    exp_avg_sq = _dequantize(sq_codes, sq_scale, unsigned_values)
     param, exp_avg, exp_avg_sq = _adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step)
-    return (param, *_quantize(exp_avg, block_size, signed_values), *_quantize(exp_avg_sq, block_size, unsigned_values))
+    return (param, *_quantize(exp_avg, signed_values), *_quantize(exp_avg_sq, unsigned_values))
 
 
 # Compiled once each with dynamic shapes: every chunk, whatever its length, runs the same kernel.
@@ -114,7 +120,7 @@ class AdamW8bit(TorchaoAdamW8bit):
     rounding (the trainer's weights are fp32)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=BLOCK_SIZE)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
@@ -145,21 +151,26 @@ class AdamW8bit(TorchaoAdamW8bit):
     def _step_shards(self, shards: list[_Shard], group: dict, step: float, is_8bit: bool) -> None:
         beta1, beta2 = group["betas"]
         step_settings = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], torch.tensor(step))
+        # torch.compile cannot trace under a dispatch mode (the memory estimate's fake tensors and trackers,
+        # memory_estimate.py): the same functions run eagerly there, their temporaries an upper bound.
+        eager = is_in_torch_dispatch_mode()
+        step_8bit_moments = _step_8bit_moments if eager else _compiled_step_8bit_moments
+        adamw = _adamw if eager else _compiled_adamw
         for chunk in _chunks(shards):
             params, grads, exp_avgs, exp_avg_sqs = (list(tensors) for tensors in zip(*chunk))
             if is_8bit:
-                new_param, avg_codes, avg_scale, sq_codes, sq_scale = _compiled_step_8bit_moments(
+                new_param, avg_codes, avg_scale, sq_codes, sq_scale = step_8bit_moments(
                     _flat(params), _flat(grads),
                     _flat([state.codes for state in exp_avgs]), torch.cat([state.scale for state in exp_avgs]),
                     _flat([state.codes for state in exp_avg_sqs]), torch.cat([state.scale for state in exp_avg_sqs]),
-                    self.block_size, exp_avgs[0].qmap, exp_avg_sqs[0].qmap, *step_settings,
+                    exp_avgs[0].qmap, exp_avg_sqs[0].qmap, *step_settings,
                 )  # fmt: skip
                 _write_back([state.codes for state in exp_avgs], avg_codes)
                 _write_back([state.scale for state in exp_avgs], avg_scale)
                 _write_back([state.codes for state in exp_avg_sqs], sq_codes)
                 _write_back([state.scale for state in exp_avg_sqs], sq_scale)
             else:
-                new_param, exp_avg, exp_avg_sq = _compiled_adamw(_flat(params), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), *step_settings)
+                new_param, exp_avg, exp_avg_sq = adamw(_flat(params), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), *step_settings)
                 _write_back(exp_avgs, exp_avg)
                 _write_back(exp_avg_sqs, exp_avg_sq)
             _write_back(params, new_param)
