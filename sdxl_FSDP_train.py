@@ -210,6 +210,12 @@ class TrainConfig:
     )
     save_state_every_n_updates: int = option(0, help="also save state every N optimizer updates (0 = off); with week-long epochs, set this")
     checkpoints_total_limit: int = option(2, help="keep only the newest K state checkpoints (0 = keep all); exported models are never deleted")
+    estimate_memory: bool = option(
+        False,
+        help="print this configuration's memory per GPU at full SDXL size, by category, and which cards (16/24/48/80 GB) it fits, "
+        "then exit: the trainer's own code on fake tensors, no GPU, model download or cache needed (minutes on a CPU)",
+    )
+    estimate_gpus: int = option(0, help="GPUs (all machines together) --estimate_memory assumes; 0 = this machine's GPUs, 1 without any")
     load_saved_state: str | None = option(
         None,
         help="resume from a state checkpoint folder, or 'latest' = the newest complete one in OUTPUT_DIR/PROJECT_NAME/checkpoints "
@@ -244,6 +250,8 @@ class TrainConfig:
                      "validation_every_n_updates"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0 (0 turns it off)")
+        if self.estimate_gpus < 0:
+            problems.append("--estimate_gpus must be >= 0 (0 = this machine's GPUs)")
         if self.max_train_updates < 0:
             problems.append("--max_train_updates must be >= 0 (0 = --num_train_epochs decides)")
         if self.max_grad_norm < 0:
@@ -562,9 +570,44 @@ def export_model(config: TrainConfig, world, models: TrainedModels, ema: Sharded
 EXPECTED_ERRORS = (CacheError, CheckpointError, ExportError, HoldoutError, MetricWeightsError)  # their messages say it all
 
 
+def print_memory_estimate(config: TrainConfig) -> int:
+    """--estimate_memory: the configuration's peak per GPU at full SDXL size (sdxl_trainer/memory_estimate.py).
+    With --gradient_reduction auto and accumulation, cards under 40 GB reduce every microbatch and larger
+    ones once per update (reduce_every_microbatch), so each card size is judged by its own estimate."""
+    from sdxl_trainer.memory_estimate import EstimateSettings, estimate_memory  # torch's memory trackers: only here
+
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    gpus = config.estimate_gpus or max(torch.cuda.device_count(), 1)
+    # auto is bf16 on every GPU since Ampere; fp16 has the same sizes.
+    compute_dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.mixed_precision]
+    reductions = {config.gradient_reduction == "every_microbatch"}
+    if config.gradient_reduction == "auto":
+        reductions = {True, False} if config.gradient_accumulation_steps > 1 else {False}
+    print(f"Estimating on fake tensors (no GPU needed; a few minutes on a CPU) for {gpus} GPU{'s' if gpus > 1 else ''}...", flush=True)
+    for reduce_every_microbatch in sorted(reductions, reverse=True):
+        settings = EstimateSettings(
+            world_size=gpus, train_batch_size=config.train_batch_size, gradient_accumulation_steps=config.gradient_accumulation_steps,
+            resolution=config.max_resolution, compute_dtype=compute_dtype, optimizer=config.optimizer,
+            gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
+            reduce_every_microbatch=reduce_every_microbatch, cpu_offload=config.cpu_offload, use_ema=config.use_ema, ema_on_cpu=config.ema_on_cpu,
+        )  # fmt: skip
+        started = time.perf_counter()
+        estimate = estimate_memory(settings)
+        if len(reductions) > 1:
+            cards = "Cards under 40 GB" if reduce_every_microbatch else "Cards of 40 GB and more"
+            print(f"{cards} reduce gradients {'every microbatch' if reduce_every_microbatch else 'once per update'} (--gradient_reduction auto):")
+        print(estimate.report() + f"\n  (estimated in {time.perf_counter() - started:.0f} s)")
+    if config.train_text_encoder:
+        print("Not included: the trained text encoders (818 M parameters: 10 bytes each with adamw8bit, shared over the GPUs, and their activations).")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     # Every process reads the flags; only the first says what is wrong with them.
     config = parse_config(TrainConfig, argv, description=__doc__, quiet=os.environ.get("RANK", "0") != "0")
+    if config.estimate_memory:
+        return print_memory_estimate(config)
     world = init_distributed()
     # Any error on any rank ends every process of the job (see watchdog.py).
     # Rank 0's console also goes to train.log in the run folder (the watchdog's last words included).

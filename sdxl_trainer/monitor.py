@@ -25,6 +25,12 @@ def peak_memory_gib(device: torch.device) -> float:
     return peak_kib / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def peak_reserved_gib(device: torch.device) -> float | None:
+    """Peak GPU memory torch's caching allocator held (allocated plus its cache; above peak_memory_gib by
+    what fragmentation costs); None off the GPU."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+
+
 def gather_floats(value: float, device: torch.device) -> list[float]:
     """One float from every rank, in rank order (a collective: every rank must call it)."""
     local = torch.tensor([value], dtype=torch.float64, device=device)
@@ -206,6 +212,8 @@ class TrainingMonitor:
         losses, grad_norms = zip(*self._pending)
         self._pending = []
         memory = gather_floats(peak_memory_gib(self.device), self.device)
+        reserved = peak_reserved_gib(self.device)
+        reserved_by_rank = gather_floats(reserved, self.device) if reserved is not None else []
         self.metrics.scalars(
             {
                 "train/loss": float(np.mean(losses)),
@@ -215,6 +223,7 @@ class TrainingMonitor:
                 "perf/images_per_s": self.throughput.images_per_second,
                 "perf/data_wait_share": self.throughput.data_wait_share,
                 **{f"perf/peak_memory_gib/rank{rank}": value for rank, value in enumerate(memory)},
+                **{f"perf/peak_reserved_gib/rank{rank}": value for rank, value in enumerate(reserved_by_rank)},
             },
             update,
         )

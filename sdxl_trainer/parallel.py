@@ -50,6 +50,7 @@ def init_distributed() -> World:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, world_size, local_rank = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     use_rank_own_compile_cache(rank, world_size)
+    use_expandable_segments()
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -76,6 +77,14 @@ def use_rank_own_compile_cache(rank: int, world_size: int) -> None:
     own = f"rank{rank}_of_{world_size}"
     if Path(base).name != own:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(base) / own)
+
+
+def use_expandable_segments() -> None:
+    """Let CUDA's caching allocator grow its segments in place (before the first allocation reads the setting),
+    unless PYTORCH_CUDA_ALLOC_CONF is set already. Bucket shapes change from step to step, and with fixed
+    segments the freed blocks of one shape fit the next one badly: reserved memory creeps above what is
+    allocated until a step runs out. Expandable segments are PyTorch's remedy for such fragmentation."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def compile_cache_root() -> Path:

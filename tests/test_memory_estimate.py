@@ -1,0 +1,103 @@
+"""The memory estimate (sdxl_trainer/memory_estimate.py) where the truth is known: on the tiny UNet, the
+fake-tensor run against the same trackers over real tensors of the same run, and the sharded state
+against arithmetic. The full-size figures are README's hardware table (--estimate_memory)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+
+from sdxl_trainer.memory_estimate import GIB, UNTRACKED_GIB, UNTRACKED_SHARE, EstimateSettings, MemoryEstimate, estimate_memory
+from sdxl_trainer.tiny_model import TINY_UNET_CONFIG
+
+
+def settings(world_size: int, optimizer: str, **changes) -> EstimateSettings:
+    values = dict(
+        world_size=world_size, train_batch_size=2, gradient_accumulation_steps=2, resolution=64, compute_dtype=torch.float32,
+        optimizer=optimizer, gradient_checkpointing=True, reshard_after_forward=True, reduce_every_microbatch=False,
+        cpu_offload=False, use_ema=False, ema_on_cpu=False,
+    )  # fmt: skip
+    return EstimateSettings(**{**values, **changes})
+
+
+def rank0_shard_bytes(world_size: int) -> int:
+    """fp32 bytes of rank 0's FSDP2 shards of the tiny UNet: each parameter split along dim 0, rank 0 taking
+    the first ceil(rows / world_size) rows."""
+    unet = UNet2DConditionModel(**TINY_UNET_CONFIG)
+    return sum(math.ceil(parameter.shape[0] / world_size) * parameter[0].numel() * 4 for parameter in unet.parameters())
+
+
+@pytest.mark.parametrize(
+    ("world_size", "optimizer"),
+    [(1, "adamw8bit"), (2, "adamw")],
+    ids=["1 process, plain module, 8-bit AdamW", "2 processes, FSDP2, AdamW"],
+)
+def test_fake_tensors_give_what_real_tensors_of_the_same_run_give(world_size, optimizer):
+    run = settings(world_size, optimizer)
+    fake = estimate_memory(run, TINY_UNET_CONFIG)
+    real = estimate_memory(run, TINY_UNET_CONFIG, fake=False)
+    for category, real_bytes in real.gpu_peak_by_category.items():
+        # Host scalars made while the step reads values (a few bytes each) are all that may differ.
+        assert fake.gpu_peak_by_category[category] == pytest.approx(real_bytes, abs=1024), category
+    assert fake.gpu_peak > 2 * rank0_shard_bytes(world_size)  # weights and gradients at least
+
+
+def test_sharded_state_is_the_arithmetic_of_rank0s_shards():
+    """With FSDP2 over 2 ranks, parameters and gradients at the peak are rank 0's shards and AdamW's state is
+    two fp32 moments of them (plus a 4-byte step count per tensor): DTensor's global-shape placeholders,
+    which run in a fake mode of their own, are not counted (they made this 3x too large)."""
+    estimate = estimate_memory(settings(2, "adamw", gradient_accumulation_steps=1), TINY_UNET_CONFIG)
+    shard_bytes = rank0_shard_bytes(2)
+    tensors = len(list(UNet2DConditionModel(**TINY_UNET_CONFIG).parameters()))
+    assert estimate.gpu_peak_by_category["optimizer state"] == 2 * shard_bytes + 4 * tensors
+    assert estimate.gpu_peak_by_category["gradients"] >= shard_bytes
+    assert estimate.unet_parameters == sum(parameter.numel() for parameter in UNet2DConditionModel(**TINY_UNET_CONFIG).parameters())
+
+
+@pytest.fixture(scope="module")
+def two_ranks_8bit() -> MemoryEstimate:
+    return estimate_memory(settings(2, "adamw8bit", gradient_accumulation_steps=1), TINY_UNET_CONFIG)
+
+
+def test_cpu_offload_moves_the_sharded_state_to_the_host(two_ranks_8bit):
+    offloaded = estimate_memory(settings(2, "adamw8bit", gradient_accumulation_steps=1, cpu_offload=True), TINY_UNET_CONFIG)
+    assert offloaded.gpu_peak_by_category["optimizer state"] == 0
+    assert offloaded.gpu_peak < two_ranks_8bit.gpu_peak
+    # Pinned on the host: fp32 weights and gradients of rank 0's shards, and the optimizer's state.
+    assert offloaded.host_bytes == 2 * rank0_shard_bytes(2) + two_ranks_8bit.gpu_peak_by_category["optimizer state"]
+
+
+@pytest.mark.parametrize("ema_on_cpu", [False, True], ids=["EMA on the GPU", "EMA on the CPU"])
+def test_the_ema_is_counted_where_it_lives(two_ranks_8bit, ema_on_cpu):
+    with_ema = estimate_memory(settings(2, "adamw8bit", gradient_accumulation_steps=1, use_ema=True, ema_on_cpu=ema_on_cpu), TINY_UNET_CONFIG)
+    ema_bytes = rank0_shard_bytes(2)  # an fp32 copy of rank 0's shards
+    if ema_on_cpu:
+        assert with_ema.gpu_peak == two_ranks_8bit.gpu_peak and with_ema.host_bytes == ema_bytes
+    else:
+        assert with_ema.gpu_peak_by_category["EMA"] == ema_bytes
+        assert with_ema.gpu_peak == two_ranks_8bit.gpu_peak + ema_bytes and with_ema.host_bytes == 0
+
+
+def test_cards_are_judged_with_the_margin():
+    run = settings(2, "adamw8bit")
+    tracked = 20 * GIB
+    estimate = MemoryEstimate(run, {"parameters": tracked, "gradients": 0, "optimizer state": 0, "EMA": 0, "activations": 0, "temporaries": 0, "inputs": 0}, 0, 1)
+    assert estimate.gpu_needed_gib == pytest.approx(20 * (1 + UNTRACKED_SHARE) + UNTRACKED_GIB)  # 23.5 GiB
+    assert not estimate.fits(24) and estimate.fits(48)
+    report = estimate.report()
+    assert "24 GB does not fit" in report and "48 GB fits" in report and "20.00 GiB" in report
+
+
+def test_cuda_allocator_grows_segments_unless_the_user_chose(monkeypatch):
+    from sdxl_trainer.parallel import use_expandable_segments
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
