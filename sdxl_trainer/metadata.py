@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator, NoReturn
@@ -197,15 +198,45 @@ def edit_tags(caption: str, filters: TableFilters) -> tuple[str, list[str]]:
     return "\n".join(lines), excluded
 
 
+def unnameable_path(path: str) -> str | None:
+    """Why no file can have this name (it would stop the scan: hashing it, or opening it), or None."""
+    if "\0" in path:
+        return "it holds a NUL character, which no file name can: fix the table"
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "it is not valid Unicode (a lone surrogate, such as the JSON escape \\udc80): fix the table, renaming the file to a UTF-8 name"
+    return None
+
+
+def real_path(data_dir: str, relative_path: str, real_folders: dict[str, str]) -> str:
+    """data_dir/relative_path with every symlink resolved. Rows share few folders, so each folder is resolved
+    once (real_folders caches them) and a row costs one lstat of its file; strings and os.path, not pathlib,
+    as this runs for every row of tables of millions."""
+    path = os.path.join(data_dir, relative_path)
+    if os.path.islink(path):
+        return os.path.realpath(path)
+    folder, _, name = relative_path.rpartition("/")
+    real_folder = real_folders.get(folder)
+    if real_folder is None:
+        real_folder = real_folders[folder] = os.path.realpath(os.path.join(data_dir, folder))
+    return os.path.join(real_folder, name)
+
+
 def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callable[[str], bool], column_names: dict[str, str] | None = None) -> DataScan:
     """The images a table lists (only those `mine` accepts: this worker's), their captions edited as
-    `filters` says; rows that cannot be used are listed with why (row number, or path where there is one).
-    column_names: our column names -> the table's, where they differ (table_rows)."""
+    `filters` says; rows that cannot be used are listed with why (row number, or path where there is one),
+    rows whose path leads outside data_dir through a symlink among them. column_names: our column names ->
+    the table's, where they differ (table_rows). A table without any row is a TableError."""
     pairs: list[SourcePair] = []
     problems: list[ScanProblem] = []
     seen: set[str] = set()
     label = table.name
+    inside_data_dir = os.path.join(os.path.realpath(data_dir), "")  # with a trailing "/": /data/x is inside /data, /database is not
+    real_folders: dict[str, str] = {}
+    rows_read = 0
     for number, row in table_rows(table, column_names):
+        rows_read += 1
         if isinstance(row, str):
             problems.append(ScanProblem(f"{label}:{number}", f"row {number} {row}: fix the table", "bad table row"))
             continue
@@ -215,8 +246,19 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
             hint = " (a column of another name: --table_columns path=NAME)" if path is None else ""
             problems.append(ScanProblem(f"{label}:{number}", f"row {number} has no usable path ({path!r}): give one relative to --data_dir{hint}", "bad table row"))
             continue
+        unnameable = unnameable_path(path)
+        if unnameable:
+            problems.append(ScanProblem(f"{label}:{number}", f"row {number} has no usable path ({path!r}): {unnameable}", "bad table row"))
+            continue
         relative_path = relative.as_posix()
         if not mine(relative_path):
+            continue
+        resolved = real_path(str(data_dir), relative_path, real_folders)
+        if not os.path.join(resolved, "").startswith(inside_data_dir):
+            problems.append(ScanProblem(
+                relative_path, f"row {number} of {label} leads outside --data_dir through a symlink (to {resolved}): only files under "
+                "--data_dir are cached; copy the file in, or point --data_dir at a folder holding it", "outside --data_dir",
+            ))
             continue
         if relative_path in seen:
             problems.append(ScanProblem(relative_path, f"listed again in row {number} of {label}: the first row is used", "duplicate row"))
@@ -254,6 +296,8 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
         if score_tag is not None:
             caption = "\n".join(", ".join(tag for tag in (score_tag, line) if tag) for line in caption.splitlines() or [""])
         pairs.append(SourcePair(data_dir / relative_path, relative_path, caption_text=caption, table_size=row_size(row)))
+    if rows_read == 0:
+        raise TableError(f"the metadata table {table} is empty (no rows): nothing was cached; give a table with one row per image")
     pairs.sort(key=lambda pair: pair.relative_path)
     problems.sort(key=lambda problem: problem.relative_path)
     return DataScan(pairs, problems)
