@@ -1,7 +1,8 @@
 """Datasets described by a table instead of caption files: one row per image, in a JSONL or Parquet file.
 
 Columns (others are ignored):
-- path: the image's path relative to --data_dir ('/'-separated), its identity in the cache;
+- path: the image's path relative to --data_dir ('/'-separated), its identity in the cache; a row whose path
+  leads outside --data_dir, through a symlink too, is refused;
 - caption: the caption text (several captions: one per line, or a list of strings), or
 - tags: a list of tags, or one comma-separated string;
 - score: a number, needed where --min_score filters and read by --score_tags;
@@ -198,13 +199,21 @@ def edit_tags(caption: str, filters: TableFilters) -> tuple[str, list[str]]:
     return "\n".join(lines), excluded
 
 
+def is_unicode(text: str) -> bool:
+    """False for text holding a lone surrogate (what the JSON escape \\udc80 decodes to), which no UTF-8 file
+    name, tokenizer or Parquet column can take: it would stop the whole run, not just its row."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def unnameable_path(path: str) -> str | None:
     """Why no file can have this name (it would stop the scan: hashing it, or opening it), or None."""
     if "\0" in path:
         return "it holds a NUL character, which no file name can: fix the table"
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
+    if not is_unicode(path):
         return "it is not valid Unicode (a lone surrogate, such as the JSON escape \\udc80): fix the table, renaming the file to a UTF-8 name"
     return None
 
@@ -269,6 +278,12 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
             problems.append(ScanProblem(
                 relative_path, f"row {number} of {label} has no caption (text or list of texts) or tags (list of texts or comma-separated text)",
                 "missing caption",
+            ))
+            continue
+        if not is_unicode(caption):
+            problems.append(ScanProblem(
+                relative_path, f"row {number} of {label} has a caption that is not valid Unicode (a lone surrogate, such as the JSON escape "
+                "\\udc80): fix the table", "bad table row",
             ))
             continue
         if filters.min_score is not None:

@@ -301,6 +301,7 @@ def test_rows_whose_path_no_file_can_have_or_that_leads_outside_through_a_symlin
         {"path": "link.jpg", "tags": ["through a file link"]},
         {"path": "linked_folder/secret.jpg", "tags": ["through a folder link"]},
         {"path": "alias.jpg", "tags": ["inside"]},
+        {"path": "sample_01.jpg", "caption": "a caption with a lone \udc80 surrogate"},  # no manifest can hold it
     ]
     table = tmp_path / "meta.jsonl"
     table.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -319,9 +320,10 @@ def test_rows_whose_path_no_file_can_have_or_that_leads_outside_through_a_symlin
         "meta.jsonl:3: row 3 has no usable path ('bad\\x00name.jpg'): it holds a NUL character",
         f"link.jpg: row 4 of meta.jsonl leads outside --data_dir through a symlink (to {outside / 'secret.jpg'})",
         f"linked_folder/secret.jpg: row 5 of meta.jsonl leads outside --data_dir through a symlink (to {outside / 'secret.jpg'})",
+        "sample_01.jpg: row 7 of meta.jsonl has a caption that is not valid Unicode",
     ):
         assert expected in log, f"{expected!r} not in the cache log:\n{log}"
-    assert "skipped 4 (bad table row: 2, outside --data_dir: 2)" in capsys.readouterr().out
+    assert "skipped 5 (bad table row: 3, outside --data_dir: 2)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
