@@ -498,7 +498,10 @@ def shared_file_checks(cache_dir: Path, parts: list[tuple[ManifestPart, pa.Table
                     "the cache command with the same flags, which writes it again"
                 ]
             continue
-        notes[name] = "no checksum recorded (no manifest part records one: a cache written before they were kept), so only checked that it reads"
+        notes[name] = (
+            "no checksum recorded (no manifest part records one: the cache was written before they were kept, or holds no items), "
+            "so only checked that it reads"
+        )
         problem = empty_prompt_problem(path, text_max_length) if name == EMPTY_PROMPT_FILE else None
         if problem:
             problems[name] = [problem]
