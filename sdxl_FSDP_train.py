@@ -38,7 +38,7 @@ from sdxl_trainer.checkpoint import (
 )
 from sdxl_trainer.checkpointer import Checkpointer, SavePolicy
 from sdxl_trainer.config import config_to_dict, option, parse_config, write_resolved_config
-from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, small_buckets
+from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, bucket_counts, small_buckets
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
 from sdxl_trainer.ema import ShardedEMA
 from sdxl_trainer.evaluation import Evaluator, PipelineSource, Schedule
@@ -644,6 +644,16 @@ def train(config: TrainConfig, world: World) -> int:
     trainable = holdout.trainable(len(dataset))
     repeats = np.asarray(config.dataset_repeats)[dataset.cache_index] if config.dataset_repeats else None
     planner = EpochPlanner(bucket_ids, trainable, global_batch_size, config.gradient_accumulation_steps, seed, repeats)
+    per_bucket = bucket_counts(dataset.bucket_sizes, bucket_ids, planner.possible_samples() % len(dataset))
+    if per_bucket and max(per_bucket.values()) < global_batch_size:
+        # Checked here, before the model loads: the planner would plan no batch at all (a resume with more
+        # processes or a larger --train_batch_size than the run that saved it gets here too).
+        raise SystemExit(
+            f"Cannot start training: no bucket holds one global batch of --train_batch_size {config.train_batch_size} x "
+            f"{world.world_size} process{'es' if world.world_size > 1 else ''} = {global_batch_size} items (items per bucket"
+            f"{', counting the copies of --dataset_repeats' if config.dataset_repeats else ''}: {per_bucket}): lower --train_batch_size "
+            "or run on fewer processes"
+        )
     too_small = small_buckets(dataset.bucket_sizes, bucket_ids, planner.epoch_samples(0) % len(dataset), global_batch_size)
     if world.is_main and too_small:
         print(

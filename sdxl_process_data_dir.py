@@ -43,6 +43,8 @@ from tqdm import tqdm
 
 from sdxl_trainer.buckets import BUCKET_TABLE_VERSION, categories
 from sdxl_trainer.cache import (
+    CACHE_INFO_FILE,
+    EMPTY_PROMPT_FILE,
     LOG_DIR,
     MANIFEST_DIR,
     SHARD_DIR,
@@ -158,7 +160,7 @@ class CacheConfig:
     )
     num_io_threads: int = option(4, help="threads that read, decode and crop images while the encoders run")
     dry_run: bool = option(False, help="only scan: print the bucket histogram and how many images would be skipped or upscaled; loads no model, writes nothing")
-    verify: bool = option(False, help="only check --cache_dir: every shard against its checksum and every manifest row against its shard; exit 1 if damaged")
+    verify: bool = option(False, help="only check --cache_dir: every shard, cache_info.json and empty_prompt.safetensors against their checksums and every manifest row against its shard; exit 1 if damaged")
 
     def _table_problems(self) -> list[str]:
         problems = []
@@ -393,10 +395,12 @@ def dry_run(config: CacheConfig, sources: list[SourcePair], scan_problems: list[
 
 def run_verify(cache_dir: Path) -> int:
     try:
-        checked, problems = verify_cache(cache_dir)
+        checked, problems, notes = verify_cache(cache_dir)
     except CacheError as error:
         print(f"cannot verify: {error}")
         return 1
+    for name, note in sorted(notes.items()):
+        print(f"NOTE {name}: {note}")
     for name, found in sorted(problems.items()):
         for problem in found:
             print(f"DAMAGED {name}: {problem}")
@@ -406,7 +410,10 @@ def run_verify(cache_dir: Path) -> int:
             "command with the same flags: damaged shards are moved to damaged/ and their items re-encoded."
         )
         return 1
-    print(f"cache OK: {checked} items, every shard matches its checksum and every row its shard ({cache_dir})")
+    print(
+        f"cache OK: {checked} items, every shard matches its checksum and every row its shard, and {CACHE_INFO_FILE} and "
+        f"{EMPTY_PROMPT_FILE} {'read' if notes else 'match theirs'} ({cache_dir})"
+    )
     return 0
 
 

@@ -15,7 +15,8 @@ never touch the same file; cache_info.json and empty_prompt.safetensors are crea
 worker comes first (an exclusive create), and only read by the others. A shard is written to a temporary
 name and renamed; its manifest part is written (also atomically) only afterwards and records the shard's
 SHA-256 and size, so a manifest part is the commit record: a shard without one is an unfinished write and
-is ignored. Readers merge all parts.
+is ignored. Each part also records the SHA-256 of cache_info.json and empty_prompt.safetensors as its worker
+found them, so --verify checks those two files too. Readers merge all parts.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from .files import make_shareable
 CACHE_FORMAT_VERSION = 1
 CACHE_INFO_FILE = "cache_info.json"
 EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
+# Manifest-part metadata keys of the SHA-256 of the files every worker shares (parts written by earlier
+# versions hold none: --verify then only checks that the files read).
+SHARED_FILE_CHECKSUM_KEYS = {CACHE_INFO_FILE: "cache_info_sha256", EMPTY_PROMPT_FILE: "empty_prompt_sha256"}
 SHARD_DIR = "shards"
 MANIFEST_DIR = "manifest"
 LOG_DIR = "logs"
@@ -265,6 +269,10 @@ class ShardWriter:
         (cache_dir / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
         existing = [int(p.stem.rsplit("-", 1)[1]) for p in (cache_dir / MANIFEST_DIR).glob(f"{worker_name}-*.parquet")]
         self.next_seq = max(existing, default=-1) + 1
+        # The cache script writes both shared files before any shard, and they never change afterwards.
+        self.shared_file_checksums = {
+            key: sha256_file(cache_dir / name) for name, key in SHARED_FILE_CHECKSUM_KEYS.items() if (cache_dir / name).exists()
+        }
         self._remove_leftovers()
 
     def _remove_leftovers(self) -> None:
@@ -305,6 +313,7 @@ class ShardWriter:
                 "shard_sha256": shard_sha256,
                 "shard_bytes": str(shard_path.stat().st_size),
                 "written_at_ns": str(time.time_ns()),
+                **self.shared_file_checksums,
             }
         )
         part_path = self.cache_dir / MANIFEST_DIR / f"{name}.parquet"
@@ -328,6 +337,7 @@ class ManifestPart:
     shard_bytes: int
     written_at_ns: int
     num_rows: int
+    shared_file_sha256: dict[str, str]  # file name -> SHA-256 (SHARED_FILE_CHECKSUM_KEYS); empty in older caches
 
 
 def _read_part(path: Path) -> tuple[ManifestPart, pa.Table]:
@@ -343,6 +353,7 @@ def _read_part(path: Path) -> tuple[ManifestPart, pa.Table]:
         shard_bytes=int(metadata[b"shard_bytes"]),
         written_at_ns=int(metadata[b"written_at_ns"]),
         num_rows=len(table),
+        shared_file_sha256={name: metadata[key.encode()].decode() for name, key in SHARED_FILE_CHECKSUM_KEYS.items() if key.encode() in metadata},
     )
     return part, table
 
@@ -448,15 +459,66 @@ def row_problems(shard, rows: list[dict], text_max_length: int) -> list[str]:
     return problems
 
 
-def verify_cache(cache_dir: Path) -> tuple[int, dict[str, list[str]]]:
-    """Check every shard against its checksum and every manifest row against its shard.
+def empty_prompt_problem(path: Path, text_max_length: int) -> str | None:
+    """What is wrong with the empty caption's embeddings as far as they can be checked without a checksum:
+    unreadable, other tensors, or another caption length than the cache's."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            names = set(handle.keys())
+            if names != {"prompt_embeds", "pooled_prompt_embeds"}:
+                return f"holds the tensors {sorted(names)}, not prompt_embeds and pooled_prompt_embeds"
+            length = handle.get_slice("prompt_embeds").get_shape()[0]
+    except Exception as error:  # safetensors raises its own error types for bad headers
+        return f"unreadable ({error})"
+    if length != text_max_length:
+        return f"prompt_embeds are {length} tokens long, but {CACHE_INFO_FILE} says {text_max_length}"
+    return None
 
-    Returns (items checked, problems by file name relative to cache_dir). Reads every shard once."""
+
+def shared_file_checks(cache_dir: Path, parts: list[tuple[ManifestPart, pa.Table]], text_max_length: int) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """cache_info.json and empty_prompt.safetensors against the SHA-256 the manifest parts recorded.
+
+    Returns (problems, notes) by file name. Where no part recorded a checksum (a cache written before they
+    were kept, or one without items) a note says so and only what reads can be checked: cache_info.json
+    parses (read_cache_info) and the empty prompt holds its two tensors at the cache's caption length."""
+    problems: dict[str, list[str]] = {}
+    notes: dict[str, str] = {}
+    for name in SHARED_FILE_CHECKSUM_KEYS:
+        path = cache_dir / name
+        if not path.exists():
+            problems[name] = ["missing"]
+            continue
+        recorded = [(part, part.shared_file_sha256[name]) for part, _ in parts if name in part.shared_file_sha256]
+        if recorded:
+            actual = sha256_file(path)
+            differing = [part for part, digest in recorded if digest != actual]
+            if differing:
+                problems[name] = [
+                    f"checksum mismatch (contents changed since {MANIFEST_DIR}/{differing[0].path.name} recorded it): delete it and re-run "
+                    "the cache command with the same flags, which writes it again"
+                ]
+            continue
+        notes[name] = (
+            "no checksum recorded (no manifest part records one: the cache was written before they were kept, or holds no items), "
+            "so only checked that it reads"
+        )
+        problem = empty_prompt_problem(path, text_max_length) if name == EMPTY_PROMPT_FILE else None
+        if problem:
+            problems[name] = [problem]
+    return problems, notes
+
+
+def verify_cache(cache_dir: Path) -> tuple[int, dict[str, list[str]], dict[str, str]]:
+    """Check every shard against its checksum, every manifest row against its shard, and cache_info.json and
+    empty_prompt.safetensors against theirs (shared_file_checks).
+
+    Returns (items checked, problems by file name relative to cache_dir, notes by file name: what could not be
+    checked). Reads every shard once."""
     settings = read_cache_info(cache_dir)
     parts, damaged_parts = read_manifest_parts(cache_dir)
     problems: dict[str, list[str]] = {f"{MANIFEST_DIR}/{path.name}": [reason] for path, reason in damaged_parts.items()}
-    if not (cache_dir / EMPTY_PROMPT_FILE).exists():
-        problems[EMPTY_PROMPT_FILE] = ["missing"]
+    shared_problems, notes = shared_file_checks(cache_dir, parts, settings.text_max_length)
+    problems.update(shared_problems)
     if not (cache_dir / MANIFEST_DIR).is_dir():
         problems[MANIFEST_DIR] = ["missing: the cache lists no items at all"]
     # A shard no manifest part lists: its part was lost (its items silently gone from the cache) or its write
@@ -480,7 +542,7 @@ def verify_cache(cache_dir: Path) -> tuple[int, dict[str, list[str]]]:
         if found:
             problems[name] = found
         checked += part.num_rows
-    return checked, problems
+    return checked, problems, notes
 
 
 def quarantine(cache_dir: Path, *paths: Path) -> None:

@@ -139,6 +139,14 @@ class EpochPlanner:
                 samples.append(chosen + math.floor(repeat) * self.num_items)
         return np.sort(np.concatenate(samples)) if samples else np.zeros(0, dtype=np.int64)
 
+    def possible_samples(self) -> np.ndarray:
+        """Every sample some epoch may plan: copies 0 .. ceil(r)-1 of each trainable item with repeats r. A
+        plan's batch of a bucket holds distinct samples, so a bucket with fewer than one global batch of
+        them can never form a batch, in any epoch."""
+        copies = np.ceil(self.repeats[self.trainable]).astype(np.int64)
+        samples = [self.trainable[copies > copy] + copy * self.num_items for copy in range(int(copies.max(initial=0)))]
+        return np.concatenate([np.zeros(0, dtype=np.int64), *samples])
+
     def plan(self, epoch: int, carried_in: np.ndarray, exclude: np.ndarray | None = None) -> EpochPlan:
         """The epoch's plan; `exclude` leaves samples out (those a resumed epoch has already trained on)."""
         samples = self.epoch_samples(epoch)
@@ -196,22 +204,27 @@ class EpochPlanner:
 
     def _rest_of_epoch(self, epoch: int, carried_in: np.ndarray, full_plan: EpochPlan, consumed: np.ndarray) -> EpochPlan:
         done_batches, remainder = divmod(len(consumed), self.global_batch_size)
-        planned_prefix = np.concatenate(full_plan.batches[:done_batches]) if done_batches else np.zeros(0, dtype=np.int64)
+        # A plan may hold fewer batches than were done: a resume with a larger global batch.
+        planned_prefix = np.concatenate([np.zeros(0, dtype=np.int64), *full_plan.batches[:done_batches]])
         at_update_boundary = done_batches % self.accumulation_steps == 0 or done_batches == len(full_plan.batches)
         if remainder == 0 and at_update_boundary and np.array_equal(np.sort(planned_prefix), np.sort(consumed)):
             return EpochPlan(full_plan.batches[done_batches:], full_plan.carried_out, self.accumulation_steps)
         return self.plan(epoch, carried_in, exclude=consumed)
 
 
-def small_buckets(bucket_sizes: np.ndarray, bucket_ids: np.ndarray, items: np.ndarray, global_batch_size: int) -> dict[str, int]:
-    """Buckets (as "WxH") holding fewer items than one global batch: they can never form a batch."""
+def bucket_counts(bucket_sizes: np.ndarray, bucket_ids: np.ndarray, items: np.ndarray) -> dict[str, int]:
+    """How many of `items` each bucket (as "WxH") holds."""
     ids, counts = np.unique(bucket_ids[items], return_counts=True)
     result = {}
     for bucket, count in zip(ids, counts):
-        if count < global_batch_size:
-            width, height = bucket_sizes[items[bucket_ids[items] == bucket][0]]
-            result[f"{width}x{height}"] = int(count)
+        width, height = bucket_sizes[items[bucket_ids[items] == bucket][0]]
+        result[f"{width}x{height}"] = int(count)
     return result
+
+
+def small_buckets(bucket_sizes: np.ndarray, bucket_ids: np.ndarray, items: np.ndarray, global_batch_size: int) -> dict[str, int]:
+    """Buckets (as "WxH") holding fewer items than one global batch: they can never form a batch."""
+    return {bucket: count for bucket, count in bucket_counts(bucket_sizes, bucket_ids, items).items() if count < global_batch_size}
 
 
 def rank_slice(batch: GlobalBatch, rank: int, per_rank_batch: int) -> list[int]:

@@ -1,7 +1,8 @@
 """Datasets described by a table instead of caption files: one row per image, in a JSONL or Parquet file.
 
 Columns (others are ignored):
-- path: the image's path relative to --data_dir ('/'-separated), its identity in the cache;
+- path: the image's path relative to --data_dir ('/'-separated), its identity in the cache; a row whose path
+  leads outside --data_dir, through a symlink too, is refused;
 - caption: the caption text (several captions: one per line, or a list of strings), or
 - tags: a list of tags, or one comma-separated string;
 - score: a number, needed where --min_score filters and read by --score_tags;
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator, NoReturn
@@ -197,15 +199,53 @@ def edit_tags(caption: str, filters: TableFilters) -> tuple[str, list[str]]:
     return "\n".join(lines), excluded
 
 
+def is_unicode(text: str) -> bool:
+    """False for text holding a lone surrogate (what the JSON escape \\udc80 decodes to), which no UTF-8 file
+    name, tokenizer or Parquet column can take: it would stop the whole run, not just its row."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unnameable_path(path: str) -> str | None:
+    """Why no file can have this name (it would stop the scan: hashing it, or opening it), or None."""
+    if "\0" in path:
+        return "it holds a NUL character, which no file name can: fix the table"
+    if not is_unicode(path):
+        return "it is not valid Unicode (a lone surrogate, such as the JSON escape \\udc80): fix the table, renaming the file to a UTF-8 name"
+    return None
+
+
+def real_path(data_dir: str, relative_path: str, real_folders: dict[str, str]) -> str:
+    """data_dir/relative_path with every symlink resolved. Rows share few folders, so each folder is resolved
+    once (real_folders caches them) and a row costs one lstat of its file; strings and os.path, not pathlib,
+    as this runs for every row of tables of millions."""
+    path = os.path.join(data_dir, relative_path)
+    if os.path.islink(path):
+        return os.path.realpath(path)
+    folder, _, name = relative_path.rpartition("/")
+    real_folder = real_folders.get(folder)
+    if real_folder is None:
+        real_folder = real_folders[folder] = os.path.realpath(os.path.join(data_dir, folder))
+    return os.path.join(real_folder, name)
+
+
 def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callable[[str], bool], column_names: dict[str, str] | None = None) -> DataScan:
     """The images a table lists (only those `mine` accepts: this worker's), their captions edited as
-    `filters` says; rows that cannot be used are listed with why (row number, or path where there is one).
-    column_names: our column names -> the table's, where they differ (table_rows)."""
+    `filters` says; rows that cannot be used are listed with why (row number, or path where there is one),
+    rows whose path leads outside data_dir through a symlink among them. column_names: our column names ->
+    the table's, where they differ (table_rows). A table without any row is a TableError."""
     pairs: list[SourcePair] = []
     problems: list[ScanProblem] = []
     seen: set[str] = set()
     label = table.name
+    inside_data_dir = os.path.join(os.path.realpath(data_dir), "")  # with a trailing "/": /data/x is inside /data, /database is not
+    real_folders: dict[str, str] = {}
+    rows_read = 0
     for number, row in table_rows(table, column_names):
+        rows_read += 1
         if isinstance(row, str):
             problems.append(ScanProblem(f"{label}:{number}", f"row {number} {row}: fix the table", "bad table row"))
             continue
@@ -215,8 +255,19 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
             hint = " (a column of another name: --table_columns path=NAME)" if path is None else ""
             problems.append(ScanProblem(f"{label}:{number}", f"row {number} has no usable path ({path!r}): give one relative to --data_dir{hint}", "bad table row"))
             continue
+        unnameable = unnameable_path(path)
+        if unnameable:
+            problems.append(ScanProblem(f"{label}:{number}", f"row {number} has no usable path ({path!r}): {unnameable}", "bad table row"))
+            continue
         relative_path = relative.as_posix()
         if not mine(relative_path):
+            continue
+        resolved = real_path(str(data_dir), relative_path, real_folders)
+        if not os.path.join(resolved, "").startswith(inside_data_dir):
+            problems.append(ScanProblem(
+                relative_path, f"row {number} of {label} leads outside --data_dir through a symlink (to {resolved}): only files under "
+                "--data_dir are cached; copy the file in, or point --data_dir at a folder holding it", "outside --data_dir",
+            ))
             continue
         if relative_path in seen:
             problems.append(ScanProblem(relative_path, f"listed again in row {number} of {label}: the first row is used", "duplicate row"))
@@ -227,6 +278,12 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
             problems.append(ScanProblem(
                 relative_path, f"row {number} of {label} has no caption (text or list of texts) or tags (list of texts or comma-separated text)",
                 "missing caption",
+            ))
+            continue
+        if not is_unicode(caption):
+            problems.append(ScanProblem(
+                relative_path, f"row {number} of {label} has a caption that is not valid Unicode (a lone surrogate, such as the JSON escape "
+                "\\udc80): fix the table", "bad table row",
             ))
             continue
         if filters.min_score is not None:
@@ -254,6 +311,8 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
         if score_tag is not None:
             caption = "\n".join(", ".join(tag for tag in (score_tag, line) if tag) for line in caption.splitlines() or [""])
         pairs.append(SourcePair(data_dir / relative_path, relative_path, caption_text=caption, table_size=row_size(row)))
+    if rows_read == 0:
+        raise TableError(f"the metadata table {table} is empty (no rows): nothing was cached; give a table with one row per image")
     pairs.sort(key=lambda pair: pair.relative_path)
     problems.sort(key=lambda problem: problem.relative_path)
     return DataScan(pairs, problems)

@@ -52,8 +52,8 @@ def flip_one_byte(path, offset_from_end: int = 10) -> None:
 
 
 def test_verify_intact_cache(tmp_path):
-    checked, problems = verify_cache(small_cache(tmp_path))
-    assert (checked, problems) == (6, {})
+    checked, problems, notes = verify_cache(small_cache(tmp_path))
+    assert (checked, problems, notes) == (6, {}, {})
 
 
 def test_verify_names_every_kind_of_damage(tmp_path):
@@ -63,7 +63,7 @@ def test_verify_names_every_kind_of_damage(tmp_path):
     truncated.write_bytes(truncated.read_bytes()[:100])
     (tmp_path / SHARD_DIR / "w0-000002.safetensors").unlink()
     (tmp_path / MANIFEST_DIR / "w0-000003.parquet").write_bytes(b"not parquet")
-    checked, problems = verify_cache(tmp_path)
+    checked, problems, _ = verify_cache(tmp_path)
     assert checked == 0
     assert set(problems) == {
         "shards/w0-000000.safetensors",
@@ -81,11 +81,11 @@ def test_verify_names_every_kind_of_damage(tmp_path):
 def test_verify_reports_a_missing_manifest_and_shards_no_part_lists(tmp_path):
     small_cache(tmp_path, shards=3)
     (tmp_path / MANIFEST_DIR / "w0-000001.parquet").unlink()  # its items would vanish silently
-    checked, problems = verify_cache(tmp_path)
+    checked, problems, _ = verify_cache(tmp_path)
     assert checked == 4
     assert problems == {"shards/w0-000001.safetensors": ["no manifest part lists it: its items are missing from the cache"]}
     shutil.rmtree(tmp_path / MANIFEST_DIR)
-    checked, problems = verify_cache(tmp_path)
+    checked, problems, _ = verify_cache(tmp_path)
     assert checked == 0
     assert problems["manifest"] == ["missing: the cache lists no items at all"]
     assert {f"shards/w0-00000{index}.safetensors" for index in range(3)} <= set(problems)
@@ -102,13 +102,41 @@ def test_verify_checks_rows_against_shard(tmp_path):
     table = pq.read_table(part)
     extra = table.slice(0, 1).to_pylist()[0] | {"image_path": "ghost.png", "index_in_shard": 7}
     pq.write_table(pa.concat_tables([table, pa.Table.from_pylist([extra], schema=table.schema)]).replace_schema_metadata(table.schema.metadata), part)
-    _, problems = verify_cache(tmp_path)
+    _, problems, _ = verify_cache(tmp_path)
     assert problems == {
         "shards/w0-000000.safetensors": [
             "item 1 (wrong.png): latents (4, 8, 12) do not match bucket 128x64",
             "item 7 (ghost.png): tensors ['latents', 'prompt_embeds', 'pooled_prompt_embeds'] missing",
         ]
     }
+
+
+def test_verify_checks_the_shared_files_against_the_checksums_their_parts_recorded(tmp_path):
+    small_cache(tmp_path, shards=2)
+    flip_one_byte(tmp_path / cache.EMPTY_PROMPT_FILE)
+    _, problems, notes = verify_cache(tmp_path)
+    assert list(problems) == [cache.EMPTY_PROMPT_FILE]
+    assert problems[cache.EMPTY_PROMPT_FILE][0].startswith("checksum mismatch (contents changed since manifest/w0-000000.parquet recorded it)")
+    assert notes == {}
+
+
+def test_a_cache_whose_parts_recorded_no_checksum_of_the_shared_files_says_so_and_checks_they_read(tmp_path):
+    """Caches written before the checksums were recorded stay readable: --verify notes what it cannot check."""
+    small_cache(tmp_path, shards=2)
+    for part in (tmp_path / MANIFEST_DIR).glob("*.parquet"):
+        table = pq.read_table(part)
+        old_metadata = {key: value for key, value in table.schema.metadata.items() if not key.endswith(b"_sha256") or key == b"shard_sha256"}
+        pq.write_table(table.replace_schema_metadata(old_metadata), part)
+    checked, problems, notes = verify_cache(tmp_path)
+    assert (checked, problems) == (4, {})
+    assert set(notes) == {cache.CACHE_INFO_FILE, cache.EMPTY_PROMPT_FILE}
+    assert all("no checksum recorded" in note for note in notes.values())
+    (tmp_path / "other").mkdir()
+    write_empty_prompt(tmp_path / "other", torch.zeros(154, 64), torch.zeros(32))  # another caption length
+    shutil.copy(tmp_path / "other" / cache.EMPTY_PROMPT_FILE, tmp_path / cache.EMPTY_PROMPT_FILE)
+    assert verify_cache(tmp_path)[1] == {cache.EMPTY_PROMPT_FILE: [f"prompt_embeds are 154 tokens long, but {cache.CACHE_INFO_FILE} says 77"]}
+    (tmp_path / cache.EMPTY_PROMPT_FILE).write_bytes(b"not safetensors")
+    assert verify_cache(tmp_path)[1][cache.EMPTY_PROMPT_FILE][0].startswith("unreadable")
 
 
 def test_shard_problem_size_only_and_full(tmp_path):

@@ -158,6 +158,24 @@ def test_no_items_no_batches():
     assert plan.batches == [] and plan.carried_out.tolist() == []
 
 
+def test_a_resume_whose_global_batch_no_bucket_fills_plans_the_rest_of_the_epoch_as_carried_items():
+    """A checkpoint saved after 4 batches of 2, resumed with a global batch of 8 (more processes): no batch
+    can form, so every item not yet trained on is carried (the trainer refuses such a run before it starts)."""
+    consumed = np.concatenate(planner([6, 5], global_batch=2).plan(0, np.zeros(0, dtype=np.int64)).batches[:4])
+    plans = planner([6, 5], global_batch=8).plans(1, 0, None, consumed)
+    assert [plan.batches for plan in plans] == [[]]
+    assert sorted(plans[0].carried_out.tolist()) == sorted(set(range(11)) - set(consumed.tolist()))
+
+
+def test_possible_samples_are_every_copy_any_epoch_may_plan():
+    ids = bucket_ids_for([2, 2])
+    planner_with_repeats = EpochPlanner(ids, np.array([0, 1, 3]), 2, 1, 0, repeats=np.array([1.5, 1.0, 2.0, 0.5]))
+    # Item 0 (1.5): copies 0 and 1; item 1: copy 0; item 2 is held out; item 3 (0.5): copy 0 in some epochs.
+    assert sorted(planner_with_repeats.possible_samples().tolist()) == [0, 1, 3, 4]
+    for epoch in range(5):
+        assert set(planner_with_repeats.epoch_samples(epoch).tolist()) <= {0, 1, 3, 4}
+
+
 # --- rank_slice and small_buckets -------------------------------------------------------------------------
 
 

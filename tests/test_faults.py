@@ -180,6 +180,27 @@ def test_latest_skips_damaged_checkpoints_says_so_and_resumes_from_the_newest_in
     assert not marker.exists()
 
 
+def test_a_resume_whose_global_batch_no_bucket_fills_stops_before_the_model_loads_naming_the_flags_and_buckets(
+    tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir
+):
+    """Resuming mid-epoch with a global batch larger than every bucket once ended in a raw ValueError of the
+    epoch planner, after the model had loaded. The copied pipeline has no UNet weights: loading it would fail."""
+    run = copy_of(saved_run, tmp_path)
+    no_unet = tmp_path / "no_unet"
+    shutil.copytree(tiny_pipeline_dir, no_unet)
+    for weights in (no_unet / "unet").glob("*.safetensors"):
+        weights.unlink()
+    flags = train_flags(sample_cache_dir, no_unet, tmp_path, "--load_saved_state", str(run / "checkpoints" / checkpoint_name(4)), "--train_batch_size", "64")
+    result = subprocess.run([sys.executable, str(TRAINER), *flags], cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "Cannot start training: no bucket holds one global batch of --train_batch_size 64 x 1 process = 64 items" in result.stderr
+    assert "lower --train_batch_size or run on fewer processes" in result.stderr
+    manifest = pq.read_table(sample_cache_dir / "manifest").to_pylist()
+    for width, height in {(row["bucket_width"], row["bucket_height"]) for row in manifest}:
+        assert f"{width}x{height}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 # ---- a fault in one rank, a killed launcher ----------------------------------------------------------
 
 

@@ -282,3 +282,67 @@ def test_a_table_made_for_another_trainer_is_read_with_its_column_names(tmp_path
 def test_a_column_name_pair_must_name_one_of_ours(pair):
     with pytest.raises(ValueError, match="must be COLUMN=NAME_IN_THE_TABLE with COLUMN one of path, caption, tags, score, rating, width, height"):
         parse_column_names([pair])
+
+
+def test_rows_whose_path_no_file_can_have_or_that_leads_outside_through_a_symlink_are_named_and_skipped(tmp_path, tiny_pipeline_dir, capsys):
+    """A lone surrogate (`\\udc80` in the JSON text) cannot be encoded, a NUL cannot be in a file name, and a
+    symlink inside --data_dir may lead to a file outside it: each row is named in the log, the rest cached."""
+    data_dir = image_folder(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(SAMPLE_DATASET / "sample_02.jpg", outside / "secret.jpg")
+    (data_dir / "link.jpg").symlink_to(outside / "secret.jpg")
+    (data_dir / "linked_folder").symlink_to(outside, target_is_directory=True)
+    (data_dir / "alias.jpg").symlink_to(data_dir / "sample_00.jpg")  # a link that stays inside is fine
+    rows = [
+        {"path": "sample_00.jpg", "tags": ["kept"]},
+        {"path": "bad\udc80name.jpg", "tags": ["surrogate"]},
+        {"path": "bad\x00name.jpg", "tags": ["nul"]},
+        {"path": "link.jpg", "tags": ["through a file link"]},
+        {"path": "linked_folder/secret.jpg", "tags": ["through a folder link"]},
+        {"path": "alias.jpg", "tags": ["inside"]},
+        {"path": "sample_01.jpg", "caption": "a caption with a lone \udc80 surrogate"},  # no manifest can hold it
+    ]
+    table = tmp_path / "meta.jsonl"
+    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert "\\udc80" in table.read_text() and "\\u0000" in table.read_text()
+    cache_dir = tmp_path / "cache"
+    exit_code = sdxl_process_data_dir.main(
+        ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+         "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION), "--metadata_table", str(table),
+         "--num_shards", "1", "--shard_index", "0"]
+    )
+    assert exit_code == 0
+    assert sorted(load_manifest(cache_dir).column("image_path").to_pylist()) == ["alias.jpg", "sample_00.jpg"]
+    log = "".join(path.read_text() for path in (cache_dir / LOG_DIR).glob("errors-*.log"))
+    for expected in (
+        "meta.jsonl:2: row 2 has no usable path ('bad\\udc80name.jpg'): it is not valid Unicode",
+        "meta.jsonl:3: row 3 has no usable path ('bad\\x00name.jpg'): it holds a NUL character",
+        f"link.jpg: row 4 of meta.jsonl leads outside --data_dir through a symlink (to {outside / 'secret.jpg'})",
+        f"linked_folder/secret.jpg: row 5 of meta.jsonl leads outside --data_dir through a symlink (to {outside / 'secret.jpg'})",
+        "sample_01.jpg: row 7 of meta.jsonl has a caption that is not valid Unicode",
+    ):
+        assert expected in log, f"{expected!r} not in the cache log:\n{log}"
+    assert "skipped 5 (bad table row: 3, outside --data_dir: 2)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_an_empty_table_is_refused_naming_it_before_anything_is_written(tmp_path, tiny_pipeline_dir, capsys, suffix, dry_run):
+    data_dir = image_folder(tmp_path)
+    table = tmp_path / f"meta{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(pa.table({"path": pa.array([], pa.string()), "tags": pa.array([], pa.list_(pa.string()))}), table)
+    else:
+        table.write_text("\n  \n")  # blank lines are no rows
+    cache_dir = tmp_path / "cache"
+    exit_code = sdxl_process_data_dir.main(
+        ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+         "--metadata_table", str(table), *(["--dry_run"] if dry_run else [])]
+    )
+    out = capsys.readouterr().out
+    assert exit_code == 2
+    assert f"refused: the metadata table {table} is empty (no rows)" in out
+    assert "would cache" not in out
+    assert not cache_dir.exists()
+

@@ -153,6 +153,26 @@ def test_verify_finds_damage_and_a_rerun_repairs_it(small_cache, tiny_pipeline_d
         assert reader.read(row["shard"], row["index_in_shard"])["latents"].shape == (4, 32, 32)
 
 
+def test_verify_names_a_changed_cache_info_or_empty_prompt(small_cache, capsys):
+    """Both files are read by every training run: a changed byte that still parses (a digit of a setting, a
+    value of the empty caption's embeddings) must fail --verify as a changed shard does."""
+    _, cache_dir = small_cache
+    cache_info = cache_dir / cache.CACHE_INFO_FILE
+    text = cache_info.read_bytes()
+    digit = text.index(b'"max_resolution": ') + len(b'"max_resolution": ')
+    cache_info.write_bytes(text[:digit] + bytes([text[digit] ^ 0x01]) + text[digit + 1:])  # 320 -> 220: still JSON
+    empty_prompt = cache_dir / cache.EMPTY_PROMPT_FILE
+    data = bytearray(empty_prompt.read_bytes())
+    data[-5] ^= 0xFF  # inside the last tensor: the file still loads
+    empty_prompt.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(cache_dir)]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED {cache.CACHE_INFO_FILE}: checksum mismatch" in out
+    assert f"DAMAGED {cache.EMPTY_PROMPT_FILE}: checksum mismatch" in out
+    assert "cache OK" not in out
+
+
 def test_moved_cache_verifies_and_resumes(small_cache, tiny_pipeline_dir, tmp_path, capsys):
     data_dir, cache_dir = small_cache
     moved = tmp_path / "elsewhere" / "moved_cache"
