@@ -31,10 +31,11 @@ from sdxl_trainer.checkpoint import (
     CheckpointError,
     DataPosition,
     TrainerState,
-    checkpoint_problem,
+    Verification,
     find_latest_checkpoint,
     load_training_state,
     read_trainer_state,
+    verify_checkpoint,
 )
 from sdxl_trainer.checkpointer import Checkpointer, SavePolicy
 from sdxl_trainer.config import config_to_dict, option, parse_config, write_resolved_config
@@ -405,19 +406,31 @@ def agree_on_seed(seed: int | None, device: torch.device) -> int:
 
 
 def resolve_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path, is_main: bool) -> tuple[Path | None, list[str]]:
-    """The checkpoint folder to resume from, and what is wrong with it. 'latest' takes the newest intact
-    checkpoint (None if there is none yet) and says which damaged ones it skipped; a named folder must be intact."""
+    """Collective: the checkpoint folder to resume from, and what is wrong with it. 'latest' takes the newest
+    intact checkpoint (None if there is none yet) and says which damaged ones it skipped; a named folder must
+    be intact. Intact includes matching the checksums recorded at save, which every process verifies its
+    share of."""
     if load_saved_state is None:
         return None, []
+    verifications: dict[Path, Verification] = {}
+
+    def problem_of(path: Path) -> str | None:
+        verifications[path] = verify_checkpoint(path)
+        return verifications[path].problem
+
     if load_saved_state == "latest":
-        latest, skipped = find_latest_checkpoint(checkpoints_dir)
+        path, skipped = find_latest_checkpoint(checkpoints_dir, problem_of)
+        problems = []
         if is_main:
-            for path, reason in skipped.items():
-                print(f"Skipping damaged checkpoint {path}: {reason}")
-        return latest, []
-    path = Path(load_saved_state)
-    problem = checkpoint_problem(path)
-    return path, [f"--load_saved_state {path}: {problem}"] if problem else []
+            for damaged, reason in skipped.items():
+                print(f"Skipping damaged checkpoint {damaged}: {reason}")
+    else:
+        path = Path(load_saved_state)
+        problem = problem_of(path)
+        problems = [f"--load_saved_state {path}: {problem}"] if problem else []
+    if is_main and path is not None and not problems:
+        print(verifications[path].describe(path))
+    return path, problems
 
 
 def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tuple[Path | None, TrainerState | None]:

@@ -28,6 +28,7 @@ from conftest import (
     trainer_flags,
 )
 from sdxl_trainer.checkpoint import (
+    CHECKSUMS_FILE,
     METADATA_FILE,
     TRAINER_STATE_FILE,
     CheckpointError,
@@ -95,6 +96,18 @@ def test_every_entry_of_a_checkpoint_is_a_tensor(saved_run):
         assert not any(".param_groups." in name for name in entries)  # hyperparameters come from the flags
 
 
+def test_every_file_of_a_checkpoint_has_its_checksum_recorded(saved_run):
+    import hashlib
+
+    for checkpoint in (saved_run / "checkpoints").iterdir():
+        recorded = json.loads((checkpoint / CHECKSUMS_FILE).read_text())
+        files = {path.relative_to(checkpoint).as_posix() for path in checkpoint.rglob("*") if path.is_file()}
+        assert set(recorded["files"]) == files - {CHECKSUMS_FILE, TRAINER_STATE_FILE}
+        assert {"__0_0.distcp", "__1_0.distcp", "rng/rank1.safetensors", METADATA_FILE} <= set(recorded["files"])
+        for name, digest in recorded["files"].items():
+            assert hashlib.new(recorded["algorithm"], (checkpoint / name).read_bytes()).hexdigest() == digest, name
+
+
 def test_a_planted_pickle_never_runs_and_the_load_fails_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     run = copy_of(saved_run, tmp_path)
     planted = run / "checkpoints" / checkpoint_name(12)
@@ -145,6 +158,14 @@ def damage(checkpoint: Path, kind: str) -> str:
     if kind == "rng state damaged":
         (checkpoint / "rng" / "rank1.safetensors").write_bytes(b"\x00" * 20)
         return f"{checkpoint / 'rng' / 'rank1.safetensors'} is missing or damaged"
+    if kind == "checksums missing":
+        (checkpoint / CHECKSUMS_FILE).unlink()
+        return f"{checkpoint / CHECKSUMS_FILE} is missing or damaged"
+    if kind == "shard without a checksum":
+        checksums = json.loads((checkpoint / CHECKSUMS_FILE).read_text())
+        del checksums["files"]["__1_0.distcp"]
+        (checkpoint / CHECKSUMS_FILE).write_text(json.dumps(checksums))
+        return f"{checkpoint / CHECKSUMS_FILE} lists no checksum for __1_0.distcp"
     if kind == "earlier version":
         state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
         del state["format_version"]
@@ -154,7 +175,8 @@ def damage(checkpoint: Path, kind: str) -> str:
 
 
 DAMAGE_KINDS = ["truncated shard", "missing shard", "index not JSON", "unknown dtype", "file outside the checkpoint",
-                "trainer state not JSON", "trainer state field missing", "rng state damaged", "earlier version"]
+                "trainer state not JSON", "trainer state field missing", "rng state damaged", "earlier version", "checksums missing",
+                "shard without a checksum"]
 
 
 @pytest.mark.parametrize("kind", DAMAGE_KINDS)
@@ -178,6 +200,70 @@ def test_latest_skips_damaged_checkpoints_says_so_and_resumes_from_the_newest_in
     assert f"Resumed from {run / 'checkpoints' / checkpoint_name(4)}" in result.stdout
     assert scalars(run, "train/loss") == scalars(saved_run, "train/loss")[4:]  # the run went on from update 4
     assert not marker.exists()
+
+
+def zero_inside_the_largest_record(checkpoint: Path) -> Path:
+    """What a failing disk or a bad copy does: 4 KiB in the middle of a weight's record become zeros, the
+    file keeps its size and every header stays readable. Returns the damaged shard."""
+    records = json.loads((checkpoint / METADATA_FILE).read_text())["storage_data"]
+    largest = max(records, key=lambda record: record["length"])
+    assert largest["length"] > 3 * 4096
+    shard = checkpoint / largest["path"]
+    with open(shard, "r+b") as handle:
+        handle.seek(largest["start"] + largest["length"] // 2)
+        handle.write(bytes(4096))
+    return shard
+
+
+def without_checksums(checkpoint: Path) -> None:
+    """Make the checkpoint look like one saved before checksums were recorded (format 2)."""
+    (checkpoint / CHECKSUMS_FILE).unlink()
+    state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
+    state["format_version"] = 2
+    (checkpoint / TRAINER_STATE_FILE).write_text(json.dumps(state))
+
+
+def test_latest_skips_a_checkpoint_whose_shard_changed_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    run = copy_of(saved_run, tmp_path)
+    shard = zero_inside_the_largest_record(run / "checkpoints" / checkpoint_name(12))
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers"))
+    assert f"Skipping damaged checkpoint {run / 'checkpoints' / checkpoint_name(12)}: {shard} does not match its checksum" in result.stdout
+    assert f"Resumed from {run / 'checkpoints' / checkpoint_name(8)}" in result.stdout
+    assert "Verified the checksums of" in result.stdout
+
+
+def test_a_named_checkpoint_whose_shard_changed_is_refused_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    run = copy_of(saved_run, tmp_path)
+    checkpoint = run / "checkpoints" / checkpoint_name(12)
+    shard = zero_inside_the_largest_record(checkpoint)
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", str(checkpoint)), expect_success=False)
+    assert result.returncode == 1
+    assert "Cannot start training" in result.stderr and f"{shard} does not match its checksum" in result.stderr
+    assert result.stderr.count("does not match its checksum") == 1  # printed once, by one rank
+
+
+def test_a_checkpoint_saved_before_checksums_resumes_and_says_it_carries_none(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    run = copy_of(saved_run, tmp_path)
+    for checkpoint in (run / "checkpoints").iterdir():
+        without_checksums(checkpoint)
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers"))
+    assert f"{run / 'checkpoints' / checkpoint_name(12)} carries no checksums" in result.stdout
+    assert f"Resumed from {run / 'checkpoints' / checkpoint_name(12)}" in result.stdout
+
+
+def test_an_unreadable_record_of_a_checkpoint_without_checksums_is_refused_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    """Without checksums, only DCP's reading finds damage in a shard: its error must name the file."""
+    run = copy_of(saved_run, tmp_path)
+    checkpoint = run / "checkpoints" / checkpoint_name(12)
+    without_checksums(checkpoint)
+    record = json.loads((checkpoint / METADATA_FILE).read_text())["storage_data"][0]
+    shard = checkpoint / record["path"]
+    with open(shard, "r+b") as handle:  # the record's zip header
+        handle.seek(record["start"])
+        handle.write(bytes(64))
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", str(checkpoint)), expect_success=False)
+    assert result.returncode == 1
+    assert f"Cannot resume from {checkpoint}" in result.stderr and f"{shard} could not be read" in result.stderr, result.stderr[-3000:]
 
 
 # ---- a fault in one rank, a killed launcher ----------------------------------------------------------
