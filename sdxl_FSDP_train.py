@@ -9,15 +9,17 @@ Reads top to bottom: configuration, set-up (world, data, model, optimizer), the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 import numpy as np
 import torch
@@ -57,6 +59,7 @@ from sdxl_trainer.monitor import ConsoleLog, MetricsWriter, TrainingMonitor, Wan
 from sdxl_trainer.optimizers import build_optimizer
 from sdxl_trainer.parallel import World, broadcast_text, init_distributed, prepare_text_encoder, prepare_unet, shutdown_distributed, uses_sharding
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_unet, model_location_problem
+from sdxl_trainer.run_folder import RunFolderBusy, RunFolderLock, earlier_run_outputs
 from sdxl_trainer.stop_request import StopRequest
 from sdxl_trainer.train_step import TrainStep
 from sdxl_trainer.trained_models import TEXT_ENCODER_NAMES, TrainedModels, text_encoder_label
@@ -216,6 +219,11 @@ class TrainConfig:
         help="resume from a state checkpoint folder, or 'latest' = the newest complete one in OUTPUT_DIR/PROJECT_NAME/checkpoints "
         "(starts from scratch if there is none, so one command serves the first start and every restart)",
     )
+    overwrite_run: bool = option(
+        False,
+        help="start over in a run folder that holds an earlier run's checkpoints or exported models: its checkpoints are deleted "
+        "at the start and its exports replaced as this run exports (without this flag such a start is refused)",
+    )
 
     def validate(self) -> list[str]:
         problems = []
@@ -275,6 +283,8 @@ class TrainConfig:
         problems += self._number_problems()
         if self.load_saved_state not in (None, "latest") and not Path(self.load_saved_state).is_dir():
             problems.append(f"--load_saved_state {self.load_saved_state} is not a folder: give a checkpoint folder (OUTPUT_DIR/PROJECT_NAME/checkpoints/update_N) or 'latest'")
+        if self.load_saved_state is not None and self.overwrite_run:
+            problems.append("--overwrite_run starts the run over, --load_saved_state continues it: give one of them")
         return problems
 
     def text_encoder_rates(self) -> dict[str, float]:
@@ -439,6 +449,8 @@ def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tupl
     problems = model_problems(config) or check_caches(config)
     resume_dir, checkpoint_problems = resolve_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints", world.is_main)
     problems += checkpoint_problems
+    if config.load_saved_state is None and not config.overwrite_run:
+        problems += earlier_run_problems(run_dir)
     saved = None
     if resume_dir is not None and not checkpoint_problems:
         try:
@@ -449,6 +461,19 @@ def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tupl
     if problems:
         raise SystemExit("Cannot start training:\n  " + "\n  ".join(problems))
     return resume_dir, saved
+
+
+def earlier_run_problems(run_dir: Path) -> list[str]:
+    """A fresh start (no --load_saved_state) in the folder of an earlier run would replace its exported model
+    and, through --checkpoints_total_limit, its checkpoints."""
+    outputs = earlier_run_outputs(run_dir)
+    if not outputs:
+        return []
+    names = ", ".join(str(path.relative_to(run_dir)) for path in outputs[:4]) + (f" and {len(outputs) - 4} more" if len(outputs) > 4 else "")
+    return [
+        f"{run_dir} holds an earlier run ({names}), which this fresh start would overwrite: continue it with --load_saved_state latest, "
+        "start a new run with another --project_name, or start over in this folder with --overwrite_run"
+    ]
 
 
 def resume_problems(saved: TrainerState, config: TrainConfig) -> list[str]:
@@ -581,8 +606,29 @@ def main(argv: list[str] | None = None) -> int:
     world = init_distributed()
     # Any error on any rank ends every process of the job (see watchdog.py).
     # Rank 0's console also goes to train.log in the run folder (the watchdog's last words included).
-    with ConsoleLog(config.output_dir / config.project_name / "train.log", world.is_main), JobWatchdog(world.rank, world.world_size, EXPECTED_ERRORS):
+    run_dir = config.output_dir / config.project_name
+    with ConsoleLog(run_dir / "train.log", world.is_main), JobWatchdog(world.rank, world.world_size, EXPECTED_ERRORS), hold_run_folder(run_dir, world):
         return train(config, world)
+
+
+@contextlib.contextmanager
+def hold_run_folder(run_dir: Path, world: World) -> Iterator[None]:
+    """Rank 0 locks the run folder for the run's life; a second run into the same folder is refused on every
+    rank before any work, naming the process that holds it."""
+    lock, busy = None, ""
+    if world.is_main:
+        try:
+            lock = RunFolderLock(run_dir)
+        except RunFolderBusy as error:
+            busy = str(error)
+    busy = broadcast_text(busy, world.device)
+    if busy:
+        raise SystemExit(f"Cannot start training: {busy}")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def train(config: TrainConfig, world: World) -> int:
@@ -592,6 +638,10 @@ def train(config: TrainConfig, world: World) -> int:
 
     # ---- validate everything before loading the model --------------------------------------------
     resume_dir, saved = check_before_start(config, run_dir, world)
+    if config.overwrite_run and world.is_main and earlier_run_outputs(run_dir):
+        if (run_dir / "checkpoints").exists():
+            shutil.rmtree(run_dir / "checkpoints")
+        print(f"--overwrite_run: deleted the earlier run's checkpoints in {run_dir / 'checkpoints'}; its exported models are replaced as this run exports.")
     seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
     config.set_seed = seed
     torch.manual_seed(seed + world.rank)

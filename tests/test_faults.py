@@ -9,6 +9,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from sdxl_trainer.checkpoint import (
     JsonIndexReader,
     checkpoint_name,
     checkpoint_problem,
+    complete_checkpoints,
     find_latest_checkpoint,
 )
 from sdxl_trainer.config import parse_config
@@ -266,6 +268,50 @@ def test_an_unreadable_record_of_a_checkpoint_without_checksums_is_refused_namin
     assert f"Cannot resume from {checkpoint}" in result.stderr and f"{shard} could not be read" in result.stderr, result.stderr[-3000:]
 
 
+# ---- the run folder: one run at a time, no silent start over a finished run, going back -----------------
+
+
+def test_a_second_run_into_the_same_folder_is_refused_on_every_rank_naming_the_first(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    flags = train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers")
+    first = subprocess.Popen(launcher_command(2, TRAINER, [*flags, "--num_train_epochs", "50"]), cwd=REPO_ROOT, env=process_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        log = tmp_path / "run" / "train.log"
+        deadline = time.monotonic() + 240
+        while not (log.is_file() and "First update done" in log.read_text()) and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.5)
+        assert log.is_file() and "First update done" in log.read_text(), "the first run never got going"
+        workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()]
+        second = run_processes(2, TRAINER, flags, expect_success=False, timeout=300)
+        output = second.stdout + second.stderr
+        assert second.returncode == 1, output[-3000:]
+        assert output.count(f"{tmp_path / 'run'} is in use by another run") == 1, output[-3000:]
+        assert any(f"(process {pid} on {socket.gethostname()}" in output for pid in workers), (workers, output[-3000:])
+        assert first.poll() is None  # the first run trains on
+    finally:
+        first.send_signal(signal.SIGTERM)  # it saves and ends
+        first.wait(timeout=300)
+
+
+def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_starts_over(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    run = copy_of(saved_run, tmp_path)
+    refused = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--no-save_diffusers"), expect_success=False)
+    assert refused.returncode == 1
+    message = f"{run} holds an earlier run (checkpoints/{checkpoint_name(4)}, checkpoints/{checkpoint_name(8)}, checkpoints/{checkpoint_name(12)})"
+    assert refused.stderr.count(message) == 1, refused.stderr[-3000:]
+    assert "continue it with --load_saved_state latest, start a new run with another --project_name, or start over in this folder with --overwrite_run" in refused.stderr
+    assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(update) for update in (4, 8, 12)]
+
+    from sdxl_FSDP_train import earlier_run_problems
+
+    (tmp_path / "exported_only" / "pipeline").mkdir(parents=True)
+    assert "holds an earlier run (pipeline)" in earlier_run_problems(tmp_path / "exported_only")[0]
+
+    started_over = run_processes(1, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--no-save_diffusers", "--overwrite_run", "--max_train_updates", "2"))
+    assert "--overwrite_run: deleted the earlier run's checkpoints" in started_over.stdout
+    assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(2)]
+
+
 # ---- a fault in one rank, a killed launcher ----------------------------------------------------------
 
 
@@ -382,6 +428,7 @@ def test_a_full_disk_warns_at_state_saves_keeps_the_last_checkpoint_and_stops_cl
         (["--lr_num_cycles", "0"], "--lr_num_cycles must be at least 1"),
         (["--learning_rate_scheduler", "polynomial", "--polynomial_lr_end", "1e-3"], "--polynomial_lr_end (0.001) must be below --learning_rate"),
         (["--load_saved_state", "/nonexistent/update_00000004"], "--load_saved_state /nonexistent/update_00000004 is not a folder"),
+        (["--overwrite_run", "--load_saved_state", "latest"], "--overwrite_run starts the run over, --load_saved_state continues it"),
     ],
 )
 def test_bad_numbers_are_refused_naming_the_flag(flags, message, capsys):
