@@ -37,6 +37,7 @@ from sdxl_trainer.checkpoint import (
     find_latest_checkpoint,
     load_training_state,
     read_trainer_state,
+    set_aside_later_checkpoints,
     verify_checkpoint,
 )
 from sdxl_trainer.checkpointer import Checkpointer, SavePolicy
@@ -642,6 +643,13 @@ def train(config: TrainConfig, world: World) -> int:
         if (run_dir / "checkpoints").exists():
             shutil.rmtree(run_dir / "checkpoints")
         print(f"--overwrite_run: deleted the earlier run's checkpoints in {run_dir / 'checkpoints'}; its exported models are replaced as this run exports.")
+    if saved and world.is_main:
+        aside, moved = set_aside_later_checkpoints(run_dir / "checkpoints", saved.update)
+        if aside is not None:
+            print(
+                f"Resuming from update {saved.update}, before this run's newer checkpoints ({', '.join(path.name for path in moved)}): moved them "
+                f"to {aside}, so --checkpoints_total_limit and --load_saved_state latest follow the resumed run. Nothing was deleted."
+            )
     seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
     config.set_seed = seed
     torch.manual_seed(seed + world.rank)

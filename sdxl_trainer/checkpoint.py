@@ -628,6 +628,23 @@ def find_latest_checkpoint(
     return None, skipped
 
 
+def set_aside_later_checkpoints(checkpoints_dir: Path, update: int) -> tuple[Path | None, list[Path]]:
+    """Rank 0, when a run resumes from update `update`: move this folder's checkpoints of later updates (an
+    abandoned branch) into `abandoned_after_update_<N>_<time>/`, so that --checkpoints_total_limit (which keeps
+    the highest update numbers) and 'latest' mean the resumed run's checkpoints. Nothing is deleted.
+    Returns the folder and what was moved into it (None, [] if nothing was later)."""
+    if not checkpoints_dir.is_dir():
+        return None, []
+    later = sorted(path for path in checkpoints_dir.iterdir() if (match := CHECKPOINT_NAME.match(path.name)) and int(match.group(1)) > update)
+    if not later:
+        return None, []
+    aside = checkpoints_dir / f"abandoned_after_{checkpoint_name(update)}_{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    for path in later:
+        path.rename(aside / path.name)
+    return aside, later
+
+
 def remove_old_checkpoints(checkpoints_dir: Path, keep: int) -> list[Path]:
     """Rank 0: delete all but the newest `keep` complete checkpoints (keep 0 = keep all), and the
     `.tmp` folders of saves that died. Returns the deleted folders."""

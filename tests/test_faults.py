@@ -312,6 +312,23 @@ def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_st
     assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(2)]
 
 
+def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside_and_keeps_the_resumed_runs(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    """Going back to update 4 of a run that saved 4, 8 and 12, keeping 2: while 8 and 12 stayed, the limit (it
+    keeps the highest update numbers) deleted each new save and the one resumed from, and 'latest' then
+    continued the abandoned branch."""
+    run = copy_of(saved_run, tmp_path)
+    checkpoints = run / "checkpoints"
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", str(checkpoints / checkpoint_name(4)),
+                                                   "--checkpoints_total_limit", "2", "--save_state_every_n_updates", "3", "--max_train_updates", "10", "--no-save_diffusers"))
+    aside = [path for path in checkpoints.iterdir() if path.name.startswith(f"abandoned_after_{checkpoint_name(4)}_")]
+    assert len(aside) == 1, sorted(path.name for path in checkpoints.iterdir())
+    assert f"({checkpoint_name(8)}, {checkpoint_name(12)}): moved them to {aside[0]}" in result.stdout
+    assert sorted(path.name for path in aside[0].iterdir()) == [checkpoint_name(8), checkpoint_name(12)]
+    assert all(checkpoint_problem(path) is None for path in aside[0].iterdir())  # set aside whole, not deleted
+    assert [path.name for path in complete_checkpoints(checkpoints)] == [checkpoint_name(9), checkpoint_name(10)]  # saved at 6, 9 and the end
+    assert find_latest_checkpoint(checkpoints)[0] == checkpoints / checkpoint_name(10)
+
+
 # ---- a fault in one rank, a killed launcher ----------------------------------------------------------
 
 
