@@ -20,8 +20,9 @@ non-tensor entry, an unknown dtype or a file outside the checkpoint. Tensors are
 torch.load(weights_only=True); everything else is JSON or safetensors.
 
 Crash safety: all ranks write into `update_<N>.tmp`; only after every rank reports success does rank 0
-write trainer_state.json and rename the folder. A folder without `.tmp` that holds trainer_state.json is
-complete; a save that dies halfway (killed, disk full) never touches the earlier checkpoints.
+write checksums.json (from every rank's checksums), then trainer_state.json, and rename the folder. A
+folder without `.tmp` that holds trainer_state.json is complete; a save that dies halfway (killed, disk
+full) never touches the earlier checkpoints.
 """
 
 from __future__ import annotations

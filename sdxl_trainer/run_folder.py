@@ -54,5 +54,4 @@ def earlier_run_outputs(run_dir: Path) -> list[Path]:
     exported models (pipeline, pipeline.safetensors, pipeline_epoch_NNNN)."""
     if not run_dir.is_dir():
         return []
-    exports = sorted(path for path in run_dir.glob("pipeline*"))
-    return complete_checkpoints(run_dir / "checkpoints") + exports
+    return complete_checkpoints(run_dir / "checkpoints") + sorted(run_dir.glob("pipeline*"))
