@@ -9,15 +9,17 @@ Reads top to bottom: configuration, set-up (world, data, model, optimizer), the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 import numpy as np
 import torch
@@ -31,10 +33,12 @@ from sdxl_trainer.checkpoint import (
     CheckpointError,
     DataPosition,
     TrainerState,
-    checkpoint_problem,
+    Verification,
     find_latest_checkpoint,
     load_training_state,
     read_trainer_state,
+    set_aside_later_checkpoints,
+    verify_checkpoint,
 )
 from sdxl_trainer.checkpointer import Checkpointer, SavePolicy
 from sdxl_trainer.config import config_to_dict, option, parse_config, write_resolved_config
@@ -56,6 +60,7 @@ from sdxl_trainer.monitor import ConsoleLog, MetricsWriter, TrainingMonitor, Wan
 from sdxl_trainer.optimizers import build_optimizer
 from sdxl_trainer.parallel import World, broadcast_text, init_distributed, prepare_text_encoder, prepare_unet, shutdown_distributed, uses_sharding
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_unet, model_location_problem
+from sdxl_trainer.run_folder import RunFolderBusy, RunFolderLock, earlier_run_outputs
 from sdxl_trainer.stop_request import StopRequest
 from sdxl_trainer.train_step import TrainStep
 from sdxl_trainer.trained_models import TEXT_ENCODER_NAMES, TrainedModels, text_encoder_label
@@ -221,6 +226,11 @@ class TrainConfig:
         help="resume from a state checkpoint folder, or 'latest' = the newest complete one in OUTPUT_DIR/PROJECT_NAME/checkpoints "
         "(starts from scratch if there is none, so one command serves the first start and every restart)",
     )
+    overwrite_run: bool = option(
+        False,
+        help="start over in a run folder that holds an earlier run's checkpoints or exported models: its checkpoints are deleted "
+        "at the start and its exports replaced as this run exports (without this flag such a start is refused)",
+    )
 
     def validate(self) -> list[str]:
         problems = []
@@ -282,6 +292,8 @@ class TrainConfig:
         problems += self._number_problems()
         if self.load_saved_state not in (None, "latest") and not Path(self.load_saved_state).is_dir():
             problems.append(f"--load_saved_state {self.load_saved_state} is not a folder: give a checkpoint folder (OUTPUT_DIR/PROJECT_NAME/checkpoints/update_N) or 'latest'")
+        if self.load_saved_state is not None and self.overwrite_run:
+            problems.append("--overwrite_run starts the run over, --load_saved_state continues it: give one of them")
         return problems
 
     def text_encoder_rates(self) -> dict[str, float]:
@@ -413,19 +425,31 @@ def agree_on_seed(seed: int | None, device: torch.device) -> int:
 
 
 def resolve_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path, is_main: bool) -> tuple[Path | None, list[str]]:
-    """The checkpoint folder to resume from, and what is wrong with it. 'latest' takes the newest intact
-    checkpoint (None if there is none yet) and says which damaged ones it skipped; a named folder must be intact."""
+    """Collective: the checkpoint folder to resume from, and what is wrong with it. 'latest' takes the newest
+    intact checkpoint (None if there is none yet) and says which damaged ones it skipped; a named folder must
+    be intact. Intact includes matching the checksums recorded at save, which every process verifies its
+    share of."""
     if load_saved_state is None:
         return None, []
+    verifications: dict[Path, Verification] = {}
+
+    def problem_of(path: Path) -> str | None:
+        verifications[path] = verify_checkpoint(path)
+        return verifications[path].problem
+
     if load_saved_state == "latest":
-        latest, skipped = find_latest_checkpoint(checkpoints_dir)
+        path, skipped = find_latest_checkpoint(checkpoints_dir, problem_of)
+        problems = []
         if is_main:
-            for path, reason in skipped.items():
-                print(f"Skipping damaged checkpoint {path}: {reason}")
-        return latest, []
-    path = Path(load_saved_state)
-    problem = checkpoint_problem(path)
-    return path, [f"--load_saved_state {path}: {problem}"] if problem else []
+            for damaged, reason in skipped.items():
+                print(f"Skipping damaged checkpoint {damaged}: {reason}")
+    else:
+        path = Path(load_saved_state)
+        problem = problem_of(path)
+        problems = [f"--load_saved_state {path}: {problem}"] if problem else []
+    if is_main and path is not None and not problems:
+        print(verifications[path].describe(path))
+    return path, problems
 
 
 def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tuple[Path | None, TrainerState | None]:
@@ -434,6 +458,8 @@ def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tupl
     problems = model_problems(config) or check_caches(config)
     resume_dir, checkpoint_problems = resolve_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints", world.is_main)
     problems += checkpoint_problems
+    if config.load_saved_state is None and not config.overwrite_run:
+        problems += earlier_run_problems(run_dir)
     saved = None
     if resume_dir is not None and not checkpoint_problems:
         try:
@@ -444,6 +470,19 @@ def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tupl
     if problems:
         raise SystemExit("Cannot start training:\n  " + "\n  ".join(problems))
     return resume_dir, saved
+
+
+def earlier_run_problems(run_dir: Path) -> list[str]:
+    """A fresh start (no --load_saved_state) in the folder of an earlier run would replace its exported model
+    and, through --checkpoints_total_limit, its checkpoints."""
+    outputs = earlier_run_outputs(run_dir)
+    if not outputs:
+        return []
+    names = ", ".join(str(path.relative_to(run_dir)) for path in outputs[:4]) + (f" and {len(outputs) - 4} more" if len(outputs) > 4 else "")
+    return [
+        f"{run_dir} holds an earlier run ({names}), which this fresh start would overwrite: continue it with --load_saved_state latest, "
+        "start a new run with another --project_name, or start over in this folder with --overwrite_run"
+    ]
 
 
 def resume_problems(saved: TrainerState, config: TrainConfig) -> list[str]:
@@ -611,8 +650,29 @@ def main(argv: list[str] | None = None) -> int:
     world = init_distributed()
     # Any error on any rank ends every process of the job (see watchdog.py).
     # Rank 0's console also goes to train.log in the run folder (the watchdog's last words included).
-    with ConsoleLog(config.output_dir / config.project_name / "train.log", world.is_main), JobWatchdog(world.rank, world.world_size, EXPECTED_ERRORS):
+    run_dir = config.output_dir / config.project_name
+    with ConsoleLog(run_dir / "train.log", world.is_main), JobWatchdog(world.rank, world.world_size, EXPECTED_ERRORS), hold_run_folder(run_dir, world):
         return train(config, world)
+
+
+@contextlib.contextmanager
+def hold_run_folder(run_dir: Path, world: World) -> Iterator[None]:
+    """Rank 0 locks the run folder for the run's life; a second run into the same folder is refused on every
+    rank before any work, naming the process that holds it."""
+    lock, busy = None, ""
+    if world.is_main:
+        try:
+            lock = RunFolderLock(run_dir)
+        except RunFolderBusy as error:
+            busy = str(error)
+    busy = broadcast_text(busy, world.device)
+    if busy:
+        raise SystemExit(f"Cannot start training: {busy}")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def train(config: TrainConfig, world: World) -> int:
@@ -622,6 +682,17 @@ def train(config: TrainConfig, world: World) -> int:
 
     # ---- validate everything before loading the model --------------------------------------------
     resume_dir, saved = check_before_start(config, run_dir, world)
+    if config.overwrite_run and world.is_main and earlier_run_outputs(run_dir):
+        if (run_dir / "checkpoints").exists():
+            shutil.rmtree(run_dir / "checkpoints")
+        print(f"--overwrite_run: deleted the earlier run's checkpoints in {run_dir / 'checkpoints'}; its exported models are replaced as this run exports.")
+    if saved and world.is_main:
+        aside, moved = set_aside_later_checkpoints(run_dir / "checkpoints", saved.update)
+        if aside is not None:
+            print(
+                f"Resuming from update {saved.update}, before this run's newer checkpoints ({', '.join(path.name for path in moved)}): moved them "
+                f"to {aside}, so --checkpoints_total_limit and --load_saved_state latest follow the resumed run. Nothing was deleted."
+            )
     seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
     config.set_seed = seed
     torch.manual_seed(seed + world.rank)

@@ -104,6 +104,19 @@ def broadcast_text(text: str, device: torch.device, src: int = 0) -> str:
     return bytes(data.cpu().tolist()).decode()
 
 
+def all_gather_text(text: str, device: torch.device) -> list[str]:
+    """Collective: every rank's text, in rank order, on every rank (as bytes in tensors: no pickling)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device))
+    sizes = [int(length.item()) for length in lengths]
+    padded = torch.zeros(max(*sizes, 1), dtype=torch.uint8, device=device)
+    padded[: len(data)] = data
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return [bytes(chunk[:size].cpu().tolist()).decode() for chunk, size in zip(gathered, sizes)]
+
+
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()

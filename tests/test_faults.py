@@ -9,6 +9,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,12 +29,14 @@ from conftest import (
     trainer_flags,
 )
 from sdxl_trainer.checkpoint import (
+    CHECKSUMS_FILE,
     METADATA_FILE,
     TRAINER_STATE_FILE,
     CheckpointError,
     JsonIndexReader,
     checkpoint_name,
     checkpoint_problem,
+    complete_checkpoints,
     find_latest_checkpoint,
 )
 from sdxl_trainer.config import parse_config
@@ -95,6 +98,18 @@ def test_every_entry_of_a_checkpoint_is_a_tensor(saved_run):
         assert not any(".param_groups." in name for name in entries)  # hyperparameters come from the flags
 
 
+def test_every_file_of_a_checkpoint_has_its_checksum_recorded(saved_run):
+    import hashlib
+
+    for checkpoint in (saved_run / "checkpoints").iterdir():
+        recorded = json.loads((checkpoint / CHECKSUMS_FILE).read_text())
+        files = {path.relative_to(checkpoint).as_posix() for path in checkpoint.rglob("*") if path.is_file()}
+        assert set(recorded["files"]) == files - {CHECKSUMS_FILE, TRAINER_STATE_FILE}
+        assert {"__0_0.distcp", "__1_0.distcp", "rng/rank1.safetensors", METADATA_FILE} <= set(recorded["files"])
+        for name, digest in recorded["files"].items():
+            assert hashlib.new(recorded["algorithm"], (checkpoint / name).read_bytes()).hexdigest() == digest, name
+
+
 def test_a_planted_pickle_never_runs_and_the_load_fails_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     run = copy_of(saved_run, tmp_path)
     planted = run / "checkpoints" / checkpoint_name(12)
@@ -145,6 +160,14 @@ def damage(checkpoint: Path, kind: str) -> str:
     if kind == "rng state damaged":
         (checkpoint / "rng" / "rank1.safetensors").write_bytes(b"\x00" * 20)
         return f"{checkpoint / 'rng' / 'rank1.safetensors'} is missing or damaged"
+    if kind == "checksums missing":
+        (checkpoint / CHECKSUMS_FILE).unlink()
+        return f"{checkpoint / CHECKSUMS_FILE} is missing or damaged"
+    if kind == "shard without a checksum":
+        checksums = json.loads((checkpoint / CHECKSUMS_FILE).read_text())
+        del checksums["files"]["__1_0.distcp"]
+        (checkpoint / CHECKSUMS_FILE).write_text(json.dumps(checksums))
+        return f"{checkpoint / CHECKSUMS_FILE} lists no checksum for __1_0.distcp"
     if kind == "earlier version":
         state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
         del state["format_version"]
@@ -154,7 +177,8 @@ def damage(checkpoint: Path, kind: str) -> str:
 
 
 DAMAGE_KINDS = ["truncated shard", "missing shard", "index not JSON", "unknown dtype", "file outside the checkpoint",
-                "trainer state not JSON", "trainer state field missing", "rng state damaged", "earlier version"]
+                "trainer state not JSON", "trainer state field missing", "rng state damaged", "earlier version", "checksums missing",
+                "shard without a checksum"]
 
 
 @pytest.mark.parametrize("kind", DAMAGE_KINDS)
@@ -199,6 +223,131 @@ def test_a_resume_whose_global_batch_no_bucket_fills_stops_before_the_model_load
     for width, height in {(row["bucket_width"], row["bucket_height"]) for row in manifest}:
         assert f"{width}x{height}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def zero_inside_the_largest_record(checkpoint: Path) -> Path:
+    """What a failing disk or a bad copy does: 4 KiB in the middle of a weight's record become zeros, the
+    file keeps its size and every header stays readable. Returns the damaged shard."""
+    records = json.loads((checkpoint / METADATA_FILE).read_text())["storage_data"]
+    largest = max(records, key=lambda record: record["length"])
+    assert largest["length"] > 3 * 4096
+    shard = checkpoint / largest["path"]
+    with open(shard, "r+b") as handle:
+        handle.seek(largest["start"] + largest["length"] // 2)
+        handle.write(bytes(4096))
+    return shard
+
+
+def without_checksums(checkpoint: Path) -> None:
+    """Make the checkpoint look like one saved before checksums were recorded (format 2)."""
+    (checkpoint / CHECKSUMS_FILE).unlink()
+    state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
+    state["format_version"] = 2
+    (checkpoint / TRAINER_STATE_FILE).write_text(json.dumps(state))
+
+
+def test_latest_skips_a_checkpoint_whose_shard_changed_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    run = copy_of(saved_run, tmp_path)
+    shard = zero_inside_the_largest_record(run / "checkpoints" / checkpoint_name(12))
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers"))
+    assert f"Skipping damaged checkpoint {run / 'checkpoints' / checkpoint_name(12)}: {shard} does not match its checksum" in result.stdout
+    assert f"Resumed from {run / 'checkpoints' / checkpoint_name(8)}" in result.stdout
+    assert "Verified the checksums of" in result.stdout
+
+
+def test_a_named_checkpoint_whose_shard_changed_is_refused_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    run = copy_of(saved_run, tmp_path)
+    checkpoint = run / "checkpoints" / checkpoint_name(12)
+    shard = zero_inside_the_largest_record(checkpoint)
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", str(checkpoint)), expect_success=False)
+    assert result.returncode == 1
+    assert "Cannot start training" in result.stderr and f"{shard} does not match its checksum" in result.stderr
+    assert result.stderr.count("does not match its checksum") == 1  # printed once, by one rank
+
+
+def test_a_checkpoint_saved_before_checksums_resumes_and_says_it_carries_none(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    run = copy_of(saved_run, tmp_path)
+    for checkpoint in (run / "checkpoints").iterdir():
+        without_checksums(checkpoint)
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers"))
+    assert f"{run / 'checkpoints' / checkpoint_name(12)} carries no checksums" in result.stdout
+    assert f"Resumed from {run / 'checkpoints' / checkpoint_name(12)}" in result.stdout
+
+
+def test_an_unreadable_record_of_a_checkpoint_without_checksums_is_refused_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    """Without checksums, only DCP's reading finds damage in a shard: its error must name the file."""
+    run = copy_of(saved_run, tmp_path)
+    checkpoint = run / "checkpoints" / checkpoint_name(12)
+    without_checksums(checkpoint)
+    record = json.loads((checkpoint / METADATA_FILE).read_text())["storage_data"][0]
+    shard = checkpoint / record["path"]
+    with open(shard, "r+b") as handle:  # the record's zip header
+        handle.seek(record["start"])
+        handle.write(bytes(64))
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", str(checkpoint)), expect_success=False)
+    assert result.returncode == 1
+    assert f"Cannot resume from {checkpoint}" in result.stderr and f"{shard} could not be read" in result.stderr, result.stderr[-3000:]
+
+
+# ---- the run folder: one run at a time, no silent start over a finished run, going back -----------------
+
+
+def test_a_second_run_into_the_same_folder_is_refused_on_every_rank_naming_the_first(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    flags = train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers")
+    first = subprocess.Popen(launcher_command(2, TRAINER, [*flags, "--num_train_epochs", "50"]), cwd=REPO_ROOT, env=process_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        log = tmp_path / "run" / "train.log"
+        deadline = time.monotonic() + 240
+        while not (log.is_file() and "First update done" in log.read_text()) and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.5)
+        assert log.is_file() and "First update done" in log.read_text(), "the first run never got going"
+        workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()]
+        second = run_processes(2, TRAINER, flags, expect_success=False, timeout=300)
+        output = second.stdout + second.stderr
+        assert second.returncode == 1, output[-3000:]
+        assert output.count(f"{tmp_path / 'run'} is in use by another run") == 1, output[-3000:]
+        assert any(f"(process {pid} on {socket.gethostname()}" in output for pid in workers), (workers, output[-3000:])
+        assert first.poll() is None  # the first run trains on
+    finally:
+        first.send_signal(signal.SIGTERM)  # it saves and ends
+        first.wait(timeout=300)
+
+
+def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_starts_over(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    run = copy_of(saved_run, tmp_path)
+    refused = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--no-save_diffusers"), expect_success=False)
+    assert refused.returncode == 1
+    message = f"{run} holds an earlier run (checkpoints/{checkpoint_name(4)}, checkpoints/{checkpoint_name(8)}, checkpoints/{checkpoint_name(12)})"
+    assert refused.stderr.count(message) == 1, refused.stderr[-3000:]
+    assert "continue it with --load_saved_state latest, start a new run with another --project_name, or start over in this folder with --overwrite_run" in refused.stderr
+    assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(update) for update in (4, 8, 12)]
+
+    from sdxl_FSDP_train import earlier_run_problems
+
+    (tmp_path / "exported_only" / "pipeline").mkdir(parents=True)
+    assert "holds an earlier run (pipeline)" in earlier_run_problems(tmp_path / "exported_only")[0]
+
+    started_over = run_processes(1, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--no-save_diffusers", "--overwrite_run", "--max_train_updates", "2"))
+    assert "--overwrite_run: deleted the earlier run's checkpoints" in started_over.stdout
+    assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(2)]
+
+
+def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside_and_keeps_the_resumed_runs(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    """Going back to update 4 of a run that saved 4, 8 and 12, keeping 2: while 8 and 12 stayed, the limit (it
+    keeps the highest update numbers) deleted each new save and the one resumed from, and 'latest' then
+    continued the abandoned branch."""
+    run = copy_of(saved_run, tmp_path)
+    checkpoints = run / "checkpoints"
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", str(checkpoints / checkpoint_name(4)),
+                                                   "--checkpoints_total_limit", "2", "--save_state_every_n_updates", "3", "--max_train_updates", "10", "--no-save_diffusers"))
+    aside = [path for path in checkpoints.iterdir() if path.name.startswith(f"abandoned_after_{checkpoint_name(4)}_")]
+    assert len(aside) == 1, sorted(path.name for path in checkpoints.iterdir())
+    assert f"({checkpoint_name(8)}, {checkpoint_name(12)}): moved them to {aside[0]}" in result.stdout
+    assert sorted(path.name for path in aside[0].iterdir()) == [checkpoint_name(8), checkpoint_name(12)]
+    assert all(checkpoint_problem(path) is None for path in aside[0].iterdir())  # set aside whole, not deleted
+    assert [path.name for path in complete_checkpoints(checkpoints)] == [checkpoint_name(9), checkpoint_name(10)]  # saved at 6, 9 and the end
+    assert find_latest_checkpoint(checkpoints)[0] == checkpoints / checkpoint_name(10)
 
 
 # ---- a fault in one rank, a killed launcher ----------------------------------------------------------
@@ -317,6 +466,7 @@ def test_a_full_disk_warns_at_state_saves_keeps_the_last_checkpoint_and_stops_cl
         (["--lr_num_cycles", "0"], "--lr_num_cycles must be at least 1"),
         (["--learning_rate_scheduler", "polynomial", "--polynomial_lr_end", "1e-3"], "--polynomial_lr_end (0.001) must be below --learning_rate"),
         (["--load_saved_state", "/nonexistent/update_00000004"], "--load_saved_state /nonexistent/update_00000004 is not a folder"),
+        (["--overwrite_run", "--load_saved_state", "latest"], "--overwrite_run starts the run over, --load_saved_state continues it"),
     ],
 )
 def test_bad_numbers_are_refused_naming_the_flag(flags, message, capsys):
