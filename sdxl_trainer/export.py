@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def _save_folder(pipeline, output_dir: Path) -> None:
     shutil.rmtree(tmp_dir, ignore_errors=True)
     try:
         pipeline.save_pretrained(tmp_dir)
+        _write_slow_tokenizer_files(pipeline, tmp_dir)
         make_shareable(tmp_dir)
     except Exception as error:  # diffusers passes safetensors' SafetensorError (not an OSError) for a full disk
         reason = write_error_reason(error, output_dir.parent)
@@ -74,3 +76,17 @@ def _save_folder(pipeline, output_dir: Path) -> None:
         shutil.rmtree(old_dir)
     else:
         tmp_dir.rename(output_dir)
+
+
+# What transformers 5 leaves out of a pipeline folder that transformers 4.x and diffusers 0.32 (kohya sd-scripts
+# pins 4.54 and 0.32) need to load it.
+
+
+def _write_slow_tokenizer_files(pipeline, folder: Path) -> None:
+    """transformers 4.x loads the pipeline's CLIPTokenizers as its slow tokenizer, which reads vocab.json,
+    merges.txt and special_tokens_map.json (never tokenizer.json); transformers 5 saves only tokenizer.json
+    and tokenizer_config.json. The BPE model of the fast tokenizer writes the first two as 4.x does."""
+    for name in ("tokenizer", "tokenizer_2"):
+        tokenizer = getattr(pipeline, name)
+        tokenizer.backend_tokenizer.model.save(str(folder / name))
+        (folder / name / "special_tokens_map.json").write_text(json.dumps(tokenizer.special_tokens_map, indent=2) + "\n", encoding="utf-8")

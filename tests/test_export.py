@@ -1,0 +1,58 @@
+"""The exported model as other tools read it: the diffusers folder under the older stack kohya sd-scripts pins
+(transformers 4.54, diffusers 0.32), and the files beside a single-file export.
+
+The project's environment holds transformers 5 only, and a second environment with 4.x in CI would cost
+minutes of installs per run, so these tests pin down what 4.x reads instead (which files, which weight names,
+which variant names); each was also checked by hand once with transformers 4.54.1 and diffusers 0.32.2."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+PROMPTS = ["a photo of a cat", "Ein Hund, der über die Straße läuft!!", "portrait, 85mm, f/1.8, (masterpiece:1.2)", ""]
+# The files transformers 4.x's slow CLIPTokenizer reads; it never opens tokenizer.json.
+SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json")
+
+
+@pytest.fixture(scope="module")
+def single_file_base(tmp_path_factory, tiny_pipeline_dir) -> Path:
+    import sdxl_to_single_file
+
+    base_file = tmp_path_factory.mktemp("base") / "base.safetensors"
+    assert sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", str(base_file), "--save_precision", "fp32"]) == 0
+    return base_file
+
+
+@pytest.fixture(scope="module")
+def fp16_export(tmp_path_factory, tiny_pipeline_dir, single_file_base) -> Path:
+    """An fp16 folder export whose base model was a single file: diffusers' single-file loader builds the
+    text encoders, the case that lost the `text_model.` names."""
+    from sdxl_trainer.export import save_pipeline
+
+    output_dir = tmp_path_factory.mktemp("export") / "pipeline"
+    save_pipeline({}, str(single_file_base), output_dir, "fp16", single_file_config=str(tiny_pipeline_dir))
+    return output_dir
+
+
+def test_tokenizers_load_from_the_files_the_slow_tokenizer_reads(fp16_export, tmp_path):
+    """transformers 4.x loads the pipeline's CLIPTokenizer (model_index.json names it) as the slow, Python
+    tokenizer, which reads vocab.json and merges.txt and fails without them; transformers 5 saves only
+    tokenizer.json. Loaded from the slow tokenizer's files alone, the installed CLIPTokenizer must give the
+    exported tokenizer's ids, padding included (tokenizer_2 pads with "!")."""
+    from transformers import CLIPTokenizer
+
+    for name in ("tokenizer", "tokenizer_2"):
+        slow_files = tmp_path / name
+        slow_files.mkdir()
+        for file in SLOW_TOKENIZER_FILES:
+            shutil.copy(fp16_export / name / file, slow_files)
+        # 4.x's slow tokenizer skips the first line of merges.txt, the "#version" header.
+        assert (slow_files / "merges.txt").read_text(encoding="utf-8").startswith("#version")
+        exported, from_vocabulary = CLIPTokenizer.from_pretrained(fp16_export / name), CLIPTokenizer.from_pretrained(slow_files)
+        assert from_vocabulary.special_tokens_map == exported.special_tokens_map
+        for prompt in PROMPTS:
+            settings = dict(padding="max_length", max_length=exported.model_max_length, truncation=True)
+            assert from_vocabulary(prompt, **settings).input_ids == exported(prompt, **settings).input_ids, (name, prompt)
