@@ -7,9 +7,10 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from .files import make_shareable, write_error_reason
-from .single_file import SDXL_CONFIG_SOURCE, load_pipeline, save_single_file
+from .single_file import SDXL_CONFIG_SOURCE, hf_clip_names, load_pipeline, save_single_file
 from .trained_models import ComponentWeights
 
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -63,6 +64,7 @@ def _save_folder(pipeline, output_dir: Path) -> None:
     try:
         pipeline.save_pretrained(tmp_dir)
         _write_slow_tokenizer_files(pipeline, tmp_dir)
+        _write_text_encoder_with_standard_names(pipeline, tmp_dir)
         make_shareable(tmp_dir)
     except Exception as error:  # diffusers passes safetensors' SafetensorError (not an OSError) for a full disk
         reason = write_error_reason(error, output_dir.parent)
@@ -90,3 +92,13 @@ def _write_slow_tokenizer_files(pipeline, folder: Path) -> None:
         tokenizer = getattr(pipeline, name)
         tokenizer.backend_tokenizer.model.save(str(folder / name))
         (folder / name / "special_tokens_map.json").write_text(json.dumps(tokenizer.special_tokens_map, indent=2) + "\n", encoding="utf-8")
+
+
+def _write_text_encoder_with_standard_names(pipeline, folder: Path) -> None:
+    """transformers 4.x's CLIPTextModel keeps its layers under `text_model.` and, given a file without that
+    prefix, loads CLIP-L with random weights, only warning. transformers 5's CLIPTextModel dropped the wrapper
+    and puts the prefix back on save only for a model it loaded from a file that had it: not for one that
+    diffusers' single-file loader (or tiny_model.py) built. So write the names both versions read.
+    (CLIPTextModelWithProjection kept its `text_model` attribute: text_encoder_2 is saved right.)"""
+    weights = {name: tensor.contiguous() for name, tensor in hf_clip_names(pipeline.text_encoder.state_dict()).items()}
+    save_file(weights, str(folder / "text_encoder" / "model.safetensors"), metadata={"format": "pt"})

@@ -161,7 +161,7 @@ def vae_to_ldm(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, t
     return converted
 
 
-def _hf_clip_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_clip_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face CLIP text weights under their full `text_model.` names (transformers 5 drops that
     wrapper from CLIPTextModel, the single-file layout keeps it); position_ids are not weights."""
     return {
@@ -173,7 +173,7 @@ def _hf_clip_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def clip_g_to_openclip(state_dict: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """Hugging Face CLIPTextModelWithProjection -> OpenCLIP text tower names (q/k/v fused into in_proj)."""
-    state_dict = _hf_clip_names(state_dict)
+    state_dict = hf_clip_names(state_dict)
     out = {
         "token_embedding.weight": state_dict["text_model.embeddings.token_embedding.weight"],
         "positional_embedding": state_dict["text_model.embeddings.position_embedding.weight"],
@@ -198,7 +198,7 @@ def pipeline_to_single_file(pipeline: StableDiffusionXLPipeline) -> dict[str, to
     v-prediction model is sampled as epsilon)."""
     state = unet_to_ldm(pipeline.unet.state_dict(), dict(pipeline.unet.config))
     state.update(vae_to_ldm(pipeline.vae.state_dict(), dict(pipeline.vae.config)))
-    state.update({CLIP_L_PREFIX + key: value for key, value in _hf_clip_names(pipeline.text_encoder.state_dict()).items()})
+    state.update({CLIP_L_PREFIX + key: value for key, value in hf_clip_names(pipeline.text_encoder.state_dict()).items()})
     state.update(clip_g_to_openclip(pipeline.text_encoder_2.state_dict(), pipeline.text_encoder_2.config.num_hidden_layers))
     positions = pipeline.text_encoder.config.max_position_embeddings
     state[CLIP_L_PREFIX + "text_model.embeddings.position_ids"] = torch.arange(positions, dtype=torch.int64)[None]

@@ -11,6 +11,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 PROMPTS = ["a photo of a cat", "Ein Hund, der über die Straße läuft!!", "portrait, 85mm, f/1.8, (masterpiece:1.2)", ""]
 # The files transformers 4.x's slow CLIPTokenizer reads; it never opens tokenizer.json.
@@ -56,3 +58,22 @@ def test_tokenizers_load_from_the_files_the_slow_tokenizer_reads(fp16_export, tm
         for prompt in PROMPTS:
             settings = dict(padding="max_length", max_length=exported.model_max_length, truncation=True)
             assert from_vocabulary(prompt, **settings).input_ids == exported(prompt, **settings).input_ids, (name, prompt)
+
+
+def test_text_encoder_weights_have_the_names_transformers_4_loads(fp16_export, tiny_pipeline_dir):
+    """transformers 4.x's CLIPTextModel holds its layers under `text_model.` (as its save_pretrained and the
+    SDXL base repository write them); without the prefix 4.x loads CLIP-L with random weights and only warns.
+    transformers 5's CLIPTextModel dropped that wrapper and puts the prefix back on save only for a model it
+    loaded from a file that had it, not for one built by diffusers' single-file loader."""
+    from diffusers import StableDiffusionXLPipeline
+
+    base = StableDiffusionXLPipeline.from_pretrained(tiny_pipeline_dir, torch_dtype=torch.float16)
+    for name in ("text_encoder", "text_encoder_2"):
+        written = load_file(fp16_export / name / "model.safetensors")
+        base_weights = getattr(base, name).state_dict()
+        expected = {key if key.startswith(("text_model.", "text_projection.")) else f"text_model.{key}": value for key, value in base_weights.items()}
+        assert written.keys() == expected.keys(), name
+        assert all(torch.equal(written[key], expected[key]) for key in expected), name
+    reloaded = StableDiffusionXLPipeline.from_pretrained(fp16_export, torch_dtype=torch.float16)  # and transformers 5 still reads them
+    for key, value in base.text_encoder.state_dict().items():
+        assert torch.equal(reloaded.text_encoder.state_dict()[key], value), key
