@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def save_pipeline(
     # pipeline must encode "" too when no negative prompt is given, not substitute zeros (diffusers' default).
     pipeline.register_to_config(force_zeros_for_empty_prompt=False)
     if output_dir is not None:
-        _save_folder(pipeline, output_dir)
+        _save_folder(pipeline, output_dir, fp16_variant=save_precision == "fp16")
     if single_file is not None:
         try:
             save_single_file(pipeline, single_file)
@@ -58,13 +59,15 @@ def save_pipeline(
             raise ExportError(f"Could not export the model to {single_file} ({write_error_reason(error, single_file.parent)}); nothing there was replaced.") from error
 
 
-def _save_folder(pipeline, output_dir: Path) -> None:
+def _save_folder(pipeline, output_dir: Path, fp16_variant: bool) -> None:
     tmp_dir = output_dir.with_name(f".{output_dir.name}.tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     try:
         pipeline.save_pretrained(tmp_dir)
         _write_slow_tokenizer_files(pipeline, tmp_dir)
         _write_text_encoder_with_standard_names(pipeline, tmp_dir)
+        if fp16_variant:
+            _link_fp16_variant(tmp_dir)
         make_shareable(tmp_dir)
     except Exception as error:  # diffusers passes safetensors' SafetensorError (not an OSError) for a full disk
         reason = write_error_reason(error, output_dir.parent)
@@ -102,3 +105,18 @@ def _write_text_encoder_with_standard_names(pipeline, folder: Path) -> None:
     (CLIPTextModelWithProjection kept its `text_model` attribute: text_encoder_2 is saved right.)"""
     weights = {name: tensor.contiguous() for name, tensor in hf_clip_names(pipeline.text_encoder.state_dict()).items()}
     save_file(weights, str(folder / "text_encoder" / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _link_fp16_variant(folder: Path) -> None:
+    """Loaders that ask diffusers for variant="fp16" (kohya's folder loader at fp16) read
+    `unet/diffusion_pytorch_model.fp16.safetensors`, `text_encoder/model.fp16.safetensors`...; a load without
+    a variant reads the plain names. Both names are hard links to the same bytes, so the variant costs no
+    space (5 GB for SDXL's UNet otherwise); a copy where the file system has no hard links. Every SDXL
+    component is one file in fp16 (the UNet is under diffusers' 10 GB shard size), so there is no shard
+    index to rename."""
+    for weights in folder.glob("*/*.safetensors"):
+        variant = weights.with_suffix(".fp16.safetensors")
+        try:
+            os.link(weights, variant)
+        except OSError:
+            shutil.copyfile(weights, variant)

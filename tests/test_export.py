@@ -7,6 +7,7 @@ which variant names); each was also checked by hand once with transformers 4.54.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -77,3 +78,38 @@ def test_text_encoder_weights_have_the_names_transformers_4_loads(fp16_export, t
     reloaded = StableDiffusionXLPipeline.from_pretrained(fp16_export, torch_dtype=torch.float16)  # and transformers 5 still reads them
     for key, value in base.text_encoder.state_dict().items():
         assert torch.equal(reloaded.text_encoder.state_dict()[key], value), key
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.glob("*/*.safetensors") if not path.name.endswith(".fp16.safetensors"))
+
+
+def test_fp16_export_also_loads_as_variant_fp16_in_no_extra_space(fp16_export):
+    """kohya's folder loader asks diffusers for variant="fp16" at fp16 (`unet/diffusion_pytorch_model.fp16.safetensors`
+    ...), a load without a variant reads the plain names; both name the same bytes (hard links)."""
+    from diffusers import StableDiffusionXLPipeline
+
+    weight_files = _weight_files(fp16_export)
+    assert {path.parent.name for path in weight_files} == {"unet", "vae", "text_encoder", "text_encoder_2"}
+    for plain in weight_files:
+        assert plain.with_suffix(".fp16.safetensors").samefile(plain), plain
+    variant = StableDiffusionXLPipeline.from_pretrained(fp16_export, variant="fp16", torch_dtype=torch.float16)
+    plain = StableDiffusionXLPipeline.from_pretrained(fp16_export, torch_dtype=torch.float16)
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        assert all(torch.equal(value, getattr(plain, name).state_dict()[key]) for key, value in getattr(variant, name).state_dict().items()), name
+
+
+def test_fp16_variant_is_a_copy_where_hard_links_fail_and_absent_at_other_precisions(tmp_path, tiny_pipeline_dir, monkeypatch):
+    from sdxl_trainer.export import save_pipeline
+
+    save_pipeline({}, str(tiny_pipeline_dir), tmp_path / "bf16", "bf16")
+    assert not list((tmp_path / "bf16").glob("*/*.fp16.safetensors"))
+
+    def no_hard_links(source, target):
+        raise PermissionError(1, "Operation not permitted", str(target))
+
+    monkeypatch.setattr(os, "link", no_hard_links)  # as on file systems without hard links
+    save_pipeline({}, str(tiny_pipeline_dir), tmp_path / "fp16", "fp16")
+    for plain in _weight_files(tmp_path / "fp16"):
+        variant = plain.with_suffix(".fp16.safetensors")
+        assert not variant.samefile(plain) and variant.read_bytes() == plain.read_bytes(), plain
