@@ -543,10 +543,12 @@ def export_model(config: TrainConfig, world, models: TrainedModels, ema: Sharded
         started = time.perf_counter()
         folder = pipeline_dir if config.save_diffusers else None
         single_file = pipeline_dir.with_suffix(".safetensors") if config.save_single_file else None
+        # The run's name, and for an epoch save also its epoch: "my_run", "my_run_epoch_0003".
+        title = config.project_name + pipeline_dir.name.removeprefix("pipeline")
         try:
             save_pipeline(
                 weights, config.pretrained_model_name_or_path, folder, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config,
-                single_file, cache_vae(read_cache_info(config.cached_dataset_dirs[0])),
+                single_file, cache_vae(read_cache_info(config.cached_dataset_dirs[0])), model_title=title,
             )
             encoders = [text_encoder_label(name) for name in TEXT_ENCODER_NAMES if name in weights]
             what = " and ".join(["EMA UNet" if ema is not None else "UNet", *encoders])

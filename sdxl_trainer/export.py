@@ -30,12 +30,15 @@ def save_pipeline(
     single_file_config: str = SDXL_CONFIG_SOURCE,
     single_file: Path | None = None,
     vae_name_or_path: str | None = None,
+    *,
+    model_title: str,
 ) -> None:
     """Save base_model's pipeline with the trained weights (component name -> state dict: "unet", and the
     text encoders where they were trained) into the folder output_dir (None: no folder)
     and into the single-file checkpoint `single_file` if given (rank 0 only). A single-file base_model is
     read with single_file_config describing it; with vae_name_or_path, that VAE replaces the model's own
-    (the one the training caches were encoded with, so latents and decoder agree).
+    (the one the training caches were encoded with, so latents and decoder agree). model_title names the
+    model in the single file's metadata (`modelspec.title`, which UIs and model hubs show).
 
     scheduler_overrides change the sampling scheduler's config where training changed the model's
     objective (v-prediction, zero terminal SNR), so the exported pipeline samples correctly as it is.
@@ -54,7 +57,7 @@ def save_pipeline(
         _save_folder(pipeline, output_dir, fp16_variant=save_precision == "fp16")
     if single_file is not None:
         try:
-            save_single_file(pipeline, single_file)
+            save_single_file(pipeline, single_file, model_title)
         except Exception as error:  # noqa: BLE001 - as below
             raise ExportError(f"Could not export the model to {single_file} ({write_error_reason(error, single_file.parent)}); nothing there was replaced.") from error
 

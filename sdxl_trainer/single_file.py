@@ -225,14 +225,14 @@ def model_spec(pipeline: StableDiffusionXLPipeline, title: str) -> dict[str, str
     }
 
 
-def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path) -> Path:
-    """Write the pipeline (in its current dtype) as one file; via a temporary name, so an interrupted
-    export never leaves a file that looks complete."""
+def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path, title: str) -> Path:
+    """Write the pipeline (in its current dtype) as one file, named `title` in its metadata; via a temporary
+    name, so an interrupted export never leaves a file that looks complete."""
     output_file.parent.mkdir(parents=True, exist_ok=True)
     tmp_file = output_file.with_name(f".{output_file.name}.tmp")
     state = {key: value.contiguous() for key, value in pipeline_to_single_file(pipeline).items()}
     try:
-        save_file(state, str(tmp_file), metadata={"format": "pt", **model_spec(pipeline, output_file.stem)})
+        save_file(state, str(tmp_file), metadata={"format": "pt", **model_spec(pipeline, title)})
         make_shareable(tmp_file)
     except BaseException:
         tmp_file.unlink(missing_ok=True)

@@ -36,7 +36,7 @@ def fp16_export(tmp_path_factory, tiny_pipeline_dir, single_file_base) -> Path:
     from sdxl_trainer.export import save_pipeline
 
     output_dir = tmp_path_factory.mktemp("export") / "pipeline"
-    save_pipeline({}, str(single_file_base), output_dir, "fp16", single_file_config=str(tiny_pipeline_dir))
+    save_pipeline({}, str(single_file_base), output_dir, "fp16", single_file_config=str(tiny_pipeline_dir), model_title="test")
     return output_dir
 
 
@@ -102,14 +102,14 @@ def test_fp16_export_also_loads_as_variant_fp16_in_no_extra_space(fp16_export):
 def test_fp16_variant_is_a_copy_where_hard_links_fail_and_absent_at_other_precisions(tmp_path, tiny_pipeline_dir, monkeypatch):
     from sdxl_trainer.export import save_pipeline
 
-    save_pipeline({}, str(tiny_pipeline_dir), tmp_path / "bf16", "bf16")
+    save_pipeline({}, str(tiny_pipeline_dir), tmp_path / "bf16", "bf16", model_title="test")
     assert not list((tmp_path / "bf16").glob("*/*.fp16.safetensors"))
 
     def no_hard_links(source, target):
         raise PermissionError(1, "Operation not permitted", str(target))
 
     monkeypatch.setattr(os, "link", no_hard_links)  # as on file systems without hard links
-    save_pipeline({}, str(tiny_pipeline_dir), tmp_path / "fp16", "fp16")
+    save_pipeline({}, str(tiny_pipeline_dir), tmp_path / "fp16", "fp16", model_title="test")
     for plain in _weight_files(tmp_path / "fp16"):
         variant = plain.with_suffix(".fp16.safetensors")
         assert not variant.samefile(plain) and variant.read_bytes() == plain.read_bytes(), plain
