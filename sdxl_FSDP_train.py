@@ -199,7 +199,9 @@ class TrainConfig:
     save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the exported models")
     save_diffusers: bool = option(True, help="export the trained pipeline: OUTPUT_DIR/PROJECT_NAME/pipeline at the end, pipeline_epoch_NNNN at epoch saves")
     save_single_file: bool = option(
-        False, help="also export each model as one SDXL .safetensors file (A1111 / ComfyUI / kohya layout) beside the pipeline; with --no-save_diffusers, only that file"
+        False,
+        help="also export each model as one SDXL .safetensors file (A1111 / ComfyUI / kohya layout) beside the pipeline, with its scheduler config "
+        "for diffusers; with --no-save_diffusers, only those",
     )
     save_model_every_n_epochs: int = option(1, help="export the model (and save state, with --save_state) after every N epochs; 0 = only at the end")
     start_save_model_epoch: int = option(1, help="first epoch (counting from 1) after which the epoch saves happen")

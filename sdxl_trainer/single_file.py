@@ -226,17 +226,24 @@ def model_spec(pipeline: StableDiffusionXLPipeline, title: str) -> dict[str, str
 
 
 def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path, title: str) -> Path:
-    """Write the pipeline (in its current dtype) as one file, named `title` in its metadata; via a temporary
-    name, so an interrupted export never leaves a file that looks complete."""
+    """Write the pipeline (in its current dtype) as one file, named `title` in its metadata, and its
+    scheduler config beside it: diffusers' from_single_file ignores the `v_pred` / `ztsnr` keys and would
+    sample a v-prediction model as epsilon. Via temporary names, so an interrupted export never leaves a
+    file that looks complete."""
     output_file.parent.mkdir(parents=True, exist_ok=True)
     tmp_file = output_file.with_name(f".{output_file.name}.tmp")
+    scheduler_file = output_file.with_suffix(".scheduler_config.json")  # pipeline.scheduler_config.json
+    tmp_scheduler_file = scheduler_file.with_name(f".{scheduler_file.name}.tmp")
     state = {key: value.contiguous() for key, value in pipeline_to_single_file(pipeline).items()}
     try:
         save_file(state, str(tmp_file), metadata={"format": "pt", **model_spec(pipeline, title)})
         make_shareable(tmp_file)
+        tmp_scheduler_file.write_text(pipeline.scheduler.to_json_string(), encoding="utf-8")
     except BaseException:
         tmp_file.unlink(missing_ok=True)
+        tmp_scheduler_file.unlink(missing_ok=True)
         raise
+    tmp_scheduler_file.replace(scheduler_file)
     tmp_file.replace(output_file)
     return output_file
 

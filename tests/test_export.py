@@ -7,6 +7,7 @@ which variant names); each was also checked by hand once with transformers 4.54.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -113,3 +114,21 @@ def test_fp16_variant_is_a_copy_where_hard_links_fail_and_absent_at_other_precis
     for plain in _weight_files(tmp_path / "fp16"):
         variant = plain.with_suffix(".fp16.safetensors")
         assert not variant.samefile(plain) and variant.read_bytes() == plain.read_bytes(), plain
+
+
+def test_single_file_export_carries_its_scheduler_config(tmp_path, tiny_pipeline_dir):
+    """diffusers' from_single_file ignores the file's `v_pred` / `ztsnr` keys and samples an SDXL file as
+    epsilon; with --no-save_diffusers, the scheduler config beside the file is what tells diffusers users
+    the objective (README: from_single_file, then the scheduler from this config)."""
+    from diffusers import DPMSolverMultistepScheduler, StableDiffusionXLPipeline
+
+    from sdxl_trainer.export import save_pipeline
+
+    single_file = tmp_path / "pipeline.safetensors"
+    v_prediction = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
+    save_pipeline({}, str(tiny_pipeline_dir), None, "fp32", v_prediction, single_file=single_file, model_title="test")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["pipeline.safetensors", "pipeline.scheduler_config.json"]
+    scheduler_config = json.loads((tmp_path / "pipeline.scheduler_config.json").read_text())
+    pipeline = StableDiffusionXLPipeline.from_single_file(single_file, config=str(tiny_pipeline_dir))
+    pipeline.scheduler = DPMSolverMultistepScheduler.from_config(scheduler_config)
+    assert {key: pipeline.scheduler.config[key] for key in v_prediction} == v_prediction
