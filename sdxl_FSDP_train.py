@@ -204,7 +204,9 @@ class TrainConfig:
     save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the exported models")
     save_diffusers: bool = option(True, help="export the trained pipeline: OUTPUT_DIR/PROJECT_NAME/pipeline at the end, pipeline_epoch_NNNN at epoch saves")
     save_single_file: bool = option(
-        False, help="also export each model as one SDXL .safetensors file (A1111 / ComfyUI / kohya layout) beside the pipeline; with --no-save_diffusers, only that file"
+        False,
+        help="also export each model as one SDXL .safetensors file (A1111 / ComfyUI / kohya layout) beside the pipeline, with its scheduler config "
+        "for diffusers; with --no-save_diffusers, only those",
     )
     save_model_every_n_epochs: int = option(1, help="export the model (and save state, with --save_state) after every N epochs; 0 = only at the end")
     start_save_model_epoch: int = option(1, help="first epoch (counting from 1) after which the epoch saves happen")
@@ -590,10 +592,12 @@ def export_model(config: TrainConfig, world, models: TrainedModels, ema: Sharded
         started = time.perf_counter()
         folder = pipeline_dir if config.save_diffusers else None
         single_file = pipeline_dir.with_suffix(".safetensors") if config.save_single_file else None
+        # The run's name, and for an epoch save also its epoch: "my_run", "my_run_epoch_0003".
+        title = config.project_name + pipeline_dir.name.removeprefix("pipeline")
         try:
             save_pipeline(
                 weights, config.pretrained_model_name_or_path, folder, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config,
-                single_file, cache_vae(read_cache_info(config.cached_dataset_dirs[0])),
+                single_file, cache_vae(read_cache_info(config.cached_dataset_dirs[0])), model_title=title,
             )
             encoders = [text_encoder_label(name) for name in TEXT_ENCODER_NAMES if name in weights]
             what = " and ".join(["EMA UNet" if ema is not None else "UNet", *encoders])

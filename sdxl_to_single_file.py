@@ -36,7 +36,7 @@ class ConvertConfig:
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(ConvertConfig, argv, description=__doc__)
     pipeline = StableDiffusionXLPipeline.from_pretrained(config.pipeline, torch_dtype=SAVE_DTYPES[config.save_precision])
-    print(f"Wrote {save_single_file(pipeline, config.output)}")
+    print(f"Wrote {save_single_file(pipeline, config.output, title=config.output.stem)}")
     return 0
 
 

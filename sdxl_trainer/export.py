@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from .files import make_shareable, write_error_reason
-from .single_file import SDXL_CONFIG_SOURCE, load_pipeline, save_single_file
+from .single_file import SDXL_CONFIG_SOURCE, hf_clip_names, load_pipeline, save_single_file
 from .trained_models import ComponentWeights
 
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -27,12 +30,15 @@ def save_pipeline(
     single_file_config: str = SDXL_CONFIG_SOURCE,
     single_file: Path | None = None,
     vae_name_or_path: str | None = None,
+    *,
+    model_title: str,
 ) -> None:
     """Save base_model's pipeline with the trained weights (component name -> state dict: "unet", and the
     text encoders where they were trained) into the folder output_dir (None: no folder)
     and into the single-file checkpoint `single_file` if given (rank 0 only). A single-file base_model is
     read with single_file_config describing it; with vae_name_or_path, that VAE replaces the model's own
-    (the one the training caches were encoded with, so latents and decoder agree).
+    (the one the training caches were encoded with, so latents and decoder agree). model_title names the
+    model in the single file's metadata (`modelspec.title`, which UIs and model hubs show).
 
     scheduler_overrides change the sampling scheduler's config where training changed the model's
     objective (v-prediction, zero terminal SNR), so the exported pipeline samples correctly as it is.
@@ -48,19 +54,23 @@ def save_pipeline(
     # pipeline must encode "" too when no negative prompt is given, not substitute zeros (diffusers' default).
     pipeline.register_to_config(force_zeros_for_empty_prompt=False)
     if output_dir is not None:
-        _save_folder(pipeline, output_dir)
+        _save_folder(pipeline, output_dir, fp16_variant=save_precision == "fp16")
     if single_file is not None:
         try:
-            save_single_file(pipeline, single_file)
+            save_single_file(pipeline, single_file, model_title)
         except Exception as error:  # noqa: BLE001 - as below
             raise ExportError(f"Could not export the model to {single_file} ({write_error_reason(error, single_file.parent)}); nothing there was replaced.") from error
 
 
-def _save_folder(pipeline, output_dir: Path) -> None:
+def _save_folder(pipeline, output_dir: Path, fp16_variant: bool) -> None:
     tmp_dir = output_dir.with_name(f".{output_dir.name}.tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     try:
         pipeline.save_pretrained(tmp_dir)
+        _write_slow_tokenizer_files(pipeline, tmp_dir)
+        _write_text_encoder_with_standard_names(pipeline, tmp_dir)
+        if fp16_variant:
+            _link_fp16_variant(tmp_dir)
         make_shareable(tmp_dir)
     except Exception as error:  # diffusers passes safetensors' SafetensorError (not an OSError) for a full disk
         reason = write_error_reason(error, output_dir.parent)
@@ -74,3 +84,42 @@ def _save_folder(pipeline, output_dir: Path) -> None:
         shutil.rmtree(old_dir)
     else:
         tmp_dir.rename(output_dir)
+
+
+# What transformers 5 leaves out of a pipeline folder that transformers 4.x and diffusers 0.32 (kohya sd-scripts
+# pins 4.54 and 0.32) need to load it.
+
+
+def _write_slow_tokenizer_files(pipeline, folder: Path) -> None:
+    """transformers 4.x loads the pipeline's CLIPTokenizers as its slow tokenizer, which reads vocab.json,
+    merges.txt and special_tokens_map.json (never tokenizer.json); transformers 5 saves only tokenizer.json
+    and tokenizer_config.json. The BPE model of the fast tokenizer writes the first two as 4.x does."""
+    for name in ("tokenizer", "tokenizer_2"):
+        tokenizer = getattr(pipeline, name)
+        tokenizer.backend_tokenizer.model.save(str(folder / name))
+        (folder / name / "special_tokens_map.json").write_text(json.dumps(tokenizer.special_tokens_map, indent=2) + "\n", encoding="utf-8")
+
+
+def _write_text_encoder_with_standard_names(pipeline, folder: Path) -> None:
+    """transformers 4.x's CLIPTextModel keeps its layers under `text_model.` and, given a file without that
+    prefix, loads CLIP-L with random weights, only warning. transformers 5's CLIPTextModel dropped the wrapper
+    and puts the prefix back on save only for a model it loaded from a file that had it: not for one that
+    diffusers' single-file loader (or tiny_model.py) built. So write the names both versions read.
+    (CLIPTextModelWithProjection kept its `text_model` attribute: text_encoder_2 is saved right.)"""
+    weights = {name: tensor.contiguous() for name, tensor in hf_clip_names(pipeline.text_encoder.state_dict()).items()}
+    save_file(weights, str(folder / "text_encoder" / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _link_fp16_variant(folder: Path) -> None:
+    """Loaders that ask diffusers for variant="fp16" (kohya's folder loader at fp16) read
+    `unet/diffusion_pytorch_model.fp16.safetensors`, `text_encoder/model.fp16.safetensors`...; a load without
+    a variant reads the plain names. Both names are hard links to the same bytes, so the variant costs no
+    space (5 GB for SDXL's UNet otherwise); a copy where the file system has no hard links. Every SDXL
+    component is one file in fp16 (the UNet is under diffusers' 10 GB shard size), so there is no shard
+    index to rename."""
+    for weights in folder.glob("*/*.safetensors"):
+        variant = weights.with_suffix(".fp16.safetensors")
+        try:
+            os.link(weights, variant)
+        except OSError:
+            shutil.copyfile(weights, variant)

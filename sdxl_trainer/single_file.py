@@ -161,7 +161,7 @@ def vae_to_ldm(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, t
     return converted
 
 
-def _hf_clip_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_clip_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face CLIP text weights under their full `text_model.` names (transformers 5 drops that
     wrapper from CLIPTextModel, the single-file layout keeps it); position_ids are not weights."""
     return {
@@ -173,7 +173,7 @@ def _hf_clip_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def clip_g_to_openclip(state_dict: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """Hugging Face CLIPTextModelWithProjection -> OpenCLIP text tower names (q/k/v fused into in_proj)."""
-    state_dict = _hf_clip_names(state_dict)
+    state_dict = hf_clip_names(state_dict)
     out = {
         "token_embedding.weight": state_dict["text_model.embeddings.token_embedding.weight"],
         "positional_embedding": state_dict["text_model.embeddings.position_embedding.weight"],
@@ -198,7 +198,7 @@ def pipeline_to_single_file(pipeline: StableDiffusionXLPipeline) -> dict[str, to
     v-prediction model is sampled as epsilon)."""
     state = unet_to_ldm(pipeline.unet.state_dict(), dict(pipeline.unet.config))
     state.update(vae_to_ldm(pipeline.vae.state_dict(), dict(pipeline.vae.config)))
-    state.update({CLIP_L_PREFIX + key: value for key, value in _hf_clip_names(pipeline.text_encoder.state_dict()).items()})
+    state.update({CLIP_L_PREFIX + key: value for key, value in hf_clip_names(pipeline.text_encoder.state_dict()).items()})
     state.update(clip_g_to_openclip(pipeline.text_encoder_2.state_dict(), pipeline.text_encoder_2.config.num_hidden_layers))
     positions = pipeline.text_encoder.config.max_position_embeddings
     state[CLIP_L_PREFIX + "text_model.embeddings.position_ids"] = torch.arange(positions, dtype=torch.int64)[None]
@@ -225,18 +225,25 @@ def model_spec(pipeline: StableDiffusionXLPipeline, title: str) -> dict[str, str
     }
 
 
-def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path) -> Path:
-    """Write the pipeline (in its current dtype) as one file; via a temporary name, so an interrupted
-    export never leaves a file that looks complete."""
+def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path, title: str) -> Path:
+    """Write the pipeline (in its current dtype) as one file, named `title` in its metadata, and its
+    scheduler config beside it: diffusers' from_single_file ignores the `v_pred` / `ztsnr` keys and would
+    sample a v-prediction model as epsilon. Via temporary names, so an interrupted export never leaves a
+    file that looks complete."""
     output_file.parent.mkdir(parents=True, exist_ok=True)
     tmp_file = output_file.with_name(f".{output_file.name}.tmp")
+    scheduler_file = output_file.with_suffix(".scheduler_config.json")  # pipeline.scheduler_config.json
+    tmp_scheduler_file = scheduler_file.with_name(f".{scheduler_file.name}.tmp")
     state = {key: value.contiguous() for key, value in pipeline_to_single_file(pipeline).items()}
     try:
-        save_file(state, str(tmp_file), metadata={"format": "pt", **model_spec(pipeline, output_file.stem)})
+        save_file(state, str(tmp_file), metadata={"format": "pt", **model_spec(pipeline, title)})
         make_shareable(tmp_file)
+        tmp_scheduler_file.write_text(pipeline.scheduler.to_json_string(), encoding="utf-8")
     except BaseException:
         tmp_file.unlink(missing_ok=True)
+        tmp_scheduler_file.unlink(missing_ok=True)
         raise
+    tmp_scheduler_file.replace(scheduler_file)
     tmp_file.replace(output_file)
     return output_file
 

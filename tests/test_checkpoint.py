@@ -296,13 +296,19 @@ def test_single_file_carries_the_objective_markers_and_model_spec(tmp_path, tiny
 
 
 def test_trains_from_a_single_file_base_and_exports_one(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    """The exported files are named after the run in their metadata (`modelspec.title`, shown by UIs and
+    model hubs), not after the file ("pipeline")."""
     import sdxl_to_single_file
+    from safetensors import safe_open
 
     base_file = tmp_path / "base.safetensors"
     sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", str(base_file), "--save_precision", "fp32"])
-    flags = trainer_flags(sample_cache_dir, base_file, tmp_path, "from_file", "--num_train_epochs", "1", "--optimizer", "adamw",
-                          "--single_file_config", str(tiny_pipeline_dir), "--save_single_file", "--no-save_state")
+    flags = trainer_flags(sample_cache_dir, base_file, tmp_path, "from_file", "--num_train_epochs", "2", "--save_model_every_n_epochs", "1",
+                          "--optimizer", "adamw", "--single_file_config", str(tiny_pipeline_dir), "--save_single_file", "--no-save_state")
     run_processes(1, TRAINER, flags)
+    for file, title in (("pipeline.safetensors", "from_file"), ("pipeline_epoch_0001.safetensors", "from_file_epoch_0001")):
+        with safe_open(str(tmp_path / "from_file" / file), framework="pt") as handle:
+            assert handle.metadata()["modelspec.title"] == title
     exported = load_file(tmp_path / "from_file" / "pipeline.safetensors")
     trained_unet = load_file(tmp_path / "from_file" / UNET_FILE)
     base_unet = load_file(tiny_pipeline_dir / "unet" / "diffusion_pytorch_model.safetensors")

@@ -17,6 +17,7 @@ from sdxl_trainer.cache import load_manifest
 from sdxl_trainer.checkpoint import METADATA_FILE, CheckpointError, TrainerState
 from sdxl_trainer.config import parse_config
 from sdxl_trainer.lr_schedule import LR_SCALE, set_learning_rate
+from sdxl_trainer.single_file import hf_clip_names
 from test_captions import VARIATION_FLAGS
 from test_resume_schedules import RESUME_AT, exported_unet, resumed_copy, train
 
@@ -24,7 +25,9 @@ TEXT_ENCODER_FILES = {name: Path(name) / "model.safetensors" for name in ("text_
 
 
 def exported_text_encoders(pipeline_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
-    return {name: load_file(pipeline_dir / path) for name, path in TEXT_ENCODER_FILES.items()}
+    """Each encoder's weights under the standard `text_model.` names, which the export writes and the tiny
+    base model (built by transformers 5, whose CLIPTextModel dropped that wrapper) lacks."""
+    return {name: hf_clip_names(load_file(pipeline_dir / path)) for name, path in TEXT_ENCODER_FILES.items()}
 
 
 def bitwise_equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> bool:
@@ -54,7 +57,7 @@ def test_trained_encoders_resume_bitwise_and_are_exported(tmp_path, tag_cache, t
 
     single = load_pipeline(str(straight / "pipeline.safetensors"), str(tiny_pipeline_dir), torch.float32)
     for name, weights in trained.items():
-        assert bitwise_equal({key: value for key, value in getattr(single, name).state_dict().items() if key in weights}, weights), name
+        assert bitwise_equal({key: value for key, value in hf_clip_names(getattr(single, name).state_dict()).items() if key in weights}, weights), name
 
     # A checkpoint with trained encoders is not resumed as a UNet-only run.
     plain = [flag for flag in flags if flag not in ("--train_text_encoder", "--learning_rate_te2", "5e-5")]

@@ -1,0 +1,134 @@
+"""The exported model as other tools read it: the diffusers folder under the older stack kohya sd-scripts pins
+(transformers 4.54, diffusers 0.32), and the files beside a single-file export.
+
+The project's environment holds transformers 5 only, and a second environment with 4.x in CI would cost
+minutes of installs per run, so these tests pin down what 4.x reads instead (which files, which weight names,
+which variant names); each was also checked by hand once with transformers 4.54.1 and diffusers 0.32.2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+PROMPTS = ["a photo of a cat", "Ein Hund, der über die Straße läuft!!", "portrait, 85mm, f/1.8, (masterpiece:1.2)", ""]
+# The files transformers 4.x's slow CLIPTokenizer reads; it never opens tokenizer.json.
+SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json")
+
+
+@pytest.fixture(scope="module")
+def single_file_base(tmp_path_factory, tiny_pipeline_dir) -> Path:
+    import sdxl_to_single_file
+
+    base_file = tmp_path_factory.mktemp("base") / "base.safetensors"
+    assert sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", str(base_file), "--save_precision", "fp32"]) == 0
+    return base_file
+
+
+@pytest.fixture(scope="module")
+def fp16_export(tmp_path_factory, tiny_pipeline_dir, single_file_base) -> Path:
+    """An fp16 folder export whose base model was a single file: diffusers' single-file loader builds the
+    text encoders, the case that lost the `text_model.` names."""
+    from sdxl_trainer.export import save_pipeline
+
+    output_dir = tmp_path_factory.mktemp("export") / "pipeline"
+    save_pipeline({}, str(single_file_base), output_dir, "fp16", single_file_config=str(tiny_pipeline_dir), model_title="test")
+    return output_dir
+
+
+def test_tokenizers_load_from_the_files_the_slow_tokenizer_reads(fp16_export, tmp_path):
+    """transformers 4.x loads the pipeline's CLIPTokenizer (model_index.json names it) as the slow, Python
+    tokenizer, which reads vocab.json and merges.txt and fails without them; transformers 5 saves only
+    tokenizer.json. Loaded from the slow tokenizer's files alone, the installed CLIPTokenizer must give the
+    exported tokenizer's ids, padding included (tokenizer_2 pads with "!")."""
+    from transformers import CLIPTokenizer
+
+    for name in ("tokenizer", "tokenizer_2"):
+        slow_files = tmp_path / name
+        slow_files.mkdir()
+        for file in SLOW_TOKENIZER_FILES:
+            shutil.copy(fp16_export / name / file, slow_files)
+        # 4.x's slow tokenizer skips the first line of merges.txt, the "#version" header.
+        assert (slow_files / "merges.txt").read_text(encoding="utf-8").startswith("#version")
+        exported, from_vocabulary = CLIPTokenizer.from_pretrained(fp16_export / name), CLIPTokenizer.from_pretrained(slow_files)
+        assert from_vocabulary.special_tokens_map == exported.special_tokens_map
+        for prompt in PROMPTS:
+            settings = dict(padding="max_length", max_length=exported.model_max_length, truncation=True)
+            assert from_vocabulary(prompt, **settings).input_ids == exported(prompt, **settings).input_ids, (name, prompt)
+
+
+def test_text_encoder_weights_have_the_names_transformers_4_loads(fp16_export, tiny_pipeline_dir):
+    """transformers 4.x's CLIPTextModel holds its layers under `text_model.` (as its save_pretrained and the
+    SDXL base repository write them); without the prefix 4.x loads CLIP-L with random weights and only warns.
+    transformers 5's CLIPTextModel dropped that wrapper and puts the prefix back on save only for a model it
+    loaded from a file that had it, not for one built by diffusers' single-file loader."""
+    from diffusers import StableDiffusionXLPipeline
+
+    base = StableDiffusionXLPipeline.from_pretrained(tiny_pipeline_dir, torch_dtype=torch.float16)
+    for name in ("text_encoder", "text_encoder_2"):
+        written = load_file(fp16_export / name / "model.safetensors")
+        base_weights = getattr(base, name).state_dict()
+        expected = {key if key.startswith(("text_model.", "text_projection.")) else f"text_model.{key}": value for key, value in base_weights.items()}
+        assert written.keys() == expected.keys(), name
+        assert all(torch.equal(written[key], expected[key]) for key in expected), name
+    reloaded = StableDiffusionXLPipeline.from_pretrained(fp16_export, torch_dtype=torch.float16)  # and transformers 5 still reads them
+    for key, value in base.text_encoder.state_dict().items():
+        assert torch.equal(reloaded.text_encoder.state_dict()[key], value), key
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.glob("*/*.safetensors") if not path.name.endswith(".fp16.safetensors"))
+
+
+def test_fp16_export_also_loads_as_variant_fp16_in_no_extra_space(fp16_export):
+    """kohya's folder loader asks diffusers for variant="fp16" at fp16 (`unet/diffusion_pytorch_model.fp16.safetensors`
+    ...), a load without a variant reads the plain names; both name the same bytes (hard links)."""
+    from diffusers import StableDiffusionXLPipeline
+
+    weight_files = _weight_files(fp16_export)
+    assert {path.parent.name for path in weight_files} == {"unet", "vae", "text_encoder", "text_encoder_2"}
+    for plain in weight_files:
+        assert plain.with_suffix(".fp16.safetensors").samefile(plain), plain
+    variant = StableDiffusionXLPipeline.from_pretrained(fp16_export, variant="fp16", torch_dtype=torch.float16)
+    plain = StableDiffusionXLPipeline.from_pretrained(fp16_export, torch_dtype=torch.float16)
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        assert all(torch.equal(value, getattr(plain, name).state_dict()[key]) for key, value in getattr(variant, name).state_dict().items()), name
+
+
+def test_fp16_variant_is_a_copy_where_hard_links_fail_and_absent_at_other_precisions(tmp_path, tiny_pipeline_dir, monkeypatch):
+    from sdxl_trainer.export import save_pipeline
+
+    save_pipeline({}, str(tiny_pipeline_dir), tmp_path / "bf16", "bf16", model_title="test")
+    assert not list((tmp_path / "bf16").glob("*/*.fp16.safetensors"))
+
+    def no_hard_links(source, target):
+        raise PermissionError(1, "Operation not permitted", str(target))
+
+    monkeypatch.setattr(os, "link", no_hard_links)  # as on file systems without hard links
+    save_pipeline({}, str(tiny_pipeline_dir), tmp_path / "fp16", "fp16", model_title="test")
+    for plain in _weight_files(tmp_path / "fp16"):
+        variant = plain.with_suffix(".fp16.safetensors")
+        assert not variant.samefile(plain) and variant.read_bytes() == plain.read_bytes(), plain
+
+
+def test_single_file_export_carries_its_scheduler_config(tmp_path, tiny_pipeline_dir):
+    """diffusers' from_single_file ignores the file's `v_pred` / `ztsnr` keys and samples an SDXL file as
+    epsilon; with --no-save_diffusers, the scheduler config beside the file is what tells diffusers users
+    the objective (README: from_single_file, then the scheduler from this config)."""
+    from diffusers import DPMSolverMultistepScheduler, StableDiffusionXLPipeline
+
+    from sdxl_trainer.export import save_pipeline
+
+    single_file = tmp_path / "pipeline.safetensors"
+    v_prediction = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
+    save_pipeline({}, str(tiny_pipeline_dir), None, "fp32", v_prediction, single_file=single_file, model_title="test")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["pipeline.safetensors", "pipeline.scheduler_config.json"]
+    scheduler_config = json.loads((tmp_path / "pipeline.scheduler_config.json").read_text())
+    pipeline = StableDiffusionXLPipeline.from_single_file(single_file, config=str(tiny_pipeline_dir))
+    pipeline.scheduler = DPMSolverMultistepScheduler.from_config(scheduler_config)
+    assert {key: pipeline.scheduler.config[key] for key in v_prediction} == v_prediction
