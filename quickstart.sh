@@ -21,7 +21,8 @@ bash train.sh \
     --min_resolution 256 --max_resolution 512 \
     --num_train_epochs 2 --learning_rate 1e-4 --set_seed 123 \
     --num_inference_steps 10 --num_sample_images 4 \
-    --output_dir "$OUTPUT_DIR" --project_name run
+    --output_dir "$OUTPUT_DIR" --project_name run \
+    --overwrite_run  # a demo: running it again starts the run over (a real run refuses that without the flag)
 
 echo
 echo "Quickstart finished."
