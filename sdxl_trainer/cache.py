@@ -21,11 +21,9 @@ found them, so --verify checks those two files too. Readers merge all parts.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import socket
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .files import make_shareable
+from .files import LockHeld, ProcessLock, make_shareable
 
 CACHE_FORMAT_VERSION = 1
 CACHE_INFO_FILE = "cache_info.json"
@@ -229,34 +227,18 @@ class CachedItem:
     row: dict  # manifest fields except shard and index_in_shard
 
 
-class WorkerLock:
+class WorkerLock(ProcessLock):
     """One process per worker name and cache folder: a second one started by mistake would redo all the work
-    and race on the same files. An flock on locks/<worker>.lock, which the kernel releases when the process
-    ends however it ends, so a killed run never leaves a stale lock (on NFS this needs its lock service,
-    which NFSv4 has)."""
+    and race on the same files. A ProcessLock on locks/<worker>.lock."""
 
     def __init__(self, cache_dir: Path, worker_name: str):
-        path = cache_dir / LOCK_DIR / f"{worker_name}.lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle = open(path, "a+", encoding="utf-8")
         try:
-            fcntl.flock(self._handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._handle.seek(0)
-            holder = self._handle.read().strip() or "another process"
-            self._handle.close()
+            super().__init__(cache_dir / LOCK_DIR / f"{worker_name}.lock")
+        except LockHeld as held:
             raise CacheError(
-                f"{holder} is already caching worker {worker_name} into {cache_dir}: wait for it to finish, or give this "
+                f"{held} is already caching worker {worker_name} into {cache_dir}: wait for it to finish, or give this "
                 "process another --shard_index / --num_shards"
             ) from None
-        self._handle.seek(0)
-        self._handle.truncate()
-        self._handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-        self._handle.flush()
-
-    def release(self) -> None:
-        fcntl.flock(self._handle, fcntl.LOCK_UN)
-        self._handle.close()
 
 
 class ShardWriter:

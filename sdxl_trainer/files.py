@@ -4,8 +4,10 @@ files written so that a crash never leaves a torn one."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -81,3 +83,33 @@ def make_shareable(*paths: Path) -> None:
         files = [path] if path.is_file() else [child for child in path.rglob("*") if child.is_file()]
         for file in files:
             os.chmod(file, SHAREABLE_MODE)
+
+
+class LockHeld(RuntimeError):
+    """Another process holds the lock; str() is its holder as it wrote itself ("process PID on HOST")."""
+
+
+class ProcessLock:
+    """An exclusive flock on `path`, held by this process until release(), with "process PID on HOST" written
+    in the file so that a second process can name the first. The kernel releases the lock when the process
+    ends however it ends, so a killed process never leaves a stale lock (on NFS this needs its lock service,
+    which NFSv4 has). Raises LockHeld if another process holds it."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self._handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._handle.seek(0)
+            holder = self._handle.read().strip() or "another process"
+            self._handle.close()
+            raise LockHeld(holder) from None
+        self._handle.seek(0)
+        self._handle.truncate()
+        self._handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        self._handle.flush()
+
+    def release(self) -> None:
+        fcntl.flock(self._handle, fcntl.LOCK_UN)
+        self._handle.close()

@@ -27,7 +27,6 @@ How the fake run is made to stand for a GPU run:
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Iterator
 
