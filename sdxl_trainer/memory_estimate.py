@@ -3,10 +3,10 @@
 The trainer's own code builds the full-size UNet and trains it (prepare_unet with its sharding, mixed
 precision, gradient checkpointing and CPU offload; build_optimizer; TrainStep with its microbatches and
 gradient reduction; ShardedEMA) for two updates, the first of which only creates the optimizer's state, on
-fake tensors (FakeTensorMode: shapes, dtypes and
-strides, no storage) over a fake process group of the requested size (collectives that move nothing).
-torch's FSDPMemTracker (MemTracker for one process's plain module) counts every tensor that would be alive,
-by category, and the estimate keeps the peak. What no tracker sees is added as a stated margin
+fake tensors (FakeTensorMode: shapes, dtypes and strides, no storage) over a fake process group of the
+requested size (collectives that move nothing). torch's FSDPMemTracker (MemTracker for one process's
+plain module) counts every tensor that would be alive, by category, and the estimate keeps the peak. What
+no tracker sees is added as a stated margin
 (UNTRACKED_GIB + UNTRACKED_SHARE): the CUDA context, NCCL's buffers, cuDNN workspaces and the caching
 allocator's fragmentation.
 
