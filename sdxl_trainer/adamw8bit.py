@@ -13,6 +13,11 @@ shapes (compiled once, not per shape) updates a chunk, and multi-tensor copies w
 The arithmetic and the rounding to codes are torchao's, so both give the same weights and scales to fp32
 rounding; a value that rounding puts on the other side of a code boundary gets the neighbouring code
 (tests/test_adamw8bit.py allows 0.01% of the codes to differ).
+
+bf16 weights (--weights_dtype bf16): the step computes in fp32 as always and rounds the new weights
+stochastically (stochastic_rounding.py), where torchao rounds to nearest, which drops every update below
+half a bf16 step; moments kept unquantised (small shards) stay fp32 rather than taking the weights' dtype.
+AdamWFp32Moments is the same step with every moment in fp32: --optimizer adamw over bf16 weights.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.subclass_8bit import OptimState8bit
+
+from .stochastic_rounding import round_to_bf16, rounding_key
 
 # Values per chunk: the kernel's temporaries are about 16 bytes per value (270 MB at this size) and a
 # larger chunk saves little host time, as SDXL's UNet makes about 150 chunks on one GPU. A larger shard is a
@@ -117,11 +124,18 @@ def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 class AdamW8bit(TorchaoAdamW8bit):
     """torchao's AdamW8bit (its state, checkpoints and the fp32 state it keeps for shards under 4,096 values
-    or not a multiple of the 256-value block) with a multi-tensor step. No amsgrad, no bf16 stochastic
-    rounding (the trainer's weights are fp32)."""
+    or not a multiple of the 256-value block) with a multi-tensor step and stochastic rounding into bf16
+    weights. No amsgrad."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=BLOCK_SIZE)
+
+    def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+        # torchao gives an unquantised moment the weights' dtype; a bf16 moment would stall as bf16 weights do.
+        buffer = super()._new_buffer(p, signed)
+        if isinstance(_local(buffer), OptimState8bit) or buffer.dtype == torch.float32:
+            return buffer
+        return buffer.float()
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
@@ -146,10 +160,13 @@ class AdamW8bit(TorchaoAdamW8bit):
                     continue
                 is_8bit = isinstance(shard.exp_avg, OptimState8bit)
                 batches[(step, is_8bit, shard.param.device, shard.param.dtype, shard.grad.dtype)].append(shard)
+            chunks_stepped = 0
             for (step, is_8bit, _, _, _), shards in batches.items():
-                self._step_shards(shards, group, step, is_8bit)
+                chunks_stepped += self._step_shards(shards, group, step, is_8bit, chunks_stepped)
 
-    def _step_shards(self, shards: list[_Shard], group: dict, step: float, is_8bit: bool) -> None:
+    def _step_shards(self, shards: list[_Shard], group: dict, step: float, is_8bit: bool, first_chunk: int) -> int:
+        """Step shards of one kind in chunks; returns the number of chunks. `first_chunk` numbers them within
+        the update, which keys their stochastic rounding."""
         beta1, beta2 = group["betas"]
         step_settings = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], torch.tensor(step))
         # torch.compile cannot trace under a dispatch mode (the memory estimate's fake tensors and trackers,
@@ -157,7 +174,8 @@ class AdamW8bit(TorchaoAdamW8bit):
         eager = is_in_torch_dispatch_mode()
         step_8bit_moments = _step_8bit_moments if eager else _compiled_step_8bit_moments
         adamw = _adamw if eager else _compiled_adamw
-        for chunk in _chunks(shards):
+        chunks = list(_chunks(shards))
+        for chunk_number, chunk in enumerate(chunks, start=first_chunk):
             params, grads, exp_avgs, exp_avg_sqs = (list(tensors) for tensors in zip(*chunk))
             if is_8bit:
                 new_param, avg_codes, avg_scale, sq_codes, sq_scale = step_8bit_moments(
@@ -174,4 +192,15 @@ class AdamW8bit(TorchaoAdamW8bit):
                 new_param, exp_avg, exp_avg_sq = adamw(_flat(params), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), *step_settings)
                 _write_back(exp_avgs, exp_avg)
                 _write_back(exp_avg_sqs, exp_avg_sq)
+            if params[0].dtype == torch.bfloat16:
+                new_param = round_to_bf16(new_param, rounding_key(int(step), chunk_number))
             _write_back(params, new_param)
+        return len(chunks)
+
+
+class AdamWFp32Moments(AdamW8bit):
+    """AdamW with both moments in fp32 (torch AdamW's state and checkpoint layout) and AdamW8bit's
+    multi-tensor step: --optimizer adamw over bf16 weights, which torch's AdamW would round to nearest."""
+
+    def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:  # noqa: ARG002 - moments are never quantised
+        return torch.zeros_like(p, dtype=torch.float32)

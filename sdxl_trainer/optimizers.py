@@ -12,6 +12,11 @@ Which implementation, and why (each was tried on 2 gloo ranks with FSDP2 paramet
   AdamW8bit; Lion keeps one momentum buffer, already half of AdamW's fp32 state.
 Both are written with out-of-place DTensor ops where a reduction crosses ranks, so a sharded step
 equals the unsharded one.
+
+bf16 weights (--weights_dtype bf16): every optimizer computes its update in fp32 and rounds the new
+weights stochastically (stochastic_rounding.py), keyed by its step count; its own state stays fp32 (or
+8-bit). torch's AdamW cannot do that, so --optimizer adamw over bf16 weights is AdamWFp32Moments, with
+torch AdamW's state layout.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
+
+from .stochastic_rounding import rounding_key, store_weights
 
 OPTIMIZERS = ("adamw8bit", "adamw", "adafactor", "lion")
 
@@ -32,28 +39,40 @@ def _replicated(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _parameters_with_grads(param_groups: list[dict]) -> Iterable[tuple[dict, int, torch.Tensor]]:
+    """(group, number, parameter) for each parameter with a gradient; the number counts over all groups
+    (the stream of its stochastic rounding)."""
+    parameters = ((group, param) for group in param_groups for param in group["params"])
+    for index, (group, param) in enumerate(parameters):
+        if param.grad is not None:
+            yield group, index, param
+
+
 class Lion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the update is the sign of an
     interpolation of momentum and gradient, so every weight moves by exactly lr. Use a 3-10x smaller
-    learning rate and a 3-10x larger weight decay than with AdamW."""
+    learning rate and a 3-10x larger weight decay than with AdamW. Over bf16 weights the momentum stays
+    fp32 and a step count (the key of the stochastic rounding) joins the state."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
-        for group in self.param_groups:
+        for group, index, param in _parameters_with_grads(self.param_groups):
             beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(param)
-                exp_avg = state["exp_avg"]
-                param.mul_(1 - group["lr"] * group["weight_decay"])
-                param.add_(torch.sign(exp_avg.lerp(param.grad, 1 - beta1)), alpha=-group["lr"])
-                exp_avg.lerp_(param.grad, 1 - beta2)
+            state = self.state[param]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+                if param.dtype != torch.float32:
+                    state["step"] = torch.tensor(0.0)
+            exp_avg, grad = state["exp_avg"], param.grad.float()
+            weights = param.float() * (1 - group["lr"] * group["weight_decay"])
+            weights = weights.add(torch.sign(exp_avg.lerp(grad, 1 - beta1)), alpha=-group["lr"])
+            if "step" in state:
+                state["step"] += 1
+            store_weights(param, weights, rounding_key(int(state.get("step", 0)), index))
+            exp_avg.lerp_(grad, 1 - beta2)
 
 
 class Adafactor(torch.optim.Optimizer):
@@ -75,39 +94,37 @@ class Adafactor(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                grad = param.grad.float()
-                state = self.state[param]
-                factored = param.ndim >= 2
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    if factored:
-                        flat = grad.flatten(1)
-                        state["exp_avg_sq_row"] = torch.zeros_like(flat.sum(1))
-                        state["exp_avg_sq_col"] = _replicated(torch.zeros_like(flat.sum(0)))
-                    else:
-                        state["exp_avg_sq"] = torch.zeros_like(grad)
-                state["step"] += 1
-                weight_of_new = state["step"].item() ** group["decay_rate"]  # 1 - beta2 of this step
-                squared = grad * grad + group["eps"]
+        for group, index, param in _parameters_with_grads(self.param_groups):
+            grad = param.grad.float()
+            state = self.state[param]
+            factored = param.ndim >= 2
+            if not state:
+                state["step"] = torch.tensor(0.0)
                 if factored:
-                    flat = squared.flatten(1)
-                    row = state["exp_avg_sq_row"].lerp(flat.mean(1), weight_of_new)
-                    col = _replicated(state["exp_avg_sq_col"].lerp(_replicated(flat.mean(0)), weight_of_new))
-                    state["exp_avg_sq_row"], state["exp_avg_sq_col"] = row, col
-                    row_factor = (row / _replicated(row.mean())).rsqrt()
-                    update = (grad.flatten(1) * row_factor[:, None] * col.rsqrt()[None, :]).view_as(grad)
+                    flat = grad.flatten(1)
+                    state["exp_avg_sq_row"] = torch.zeros_like(flat.sum(1))
+                    state["exp_avg_sq_col"] = _replicated(torch.zeros_like(flat.sum(0)))
                 else:
-                    state["exp_avg_sq"] = state["exp_avg_sq"].lerp(squared, weight_of_new)
-                    update = grad * state["exp_avg_sq"].rsqrt()
-                rms = _replicated(update.norm()) / math.sqrt(update.numel())
-                update = update / (rms / group["clip_threshold"]).clamp(min=1.0)
-                if group["weight_decay"]:
-                    param.mul_(1 - group["lr"] * group["weight_decay"])
-                param.sub_(update.to(param.dtype) * group["lr"])
+                    state["exp_avg_sq"] = torch.zeros_like(grad)
+            state["step"] += 1
+            weight_of_new = state["step"].item() ** group["decay_rate"]  # 1 - beta2 of this step
+            squared = grad * grad + group["eps"]
+            if factored:
+                flat = squared.flatten(1)
+                row = state["exp_avg_sq_row"].lerp(flat.mean(1), weight_of_new)
+                col = _replicated(state["exp_avg_sq_col"].lerp(_replicated(flat.mean(0)), weight_of_new))
+                state["exp_avg_sq_row"], state["exp_avg_sq_col"] = row, col
+                row_factor = (row / _replicated(row.mean())).rsqrt()
+                update = (grad.flatten(1) * row_factor[:, None] * col.rsqrt()[None, :]).view_as(grad)
+            else:
+                state["exp_avg_sq"] = state["exp_avg_sq"].lerp(squared, weight_of_new)
+                update = grad * state["exp_avg_sq"].rsqrt()
+            rms = _replicated(update.norm()) / math.sqrt(update.numel())
+            update = update / (rms / group["clip_threshold"]).clamp(min=1.0)
+            weights = param.float()
+            if group["weight_decay"]:
+                weights = weights * (1 - group["lr"] * group["weight_decay"])
+            store_weights(param, weights - update * group["lr"], rounding_key(int(state["step"]), index))
 
 
 # beta2 when --adam_beta2 is not given: AdamW's usual value, and the Lion paper's (Chen et al. 2023, 0.99:
@@ -128,6 +145,10 @@ def build_optimizer(
 
         return AdamW8bit(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
     if name == "adamw":
+        if any(parameter.dtype == torch.bfloat16 for parameter in _all_parameters(parameters)):
+            from .adamw8bit import AdamWFp32Moments
+
+            return AdamWFp32Moments(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
         # The multi-tensor path works on DTensor shards and is several times faster over SDXL's ~1,700
         # parameter tensors; torch only picks it by itself for plain CUDA tensors.
         return torch.optim.AdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
@@ -136,6 +157,10 @@ def build_optimizer(
     if name == "lion":
         return Lion(parameters, lr=learning_rate, betas=betas, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}: choose one of {OPTIMIZERS}")
+
+
+def _all_parameters(parameters: list) -> list[torch.Tensor]:
+    return [parameter for entry in parameters for parameter in (entry["params"] if isinstance(entry, dict) else [entry])]
 
 
 def local_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -1,0 +1,72 @@
+"""Stochastic rounding of fp32 values to bf16, for bf16 master weights (--weights_dtype bf16).
+
+bf16 keeps 8 significant bits: on a weight of 0.05 one bf16 step (ulp) is 2.4e-4, so an AdamW update of
+about the learning rate (1e-5) is a twentieth of it, and rounding to the nearest bf16 value drops it
+every time: training stalls. Stochastic rounding rounds up with probability equal to the share of the
+step the exact value has passed, so the stored weight is right in expectation and small updates land on
+average (Gupta et al. 2015; Zamirai et al. 2020 for bf16 training).
+
+The random bits are a hash of (key, position), not draws from a generator: nothing to checkpoint (a
+resume rounds exactly as the straight run did when it passes the same keys), nothing to thread through
+FSDP's DTensors, and a compiled kernel computes them in registers. Optimizers key each update by its
+step count and the tensor or chunk it rounds (rounding_key).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+_LOW_32_BITS = 0xFFFFFFFF
+# bf16 is the upper half of an fp32's bits: these are the bits rounding discards.
+_DISCARDED_BITS = 16
+_KEPT_BITS_MASK = -(1 << _DISCARDED_BITS)  # 0xFFFF0000 as an int32
+
+
+def _mix32(value):
+    """A 32-bit integer hash (two multiply-xorshift rounds): every input bit affects every output bit.
+    Works on Python ints and on int64 tensors; values stay below 2^32 and products below 2^59, so int64
+    arithmetic never overflows."""
+    value = ((value >> 16) ^ value) * 0x45D9F3B & _LOW_32_BITS
+    value = ((value >> 16) ^ value) * 0x45D9F3B & _LOW_32_BITS
+    return (value >> 16) ^ value
+
+
+def rounding_key(step: int, stream: int) -> int:
+    """The 32-bit key of one rounding: `step` is the optimizer's update count (different random bits every
+    update), `stream` tells apart the tensors or chunks rounded in one update."""
+    return _mix32(_mix32(step & _LOW_32_BITS) ^ (stream & _LOW_32_BITS))
+
+
+def _round_to_bf16(values: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    position = torch.arange(values.numel(), device=values.device, dtype=torch.int64).view(values.shape)
+    random_bits = (_mix32(position ^ key) & ((1 << _DISCARDED_BITS) - 1)).to(torch.int32)
+    # Adding uniform random bits below the kept ones carries into the kept part with probability equal to
+    # the discarded fraction; a negative float's bits are sign + magnitude, so its magnitude rounds the
+    # same way. The largest finite fp32 plus the bits stays below 2^31, so the sum cannot overflow.
+    bits = (values.float().contiguous().view(torch.int32) + random_bits) & _KEPT_BITS_MASK
+    return bits.view(torch.float32).to(torch.bfloat16)  # exact: the discarded bits are zero
+
+
+_compiled_round_to_bf16 = torch.compile(_round_to_bf16, dynamic=True, fullgraph=True)
+
+
+def round_to_bf16(values: torch.Tensor, key: int) -> torch.Tensor:
+    """`values` rounded stochastically to bf16, the random bits fixed by `key` (rounding_key) and each
+    value's position. Compiled (one kernel for every length), eager under a dispatch mode (the memory
+    estimate's fake tensors cannot be compiled)."""
+    round_fn = _round_to_bf16 if is_in_torch_dispatch_mode() else _compiled_round_to_bf16
+    return round_fn(values, torch.tensor(key, dtype=torch.int64, device=values.device))
+
+
+def store_weights(weights: torch.Tensor, new_values: torch.Tensor, key: int) -> None:
+    """Write an optimizer's fp32 result into the weights: as it is into fp32 weights, stochastically rounded
+    into bf16 ones. DTensors round their local shards (the positions are the shard's own)."""
+    if weights.dtype == torch.float32:
+        weights.copy_(new_values)
+        return
+    if weights.dtype != torch.bfloat16:
+        raise TypeError(f"weights of dtype {weights.dtype}: stochastic rounding is for bf16 weights")
+    local_weights = weights.to_local() if hasattr(weights, "to_local") else weights
+    local_values = new_values.to_local() if hasattr(new_values, "to_local") else new_values
+    local_weights.copy_(round_to_bf16(local_values, key))
