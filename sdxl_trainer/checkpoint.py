@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
 from torch.futures import Future
 
 from .ema import ShardedEMA
@@ -289,6 +289,7 @@ class TrainerState:
     loss_scaler: dict[str, float | int] | None  # the fp16 gradient scaler's state
     train_text_encoder: bool = False  # the checkpoint holds trained text encoders (and their optimizer state)
     frozen_text_encoder: str = ""  # the one of them kept frozen by a learning rate of 0 ("text_encoder" / "text_encoder_2"), "" if none
+    weights_dtype: str = "fp32"  # of the trained weights (--weights_dtype)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -577,7 +578,6 @@ def load_training_state(
         raise CheckpointError(f"Cannot resume from {checkpoint_dir}: {problem}")
     trainer_state = read_trainer_state(checkpoint_dir)
     state = _tensor_state(model, optimizer, ema)
-    param_groups = get_state_dict(model, optimizer)[1]["param_groups"]
     try:
         dcp.load(state, storage_reader=JsonIndexReader(checkpoint_dir))
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP wraps every rank's read error
@@ -585,7 +585,10 @@ def load_training_state(
             f"Cannot resume from {checkpoint_dir}: its tensors could not be read ({write_error_reason(error)}). "
             "The checkpoint is damaged or does not fit this model: resume from another one (--load_saved_state latest skips damaged ones)."
         ) from (error if isinstance(error, Exception) else None)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict={"state": state["optimizer"]["state"], "param_groups": param_groups})
+    # The optimizer's state is loaded by now: DCP wrote into the live tensors get_state_dict returned. Handing
+    # it to the optimizer's load_state_dict again would cast every floating state tensor to its parameter's
+    # dtype: the fp32 moments of bf16 weights (--weights_dtype bf16) would come back rounded to bf16.
+    set_model_state_dict(model, state["model"])
     if ema is not None:
         ema.load_sharded_state_dict(state["ema"], trainer_state.ema_updates)
     rng_file = _rng_file(checkpoint_dir, dist.get_rank())
