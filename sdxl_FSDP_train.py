@@ -160,6 +160,12 @@ class TrainConfig:
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
         "auto", help="UNet compute precision over fp32 master weights (FSDP2's param dtype; torch.autocast on one process): auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, about 5x slower)"
     )
+    weights_dtype: Literal["fp32", "bf16"] = option(
+        "fp32",
+        help="dtype of the trained weights and their gradients: fp32 (master weights; compute in --mixed_precision) or bf16 "
+        "(half the memory of weights and gradients, compute in bf16, gradients accumulated in bf16; every optimizer computes in "
+        "fp32 and rounds the new weights stochastically, so updates below bf16's resolution still land on average; kohya's --full_bf16)",
+    )
     gradient_checkpointing: bool = option(
         True, help="recompute activations in backward (the UNet's, and trained text encoders'): much less memory, about 30%% more compute"
     )
@@ -257,6 +263,8 @@ class TrainConfig:
             problems.append("--validation_source_dirs needs one image folder per --cached_dataset_dirs entry, in the same order")
         if not self.sample_prompts.is_file():
             problems.append(f"--sample_prompts {self.sample_prompts} does not exist")
+        if self.weights_dtype == "bf16" and self.mixed_precision in ("fp16", "fp32"):
+            problems.append(f"--weights_dtype bf16 computes in bf16: drop --mixed_precision {self.mixed_precision} (or pass bf16), or keep fp32 weights")
         for name in ("save_model_every_n_epochs", "save_state_every_n_updates", "checkpoints_total_limit", "validation_loss_every_n_epochs",
                      "validation_image_every_n_epochs", "save_samples_every_n_epochs", "max_validation_loss_items", "max_validation_images",
                      "validation_every_n_updates"):
@@ -337,7 +345,12 @@ class TrainConfig:
         return problems
 
 
-def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
+WEIGHTS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_compute_dtype(name: str, device: torch.device, weights_dtype: str = "fp32") -> torch.dtype:
+    if weights_dtype == "bf16":
+        return torch.bfloat16  # validate() allows only auto and bf16 with it
     if name == "auto":
         if device.type != "cuda":
             return torch.float32
@@ -492,6 +505,8 @@ def resume_problems(saved: TrainerState, config: TrainConfig) -> list[str]:
     problems = []
     if saved.optimizer != config.optimizer:
         problems.append(f"the checkpoint holds {saved.optimizer} optimizer state: resume with --optimizer {saved.optimizer}")
+    if saved.weights_dtype != config.weights_dtype:
+        problems.append(f"the checkpoint holds {saved.weights_dtype} weights: resume with --weights_dtype {saved.weights_dtype}")
     if saved.use_ema != config.use_ema:
         flag = "--use_ema" if saved.use_ema else "--no-use_ema"
         problems.append(f"the checkpoint was saved {'with' if saved.use_ema else 'without'} an EMA: resume with {flag}")
@@ -624,8 +639,10 @@ def print_memory_estimate(config: TrainConfig) -> int:
     gpus = config.estimate_gpus or max(torch.cuda.device_count(), 1)
     # auto is bf16 on every GPU since Ampere; fp16 has the same sizes.
     compute_dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.mixed_precision]
+    if config.weights_dtype == "bf16":
+        compute_dtype = torch.bfloat16
     reductions = {config.gradient_reduction == "every_microbatch"}
-    if config.gradient_reduction == "auto":
+    if config.gradient_reduction == "auto" and uses_sharding(gpus, config.cpu_offload):  # a plain module has no reduction to choose
         reductions = {True, False} if config.gradient_accumulation_steps > 1 else {False}
     print(f"Estimating on fake tensors (no GPU needed; a few minutes on a CPU) for {gpus} GPU{'s' if gpus > 1 else ''}...", flush=True)
     for reduce_every_microbatch in sorted(reductions, reverse=True):
@@ -634,6 +651,7 @@ def print_memory_estimate(config: TrainConfig) -> int:
             resolution=config.max_resolution, compute_dtype=compute_dtype, optimizer=config.optimizer,
             gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
             reduce_every_microbatch=reduce_every_microbatch, cpu_offload=config.cpu_offload, use_ema=config.use_ema, ema_on_cpu=config.ema_on_cpu,
+            weights_dtype=WEIGHTS_DTYPES[config.weights_dtype],
         )  # fmt: skip
         started = time.perf_counter()
         estimate = estimate_memory(settings)
@@ -682,7 +700,8 @@ def hold_run_folder(run_dir: Path, world: World) -> Iterator[None]:
 def train(config: TrainConfig, world: World) -> int:
     run_dir = config.output_dir / config.project_name
     log_dir = config.log_dir or run_dir / "tensorboard"
-    compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device)
+    compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device, config.weights_dtype)
+    weights_dtype = WEIGHTS_DTYPES[config.weights_dtype]
 
     # ---- validate everything before loading the model --------------------------------------------
     resume_dir, saved = check_before_start(config, run_dir, world)
@@ -746,7 +765,7 @@ def train(config: TrainConfig, world: World) -> int:
     # Only the UNet is loaded (and the text encoders in caption mode): latents and caption embeddings come
     # from the cache. Diffusers' default attention processor is PyTorch SDPA (flash / memory-efficient
     # kernels where the GPU has them).
-    unet = load_unet(config.pretrained_model_name_or_path, config.single_file_config)
+    unet = load_unet(config.pretrained_model_name_or_path, config.single_file_config, weights_dtype)
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.to(world.device).train()
@@ -766,10 +785,11 @@ def train(config: TrainConfig, world: World) -> int:
     text_encoder_rates = config.text_encoder_rates()
     trained_text_encoders = {}
     if config.encode_captions_each_step:
-        # Frozen encoders compute in compute_dtype; trained ones keep fp32 master weights, sharded like the UNet.
+        # Frozen encoders compute in compute_dtype; trained ones keep master weights in --weights_dtype, sharded like the UNet.
         tokenizers, text_encoders = load_text_encoders(
             config.pretrained_model_name_or_path, world.device, compute_dtype, config.single_file_config,
             trained=tuple(name in text_encoder_rates for name in TEXT_ENCODER_NAMES), checkpointed=config.gradient_checkpointing,
+            trained_dtype=weights_dtype,
         )
         trained_text_encoders = {name: encoder for name, encoder in zip(TEXT_ENCODER_NAMES, text_encoders) if name in text_encoder_rates}
         for encoder in trained_text_encoders.values():
@@ -834,6 +854,7 @@ def train(config: TrainConfig, world: World) -> int:
             + f", {world.world_size} process{'es' if world.world_size > 1 else ''}, {run_length(config, len(plans))}, "
             f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
             f"compute {str(compute_dtype).removeprefix('torch.')}, "
+            + ("bf16 weights (stochastic rounding), " if config.weights_dtype == "bf16" else "")
             + (
                 "UNet sharded with FSDP2" + (", gradients reduced after every microbatch." if train_step.reduce_every_microbatch else ".")
                 if uses_sharding(world.world_size, config.cpu_offload)
@@ -860,6 +881,7 @@ def train(config: TrainConfig, world: World) -> int:
         run_facts=lambda: dict(
             seed=seed,
             optimizer=config.optimizer,
+            weights_dtype=config.weights_dtype,
             use_ema=config.use_ema,
             train_text_encoder=config.train_text_encoder,
             frozen_text_encoder=config.frozen_text_encoder(),

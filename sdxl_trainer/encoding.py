@@ -148,21 +148,21 @@ def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -
 
 def load_text_encoders(
     model_name_or_path: str, device: torch.device, dtype: torch.dtype, single_file_config: str = SDXL_CONFIG_SOURCE,
-    trained: tuple[bool, bool] = (False, False), checkpointed: bool = False,
+    trained: tuple[bool, bool] = (False, False), checkpointed: bool = False, trained_dtype: torch.dtype = torch.float32,
 ) -> TextSide:
     """Both tokenizers and both text encoders on `device` (the trainer's caption mode): frozen ones in `dtype`,
-    those `trained` says (CLIP-L, bigG) in fp32 (their master weights) in train mode with gradients, each CLIP
+    those `trained` says (CLIP-L, bigG) in trained_dtype (their master weights) in train mode with gradients, each CLIP
     layer's activations recomputed in backward with checkpointed=True (--gradient_checkpointing).
 
     Trained, CLIP-L's last layer and final norm stay frozen: SDXL reads CLIP-L's penultimate hidden
     state and takes the pooled embedding from bigG alone, so they never reach the UNet and get no gradient."""
-    (tokenizers, text_encoders), _ = _text_side(model_name_or_path, single_file_config, torch.float32 if any(trained) else dtype)
+    (tokenizers, text_encoders), _ = _text_side(model_name_or_path, single_file_config, trained_dtype if any(trained) else dtype)
     prepared = []
     for encoder, trains in zip(text_encoders, trained):
         if not trains:
             prepared.append(_frozen(encoder, device, dtype))
             continue
-        encoder = encoder.to(device, torch.float32).requires_grad_(True).train()
+        encoder = encoder.to(device, trained_dtype).requires_grad_(True).train()
         if checkpointed:
             encoder.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint per layer
         if isinstance(encoder, CLIPTextModel):

@@ -89,6 +89,7 @@ class EstimateSettings:
     cpu_offload: bool
     use_ema: bool
     ema_on_cpu: bool
+    weights_dtype: torch.dtype = torch.float32  # of the trained weights and their gradients (--weights_dtype)
 
 
 @dataclass
@@ -117,7 +118,9 @@ class MemoryEstimate:
             f"Estimated memory per GPU: full-size SDXL UNet ({self.unet_parameters / 1e9:.2f} B parameters), {settings.world_size} "
             f"GPU{'s' if settings.world_size > 1 else ''}, batch {settings.train_batch_size} x {settings.gradient_accumulation_steps} "
             f"accumulation at {settings.resolution}x{settings.resolution} px, {settings.optimizer}, "
-            f"compute {str(settings.compute_dtype).removeprefix('torch.')}, gradient checkpointing {'on' if settings.gradient_checkpointing else 'off'}"
+            f"compute {str(settings.compute_dtype).removeprefix('torch.')}"
+            + (", bf16 weights" if settings.weights_dtype == torch.bfloat16 else "")
+            + f", gradient checkpointing {'on' if settings.gradient_checkpointing else 'off'}"
             + (", gradients reduced every microbatch" if settings.reduce_every_microbatch and settings.gradient_accumulation_steps > 1 else "")
             + (", CPU offload" if settings.cpu_offload else "")
             + (f", EMA{' on the CPU' if settings.ema_on_cpu else ''}" if settings.use_ema else "")
@@ -131,7 +134,7 @@ class MemoryEstimate:
             "NCCL buffers, workspaces and fragmentation, which no tracker sees)"
         )
         if self.host_bytes:
-            what = "the offloaded fp32 weights, gradients and optimizer state (pinned)" if settings.cpu_offload else "the EMA"
+            what = "the offloaded weights, gradients and optimizer state (pinned)" if settings.cpu_offload else "the EMA"
             lines.append(f"  host RAM per GPU {self.host_bytes / GIB:7.2f} GiB  for {what}; add the data loader and the OS")
         fits = [f"{size} GB {'fits' if self.fits(size) else 'does not fit'}" for size in CARD_SIZES_GIB]
         lines.append("  cards: " + ", ".join(fits))
@@ -220,7 +223,8 @@ def estimate_memory(settings: EstimateSettings, unet_config: dict | None = None,
     unet_config = unet_config or SDXL_UNET_CONFIG
     tensors = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with _fake_world(settings.world_size) as world, tensors, tracing(TracingContext(FakeTensorMode())):
-        unet = UNet2DConditionModel(**unet_config)
+        with _default_dtype(settings.weights_dtype):  # Module.to() cannot swap fake parameters for others
+            unet = UNet2DConditionModel(**unet_config)
         if settings.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
         unet.train()
@@ -266,8 +270,18 @@ def estimate_memory(settings: EstimateSettings, unet_config: dict | None = None,
         by_category["EMA"] = 0 if ema_on_host else ema_bytes  # made before tracking, alive throughout
         host_bytes = ema_bytes if ema_on_host else 0
         if settings.cpu_offload:
-            host_bytes += 2 * local_parameter_bytes(unet) + state_bytes  # weights and gradients in fp32, the optimizer's state
+            host_bytes += 2 * local_parameter_bytes(unet) + state_bytes  # weights and gradients (in the weights' dtype), the optimizer's state
         return MemoryEstimate(settings, by_category, host_bytes, sum(parameter.numel() for parameter in unet.parameters()))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _training_scheduler() -> DDPMScheduler:

@@ -140,8 +140,9 @@ def prepare_unet(
 ) -> nn.Module:
     """The UNet ready to train in this world, in place: FSDP2-sharded (shard_unet) where uses_sharding says
     so, otherwise a plain module whose forward runs under torch.autocast in param_dtype (compute_under_autocast).
-    Both keep fp32 weights and fp32 gradients, and the same parameter names, so checkpoints move between
-    the two (DCP reshards) and the export is the same."""
+    Both keep the weights and gradients in the dtype the UNet arrives in (fp32 master weights, or bf16 with
+    --weights_dtype bf16) and the same parameter names, so checkpoints move between the two (DCP reshards)
+    and the export is the same."""
     if uses_sharding(world.world_size, cpu_offload):
         return shard_unet(unet, world.mesh, param_dtype, reshard_after_forward, compile_blocks, cpu_offload)
     if compile_blocks:
@@ -191,7 +192,7 @@ def shard_unet(
     compile_blocks: bool = False,
     cpu_offload: bool = False,
 ) -> FSDPModule:
-    """Apply FSDP2 to the UNet in place; parameters stay fp32 (the sharded master copy).
+    """Apply FSDP2 to the UNet in place; parameters keep their dtype (the sharded master copy: fp32, or bf16).
 
     - Granularity: each transformer block, then each down/mid/up block, then the root. A transformer
       block is SDXL's unit of memory (the 10-block stages hold most of the 2.6 B parameters); sharding
@@ -199,8 +200,8 @@ def shard_unet(
       overlaps the previous block's compute.
     - reshard_after_forward=True is FULL_SHARD (weights gathered again for backward, least memory);
       False keeps them gathered between forward and backward (SHARD_GRAD_OP: faster, more memory).
-    - Precision: compute in param_dtype (bf16/fp16) with fp32 gradient reduction, over fp32 shards.
-      No autocast in the loop. The frozen VAE never reaches here (training reads the cache); text encoders
+    - Precision: compute in param_dtype (bf16/fp16) with fp32 gradient reduction, over fp32 shards (or bf16
+      ones, whose gradients FSDP2 reduces in fp32 and stores in bf16). No autocast in the loop. The frozen VAE never reaches here (training reads the cache); text encoders
       only when trained (prepare_text_encoder).
     - cpu_offload: FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and so the optimizer
       state live in CPU memory; each block's weights are copied to the GPU for its forward and backward, and
