@@ -22,6 +22,25 @@ MIN_RESOLUTION, MAX_RESOLUTION = 256, 512
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHINDUCTOR_CACHE_DIR")
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A 1-process gloo group in this process (FSDP2 shards everything on one rank), torn down after the module."""
+    from sdxl_trainer.parallel import init_distributed, shutdown_distributed
+
+    saved = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}
+    world = init_distributed()
+    yield world
+    shutdown_distributed()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_pipeline_dir(tmp_path_factory) -> Path:
     from sdxl_trainer.tiny_model import save_tiny_pipeline

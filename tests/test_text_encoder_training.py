@@ -20,6 +20,7 @@ from sdxl_trainer.lr_schedule import LR_SCALE, set_learning_rate
 from sdxl_trainer.single_file import hf_clip_names
 from test_captions import VARIATION_FLAGS
 from test_resume_schedules import RESUME_AT, exported_unet, resumed_copy, train
+from unet_batches import trainer_state_for
 
 TEXT_ENCODER_FILES = {name: Path(name) / "model.safetensors" for name in ("text_encoder", "text_encoder_2")}
 
@@ -110,12 +111,12 @@ def test_a_resume_keeps_which_encoders_train():
     assert config("--learning_rate_te2", "3e-6").text_encoder_rates() == {"text_encoder": 1e-5, "text_encoder_2": 3e-6}
     assert config("--learning_rate_te2", "0").text_encoder_rates() == {"text_encoder": 1e-5}
     assert config("--learning_rate_te2", "0").frozen_text_encoder() == "text_encoder_2"
-    both_trained = trainer_state(train_text_encoder=True)
+    both_trained = trainer_state_for(train_text_encoder=True)
     assert resume_problems(both_trained, config()) == []
     assert resume_problems(both_trained, config("--learning_rate_te2", "0")) == [
         "the checkpoint trained text encoder 2: resume with --learning_rate_te2 above 0 (0 keeps it frozen)"
     ]
-    assert resume_problems(trainer_state(train_text_encoder=True, frozen_text_encoder="text_encoder"), config("--learning_rate_te2", "0")) == [
+    assert resume_problems(trainer_state_for(train_text_encoder=True, frozen_text_encoder="text_encoder"), config("--learning_rate_te2", "0")) == [
         "the checkpoint kept text encoder 1 frozen: resume with --learning_rate_te1 0",
         "the checkpoint trained text encoder 2: resume with --learning_rate_te2 above 0 (0 keeps it frozen)",
     ]
@@ -152,15 +153,8 @@ def test_the_schedule_scales_each_group_from_its_own_peak():
     assert [group["lr"] for group in optimizer.param_groups] == [2e-4, 5e-5]
 
 
-def trainer_state(**fields) -> TrainerState:
-    return TrainerState(
-        update=3, epoch=0, updates_in_epoch=3, seed=5, optimizer="adamw8bit", use_ema=False, ema_updates=0, world_size=2,
-        global_batch_size=2, gradient_accumulation_steps=1, skipped_updates=0, consecutive_skipped_updates=0, loss_scaler=None, **fields,
-    )
-
-
 def test_a_trainer_state_from_before_text_encoder_training_reads_as_unet_only(tmp_path):
-    data = json.loads(trainer_state(train_text_encoder=True, frozen_text_encoder="text_encoder").to_json())
+    data = json.loads(trainer_state_for(train_text_encoder=True, frozen_text_encoder="text_encoder").to_json())
     read = TrainerState.from_json(json.dumps(data), tmp_path / "state.json")
     assert (read.train_text_encoder, read.frozen_text_encoder) == (True, "text_encoder")
     del data["train_text_encoder"], data["frozen_text_encoder"]

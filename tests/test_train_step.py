@@ -5,7 +5,6 @@ prediction targets, Min-SNR, noise offset, timestep range, zero terminal SNR, EM
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -27,24 +26,8 @@ from sdxl_trainer.diffusion import (
 )
 from sdxl_trainer.ema import ShardedEMA
 from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer
-from sdxl_trainer.parallel import compute_under_autocast, init_distributed, prepare_unet, shard_unet, shutdown_distributed
+from sdxl_trainer.parallel import compute_under_autocast, prepare_unet, shard_unet
 from unet_batches import empty_prompt_for, make_train_step, synthetic_batch
-
-DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHINDUCTOR_CACHE_DIR")
-
-
-@pytest.fixture(scope="module")
-def world():
-    saved = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}
-    world = init_distributed()
-    yield world
-    shutdown_distributed()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
 
 def sharded_unet(pipeline_dir, world, compile_blocks: bool = False, param_dtype: torch.dtype | None = None, cpu_offload: bool = False):
     unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")

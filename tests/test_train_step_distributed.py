@@ -27,6 +27,12 @@ def test_optimizer_steps_saves_and_restores_exactly_on_two_ranks(reports, name):
     assert reports[0]["optimizers"][name]["first_loss"] == reports[1]["optimizers"][name]["first_loss"]  # all-reduced
 
 
+def test_bf16_weights_resume_exactly_on_two_ranks(reports):
+    for report in reports:
+        assert report["bf16_weights"]["restored_update"] == 1
+        assert report["bf16_weights"]["max_difference"] == 0.0
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_each_rank_holds_about_half_of_parameters_and_optimizer_state(reports, tiny_pipeline_dir, name):
     full_param_bytes = sum(tensor.numel() * 4 for tensor in load_file(tiny_pipeline_dir / "unet" / "diffusion_pytorch_model.safetensors").values())

@@ -23,9 +23,9 @@ from unet_batches import make_train_step, saved_state_of, synthetic_batch
 LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4}
 
 
-def sharded_unet(pipeline_dir: Path, world) -> UNet2DConditionModel:
-    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
-    shard_unet(unet, world.mesh, param_dtype=None)
+def sharded_unet(pipeline_dir: Path, world, weights_dtype: torch.dtype = torch.float32) -> UNet2DConditionModel:
+    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet", torch_dtype=weights_dtype)
+    shard_unet(unet, world.mesh, param_dtype=None if weights_dtype == torch.float32 else weights_dtype)
     return unet
 
 
@@ -38,9 +38,9 @@ def full_weights(unet) -> dict[str, torch.Tensor]:
     return {name: (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach()).clone() for name, parameter in unet.named_parameters()}
 
 
-def optimizer_round_trip(name: str, pipeline_dir: Path, checkpoint_dir: Path, world) -> dict:
+def optimizer_round_trip(name: str, pipeline_dir: Path, checkpoint_dir: Path, world, weights_dtype: torch.dtype = torch.float32) -> dict:
     def fresh():
-        unet = sharded_unet(pipeline_dir, world)
+        unet = sharded_unet(pipeline_dir, world, weights_dtype)
         optimizer = build_optimizer(name, unet.parameters(), LEARNING_RATES[name], 1e-2, (0.9, 0.99), 1e-8)
         return unet, optimizer, make_train_step(unet, optimizer, pipeline_dir)
 
@@ -79,6 +79,8 @@ def main(pipeline_dir: str, output_dir: str) -> None:
     report: dict = {"optimizers": {}}
     for name in OPTIMIZERS:
         report["optimizers"][name] = optimizer_round_trip(name, pipeline, output / f"checkpoint_{name}", world)
+    # bf16 weights with stochastic rounding, through the 8-bit step (uneven shards: small ones keep fp32 moments)
+    report["bf16_weights"] = optimizer_round_trip("adamw8bit", pipeline, output / "checkpoint_bf16", world, torch.bfloat16)
     report["reduce_scatters"] = {count: reduce_scatters_per_update(pipeline, world, count)[0] for count in (1, 2)}
     once, once_weights = reduce_scatters_per_update(pipeline, world, 3)
     every, every_weights = reduce_scatters_per_update(pipeline, world, 3, every_microbatch=True)

@@ -73,3 +73,11 @@ def saved_state_of(step: TrainStep, optimizer_name: str, world_size: int) -> tup
         gradient_accumulation_steps=1,
     )
     return state, DataPosition.epoch_start(0)
+
+
+def trainer_state_for(**fields) -> TrainerState:
+    """A TrainerState of a run 3 updates in (adamw8bit, 2 processes), with `fields` set."""
+    return TrainerState(
+        update=3, epoch=0, updates_in_epoch=3, seed=5, optimizer="adamw8bit", use_ema=False, ema_updates=0, world_size=2,
+        global_batch_size=2, gradient_accumulation_steps=1, skipped_updates=0, consecutive_skipped_updates=0, loss_scaler=None, **fields,
+    )
