@@ -7,7 +7,13 @@ bits of a seed: with a linear seed, item i+2 in epoch e+2 repeated item i's nois
 index is the item's for its first copy in an epoch, so a repeated item's copies (--dataset_repeats,
 data.py) get draws of their own. So a sample gets the same noise whichever rank or microbatch it lands
 in, which makes runs on 1 and N processes comparable step by step, and resumed runs identical to straight
-ones.
+ones. A draw an option adds comes after those of the options before it, and only with the option on, so
+a sample's other draws stay what they were without it.
+
+Timesteps. Uniform in [min_timestep, max_timestep) by default. --timestep_sampling logit_normal and
+--timestep_bias_strategy instead give each of the 1000 timesteps a weight (timestep_weights) and a
+sample's timestep is the inverse CDF of one uniform draw, which is torch.multinomial's distribution
+(diffusers' SDXL example and SimpleTuner draw biased timesteps with it) from a generator of our own.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import torch
 from diffusers import DDPMScheduler
 
 PredictionType = Literal["epsilon", "v_prediction"]
+TimestepSampling = Literal["uniform", "logit_normal"]
+TimestepBias = Literal["none", "earlier", "later", "range"]
+TRAIN_TIMESTEPS = 1000  # SDXL's training schedule (num_train_timesteps)
 
 
 @dataclass(frozen=True)
@@ -27,8 +36,16 @@ class NoiseSettings:
     conditional_dropout_percent: float  # share of samples (0-1) trained with the empty caption
     noise_offset: float = 0.0  # std of a per-channel constant added to the noise (0 = off)
     min_snr_gamma: float = 0.0  # Min-SNR loss weighting (Hang et al. 2023); 0 = off
-    min_timestep: int = 0  # timesteps are drawn uniformly from [min_timestep, max_timestep)
+    min_timestep: int = 0  # timesteps are drawn from [min_timestep, max_timestep)
     max_timestep: int = 1000
+    timestep_sampling: TimestepSampling = "uniform"  # logit_normal: sigmoid(N(logit_mean, logit_std)) mapped onto the range
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    timestep_bias_strategy: TimestepBias = "none"  # which timesteps' weights are multiplied (biased_timesteps)
+    timestep_bias_multiplier: float = 1.0  # 0 = never drawn
+    timestep_bias_begin: int = 0  # range: [begin, end)
+    timestep_bias_end: int = 1000
+    timestep_bias_portion: float = 0.25  # earlier / later: the first / last int(portion * 1000) timesteps
 
 
 def build_noise_scheduler(base_model: str, prediction_type: PredictionType, zero_terminal_snr: bool) -> DDPMScheduler:
@@ -43,6 +60,53 @@ def build_noise_scheduler(base_model: str, prediction_type: PredictionType, zero
 def sample_generator(run_seed: int, epoch: int, sample_index: int) -> np.random.Generator:
     """The generator of one sample's draws in one epoch (see the module docstring)."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([run_seed, epoch, sample_index])))
+
+
+def biased_timesteps(settings: NoiseSettings) -> range:
+    """The timesteps whose weight --timestep_bias_multiplier multiplies, as diffusers' generate_timestep_weights
+    picks them: the first or last int(portion * 1000) of the schedule, or [begin, end) (its code's slice;
+    its help calls the end inclusive); none without a strategy."""
+    count = int(settings.timestep_bias_portion * TRAIN_TIMESTEPS)
+    return {
+        "earlier": range(0, count),
+        "later": range(TRAIN_TIMESTEPS - count, TRAIN_TIMESTEPS),
+        "range": range(settings.timestep_bias_begin, settings.timestep_bias_end),
+    }.get(settings.timestep_bias_strategy, range(0))
+
+
+def timestep_weights(settings: NoiseSettings) -> np.ndarray:
+    """The probability of drawing each of the 1000 timesteps (float64, sums to 1).
+
+    uniform: equal on [min_timestep, max_timestep). logit_normal: the distribution of
+    min + floor(sigmoid(x) * (max - min)), x ~ N(logit_mean, logit_std), i.e. OneTrainer's discrete
+    LOGIT_NORMAL (ModelSetupNoiseMixin._get_timestep_discrete, which maps sigmoid(x) onto the timestep range
+    the same way), computed exactly from the normal CDF at the logits of the bin edges. The bias then
+    multiplies the weights of biased_timesteps (which may reach outside the range: those stay 0)."""
+    low, high = settings.min_timestep, settings.max_timestep
+    weights = torch.zeros(TRAIN_TIMESTEPS, dtype=torch.float64)
+    if settings.timestep_sampling == "logit_normal":
+        edges = torch.logit(torch.linspace(0, 1, high - low + 1, dtype=torch.float64))  # -inf ... +inf
+        weights[low:high] = torch.special.ndtr((edges - settings.logit_mean) / settings.logit_std).diff()
+    else:
+        weights[low:high] = 1.0
+    biased = biased_timesteps(settings)
+    weights[biased.start : biased.stop] *= settings.timestep_bias_multiplier
+    return (weights / weights.sum()).numpy()
+
+
+def timestep_cdf(settings: NoiseSettings) -> np.ndarray | None:
+    """What draw_timestep inverts; None where timesteps are plain uniform (drawn as integers, as ever)."""
+    if settings.timestep_sampling == "uniform" and settings.timestep_bias_strategy == "none":
+        return None
+    cdf = np.cumsum(timestep_weights(settings))
+    return cdf / cdf[-1]  # exactly 1 at the end, so every u in [0, 1) finds a timestep
+
+
+def draw_timestep(generator: np.random.Generator, settings: NoiseSettings, cdf: np.ndarray | None) -> np.ndarray:
+    """One timestep, shape (1,) int64. The smallest t with cdf[t] > u: a timestep of weight 0 is never drawn."""
+    if cdf is None:
+        return generator.integers(settings.min_timestep, settings.max_timestep, (1,), dtype=np.int64)
+    return np.searchsorted(cdf, generator.random(1), side="right").astype(np.int64)
 
 
 def sample_seed(run_seed: int, key: int, item_index: int) -> int:
@@ -63,10 +127,11 @@ def draw_sample_randomness(latents: torch.Tensor, sample_indices: torch.Tensor, 
     """Noise, timestep and caption dropout of each sample, drawn on the CPU from the sample's own generator."""
     noises, timesteps, drop = [], [], []
     channels = latents.shape[1]
+    cdf = timestep_cdf(settings)
     for sample_index in sample_indices.tolist():
         generator = sample_generator(run_seed, epoch, sample_index)
         noise = torch.from_numpy(generator.standard_normal(tuple(latents.shape[1:]), dtype=np.float32))
-        timesteps.append(torch.from_numpy(generator.integers(settings.min_timestep, settings.max_timestep, (1,), dtype=np.int64)))
+        timesteps.append(torch.from_numpy(draw_timestep(generator, settings, cdf)))
         drop.append(torch.from_numpy(generator.random(1) < settings.conditional_dropout_percent))
         if settings.noise_offset:
             # A shift of each channel's mean lets the model learn very dark or bright images (Guttenberg 2023).

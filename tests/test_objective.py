@@ -1,0 +1,154 @@
+"""The training objective's options, in this process: the timestep distributions (bias, logit-normal) as
+drawn, sample by sample, from the per-(seed, epoch, sample) generators; and the configuration checks of
+these options."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sdxl_trainer.config import parse_config
+from sdxl_trainer.diffusion import NoiseSettings, draw_sample_randomness, timestep_weights
+
+
+def chi_square(counts: np.ndarray, probabilities: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic of observed counts against probabilities, over the bins expected to hold at
+    least 5 draws, and its degrees of freedom."""
+    expected = probabilities * counts.sum()
+    kept = expected >= 5
+    return float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum()), int(kept.sum()) - 1
+
+
+def assert_fits(counts: np.ndarray, probabilities: np.ndarray) -> None:
+    """The counts are a sample of the probabilities: chi-square below its mean plus 6 standard deviations
+    (the draws are seeded, so this is no flaky bound; a wrong distribution lands far above it)."""
+    statistic, dof = chi_square(counts, probabilities)
+    assert statistic < dof + 6 * (2 * dof) ** 0.5, (statistic, dof)
+
+
+def drawn_timesteps(settings: NoiseSettings, samples: int, epoch: int = 0) -> np.ndarray:
+    """Each sample's timestep as training draws it: from its own (seed, epoch, sample) generator."""
+    latents = torch.zeros(samples, 4, 1, 1)
+    return draw_sample_randomness(latents, torch.arange(samples), 11, epoch, settings).timesteps.numpy()
+
+
+# --- timestep weights by hand ---------------------------------------------------------------------------
+
+
+def test_bias_weights_by_hand():
+    """diffusers' generate_timestep_weights: ones, the chosen slice times the multiplier, normalised."""
+    later = timestep_weights(NoiseSettings(0.0, timestep_bias_strategy="later", timestep_bias_multiplier=3.0, timestep_bias_portion=0.25))
+    expected = np.r_[np.ones(750), np.full(250, 3.0)] / (750 + 3 * 250)
+    np.testing.assert_allclose(later, expected, rtol=1e-12)
+
+    earlier = timestep_weights(NoiseSettings(0.0, timestep_bias_strategy="earlier", timestep_bias_multiplier=0.5, timestep_bias_portion=0.1))
+    np.testing.assert_allclose(earlier, np.r_[np.full(100, 0.5), np.ones(900)] / (50 + 900), rtol=1e-12)
+
+    # range [200, 300) with multiplier 0 inside a drawn [100, 400): only 100-199 and 300-399, equally.
+    hole = timestep_weights(NoiseSettings(0.0, min_timestep=100, max_timestep=400, timestep_bias_strategy="range",
+                                          timestep_bias_multiplier=0.0, timestep_bias_begin=200, timestep_bias_end=300))
+    expected = np.zeros(1000)
+    expected[100:200] = expected[300:400] = 1 / 200
+    np.testing.assert_allclose(hole, expected, rtol=1e-12)
+
+
+def test_logit_normal_weights_are_the_distribution_of_onetrainers_draw():
+    """OneTrainer's discrete LOGIT_NORMAL draws x ~ N(mean, std) and takes min + int(sigmoid(x) * (max - min));
+    timestep_weights must be that distribution exactly (here against 2 million of those draws)."""
+    settings = NoiseSettings(0.0, min_timestep=100, max_timestep=900, timestep_sampling="logit_normal", logit_mean=0.4, logit_std=1.3)
+    x = np.random.default_rng(0).normal(0.4, 1.3, 2_000_000)
+    onetrainer = 100 + (800 / (1 + np.exp(-x))).astype(np.int64)
+    weights = timestep_weights(settings)
+    assert weights[:100].sum() == 0 and weights[900:].sum() == 0
+    assert_fits(np.bincount(onetrainer, minlength=1000), weights)
+    # The median is sigmoid(mean) of the way through the range (not its middle): the mean moves the draws.
+    assert np.searchsorted(np.cumsum(weights), 0.5) == int(100 + 800 / (1 + np.exp(-0.4)))
+
+
+# --- the draws, sample by sample ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        NoiseSettings(0.0, timestep_bias_strategy="later", timestep_bias_multiplier=4.0, timestep_bias_portion=0.3),
+        NoiseSettings(0.0, timestep_sampling="logit_normal", logit_mean=-0.5, logit_std=0.8),
+        NoiseSettings(0.0, min_timestep=50, max_timestep=950, timestep_sampling="logit_normal", timestep_bias_strategy="range",
+                      timestep_bias_begin=400, timestep_bias_end=600, timestep_bias_multiplier=0.0),
+    ],
+    ids=["later", "logit_normal", "logit_normal_with_a_hole"],
+)
+def test_sampled_timesteps_follow_the_intended_distribution(settings):
+    """20000 samples' timesteps, each from its own generator, in 50 bins of 20 timesteps: a fit to the weights."""
+    drawn = drawn_timesteps(settings, 20_000)
+    weights = timestep_weights(settings)
+    assert weights[drawn].min() > 0  # nothing outside the support, e.g. the zero-multiplier hole
+    assert_fits(np.bincount(drawn // 20, minlength=50), weights.reshape(50, 20).sum(axis=1))
+
+
+def test_the_bias_changes_the_histogram_as_asked():
+    """'later' x4 on the last 30%: those 300 timesteps hold 4*300 / (700 + 4*300) = 63% of the draws."""
+    drawn = drawn_timesteps(NoiseSettings(0.0, timestep_bias_strategy="later", timestep_bias_multiplier=4.0, timestep_bias_portion=0.3), 10_000)
+    assert np.mean(drawn >= 700) == pytest.approx(1200 / 1900, abs=0.015)
+    uniform = drawn_timesteps(NoiseSettings(0.0), 10_000)
+    assert np.mean(uniform >= 700) == pytest.approx(0.3, abs=0.015)
+
+
+def test_timestep_draws_are_reproducible_per_seed_epoch_and_sample():
+    """A sample's timestep depends only on (seed, epoch, sample): the same in any batch, different next epoch."""
+    settings = NoiseSettings(0.0, timestep_sampling="logit_normal", timestep_bias_strategy="earlier", timestep_bias_multiplier=2.0)
+    together = drawn_timesteps(settings, 64)
+    alone = [draw_sample_randomness(torch.zeros(1, 4, 1, 1), torch.tensor([item]), 11, 0, settings).timesteps.item() for item in (5, 63, 0)]
+    assert alone == [together[5], together[63], together[0]]
+    assert not np.array_equal(drawn_timesteps(settings, 64, epoch=1), together)
+
+
+def test_plain_uniform_draws_are_those_of_earlier_versions():
+    """Without bias or logit-normal the timestep is still numpy's integers() draw, so a resume of a run
+    started before these options continues with the same noise and timesteps (and validation keeps its own)."""
+    generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([11, 0, 7])))
+    generator.standard_normal((4, 1, 1), dtype=np.float32)
+    assert drawn_timesteps(NoiseSettings(0.0, min_timestep=10, max_timestep=990), 8)[7] == generator.integers(10, 990, (1,), dtype=np.int64)[0]
+
+
+# --- configuration --------------------------------------------------------------------------------------
+
+
+def train_config(*flags: str):
+    from sdxl_FSDP_train import TrainConfig
+
+    return parse_config(TrainConfig, ["--cached_dataset_dirs", "c", *flags])
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--timestep_bias_strategy", "later", "--timestep_bias_multiplier", "-1"], "--timestep_bias_multiplier must be >= 0 and not 1"),
+        (["--timestep_bias_strategy", "later"], "--timestep_bias_multiplier must be >= 0 and not 1 (1 biases nothing)"),
+        (["--timestep_bias_strategy", "earlier", "--timestep_bias_multiplier", "2", "--timestep_bias_portion", "1.5"], "--timestep_bias_portion is a share"),
+        (["--timestep_bias_strategy", "range", "--timestep_bias_multiplier", "2", "--timestep_bias_begin", "600", "--timestep_bias_end", "500"],
+         "need 0 <= --timestep_bias_begin < --timestep_bias_end <= 1000"),
+        (["--timestep_bias_strategy", "later", "--timestep_bias_multiplier", "2", "--max_timestep", "700"],
+         "biases timesteps [750, 1000), which hold none of the drawn [0, 700)"),
+        (["--timestep_bias_strategy", "range", "--timestep_bias_multiplier", "0", "--timestep_bias_begin", "0", "--timestep_bias_end", "1000"],
+         "which hold all of the drawn [0, 1000)"),
+        (["--timestep_sampling", "logit_normal", "--logit_std", "0"], "--logit_std must be > 0"),
+        (["--logit_mean", "0.5"], "--logit_mean has no effect without --timestep_sampling logit_normal"),
+        (["--timestep_bias_portion", "0.5"], "--timestep_bias_portion has no effect without --timestep_bias_strategy earlier or later"),
+        (["--timestep_bias_strategy", "later", "--timestep_bias_multiplier", "2", "--timestep_bias_end", "900"],
+         "--timestep_bias_end has no effect without --timestep_bias_strategy range"),
+    ],
+)
+def test_config_rejects_timestep_options_that_contradict_or_do_nothing(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        train_config(*flags)
+    assert message in capsys.readouterr().err
+
+
+def test_config_hands_its_objective_options_to_the_draws():
+    config = train_config("--timestep_sampling", "logit_normal", "--logit_mean", "0.3", "--timestep_bias_strategy", "range",
+                          "--timestep_bias_multiplier", "0", "--timestep_bias_begin", "0", "--timestep_bias_end", "100")
+    settings = config.noise_settings()
+    assert (settings.timestep_sampling, settings.logit_mean, settings.timestep_bias_end) == ("logit_normal", 0.3, 100)
+    assert timestep_weights(settings)[:100].sum() == 0 and timestep_weights(settings)[100:].min() > 0
