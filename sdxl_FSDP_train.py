@@ -43,7 +43,7 @@ from sdxl_trainer.checkpoint import (
 from sdxl_trainer.checkpointer import Checkpointer, SavePolicy
 from sdxl_trainer.config import config_to_dict, option, parse_config, write_resolved_config
 from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, bucket_counts, small_buckets
-from sdxl_trainer.diffusion import NoiseSettings, TimestepBias, TimestepSampling, biased_timesteps, build_noise_scheduler, timestep_weights
+from sdxl_trainer.diffusion import HuberSchedule, LossType, NoiseSettings, TimestepBias, TimestepSampling, biased_timesteps, build_noise_scheduler, timestep_weights
 from sdxl_trainer.ema import ShardedEMA
 from sdxl_trainer.evaluation import Evaluator, PipelineSource, Schedule
 from sdxl_trainer.lr_schedule import LearningRateSchedule, ScheduleName
@@ -177,6 +177,19 @@ class TrainConfig:
     timestep_bias_begin: int = option(0, help="range: first biased timestep (inclusive)")
     timestep_bias_end: int = option(1000, help="range: end of the biased timesteps (exclusive, like diffusers' slice)")
     timestep_bias_portion: float = option(0.25, help="earlier / later: share (0-1) of the 1000 timesteps biased: the first or last int(portion * 1000)")
+    loss_type: LossType = option(
+        "l2",
+        help="elementwise loss of prediction - target d (kohya's --loss_type): l2 = d^2; l1 = |d|; huber = 2c(sqrt(d^2 + c^2) - c), "
+        "about d^2 below the threshold c and 2c|d| above, so outliers pull less; smooth_l1 = the same without the factor c "
+        "(about d^2/c, then 2|d|). Validation loss stays MSE whatever this is",
+    )
+    huber_schedule: HuberSchedule = option(
+        "snr",
+        help="huber / smooth_l1: the threshold c at timestep t (kohya's): constant = --huber_c; exponential = huber_c^(t/1000), "
+        "1 at t = 0 down to --huber_c; snr = (1 - huber_c) / (1 + sigma_t)^2 + huber_c, sigma_t = sqrt((1 - alpha_bar_t) / alpha_bar_t): "
+        "near 1 (MSE-like) at low noise, --huber_c at high noise",
+    )
+    huber_c: float = option(0.1, help="huber / smooth_l1: the threshold (constant) or the one reached at high noise (exponential, snr); > 0, at most 1 with a schedule")
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
         "auto", help="UNet compute precision over fp32 master weights (FSDP2's param dtype; torch.autocast on one process): auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, about 5x slower)"
     )
@@ -364,6 +377,8 @@ class TrainConfig:
                 )
             elif self.logit_std > 0 and not np.isfinite(timestep_weights(self.noise_settings())).all():
                 problems.append("no timestep is left to draw: the logit-normal weight outside the zero-multiplier bias is 0; widen --logit_std")
+        if not (self.huber_c > 0 and (self.huber_schedule == "constant" or self.huber_c <= 1)):
+            problems.append(f"--huber_c must be > 0, and at most 1 with --huber_schedule {self.huber_schedule} (it runs from 1 down to huber_c), got {self.huber_c}")
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
         needs = {  # option: (what it needs, whether that is on)
             "logit_mean": ("--timestep_sampling logit_normal", self.timestep_sampling == "logit_normal"),
@@ -372,6 +387,8 @@ class TrainConfig:
             "timestep_bias_portion": ("--timestep_bias_strategy earlier or later", strategy in ("earlier", "later")),
             "timestep_bias_begin": ("--timestep_bias_strategy range", strategy == "range"),
             "timestep_bias_end": ("--timestep_bias_strategy range", strategy == "range"),
+            "huber_schedule": ("--loss_type huber or smooth_l1", self.loss_type in ("huber", "smooth_l1")),
+            "huber_c": ("--loss_type huber or smooth_l1", self.loss_type in ("huber", "smooth_l1")),
         }
         for name, (needed, on) in needs.items():
             if not on and getattr(self, name) != defaults[name]:

@@ -14,10 +14,16 @@ Timesteps. Uniform in [min_timestep, max_timestep) by default. --timestep_sampli
 --timestep_bias_strategy instead give each of the 1000 timesteps a weight (timestep_weights) and a
 sample's timestep is the inverse CDF of one uniform draw, which is torch.multinomial's distribution
 (diffusers' SDXL example and SimpleTuner draw biased timesteps with it) from a generator of our own.
+
+Loss. Each sample's loss is an elementwise loss of prediction minus target (--loss_type: l2 = squared
+error, l1, or kohya's pseudo-Huber "huber" and "smooth_l1" with a threshold per timestep, see
+huber_thresholds) averaged over the latent, then weighted per sample: Min-SNR, then debiased
+estimation; the microbatch's loss is the mean over its samples.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +34,8 @@ from diffusers import DDPMScheduler
 PredictionType = Literal["epsilon", "v_prediction"]
 TimestepSampling = Literal["uniform", "logit_normal"]
 TimestepBias = Literal["none", "earlier", "later", "range"]
+LossType = Literal["l2", "l1", "huber", "smooth_l1"]
+HuberSchedule = Literal["constant", "exponential", "snr"]
 TRAIN_TIMESTEPS = 1000  # SDXL's training schedule (num_train_timesteps)
 
 
@@ -46,6 +54,9 @@ class NoiseSettings:
     timestep_bias_begin: int = 0  # range: [begin, end)
     timestep_bias_end: int = 1000
     timestep_bias_portion: float = 0.25  # earlier / later: the first / last int(portion * 1000) timesteps
+    loss_type: LossType = "l2"
+    huber_schedule: HuberSchedule = "snr"  # how huber / smooth_l1's threshold follows the timestep
+    huber_c: float = 0.1
 
 
 def build_noise_scheduler(base_model: str, prediction_type: PredictionType, zero_terminal_snr: bool) -> DDPMScheduler:
@@ -153,6 +164,47 @@ def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: Prediction
     return clipped / (snr + 1) if prediction_type == "v_prediction" else clipped / snr
 
 
+def huber_thresholds(noise_scheduler: DDPMScheduler, timesteps: torch.Tensor, settings: NoiseSettings) -> torch.Tensor:
+    """Each sample's pseudo-Huber threshold, as kohya's get_huber_threshold_if_needed (huber_scale 1):
+    constant: c; exponential: exp(-a t) with a = -ln(c) / 1000, i.e. c^(t/1000), from 1 at t = 0 down to c;
+    snr: (1 - c) / (1 + sigma_t)^2 + c with sigma_t = sqrt((1 - alpha_bar_t) / alpha_bar_t), near 1 at low
+    noise and c at high noise (c exactly at zero terminal SNR)."""
+    c = settings.huber_c
+    if settings.huber_schedule == "constant":
+        return torch.full(timesteps.shape, c, device=timesteps.device)
+    if settings.huber_schedule == "exponential":
+        return torch.exp(math.log(c) / noise_scheduler.config.num_train_timesteps * timesteps.double()).float()
+    alphas_cumprod = noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps].double()
+    sigmas = ((1 - alphas_cumprod) / alphas_cumprod).sqrt()
+    return ((1 - c) / (1 + sigmas) ** 2 + c).float()
+
+
+def elementwise_loss(difference: torch.Tensor, loss_type: LossType, thresholds: torch.Tensor | None) -> torch.Tensor:
+    """The loss of each element of prediction - target, as kohya's conditional_loss: l2 = d^2, l1 = |d|,
+    huber = 2c(sqrt(d^2 + c^2) - c) (about d^2 below c, 2c|d| above), smooth_l1 = 2(sqrt(d^2 + c^2) - c)
+    (about d^2 / c below c, 2|d| above), with the sample's threshold c (huber_thresholds)."""
+    if loss_type == "l2":
+        return difference.square()
+    if loss_type == "l1":
+        return difference.abs()
+    c = thresholds.view(-1, *([1] * (difference.ndim - 1)))
+    smooth = 2 * ((difference.square() + c.square()).sqrt() - c)
+    return c * smooth if loss_type == "huber" else smooth
+
+
+def sample_losses(
+    prediction: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor, noise_scheduler: DDPMScheduler, settings: NoiseSettings
+) -> torch.Tensor:
+    """Each sample's weighted loss (B,), fp32: --loss_type's elementwise loss averaged over the latent,
+    times its Min-SNR weight (kohya applies the weights in this order to the same per-sample means)."""
+    thresholds = huber_thresholds(noise_scheduler, timesteps, settings) if settings.loss_type in ("huber", "smooth_l1") else None
+    losses = elementwise_loss(prediction.float() - target, settings.loss_type, thresholds).mean(dim=(1, 2, 3))
+    prediction_type = noise_scheduler.config.prediction_type
+    if settings.min_snr_gamma:
+        losses = losses * min_snr_weights(signal_to_noise(noise_scheduler, timesteps), settings.min_snr_gamma, prediction_type)
+    return losses
+
+
 def condition_on_captions(
     batch: dict[str, torch.Tensor], drop_caption: torch.Tensor, empty_prompt: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +225,7 @@ def training_loss(
     epoch: int,
     settings: NoiseSettings,
 ) -> torch.Tensor:
-    """Mean (optionally Min-SNR-weighted) MSE of one microbatch against the scheduler's target (fp32)."""
+    """Mean loss of one microbatch against the scheduler's target (fp32; see sample_losses)."""
     latents = batch["latents"].float()
     randomness = draw_sample_randomness(latents, batch["sample_index"], run_seed, epoch, settings)
     prompt_embeds, pooled = condition_on_captions(batch, randomness.drop_caption, empty_prompt)
@@ -187,12 +239,8 @@ def training_loss(
         # of the ids (and of the int64 timesteps) then runs in fp32, as in kohya's and diffusers' training.
         added_cond_kwargs={"text_embeds": pooled, "time_ids": batch["time_ids"].round().long()},
     ).sample
-    prediction_type = noise_scheduler.config.prediction_type
-    if prediction_type == "v_prediction":
+    if noise_scheduler.config.prediction_type == "v_prediction":
         target = noise_scheduler.get_velocity(latents, randomness.noise, randomness.timesteps)
     else:
         target = randomness.noise
-    per_sample = (prediction.float() - target).square().mean(dim=(1, 2, 3))
-    if settings.min_snr_gamma:
-        per_sample = per_sample * min_snr_weights(signal_to_noise(noise_scheduler, randomness.timesteps), settings.min_snr_gamma, prediction_type)
-    return per_sample.mean()
+    return sample_losses(prediction, target, randomness.timesteps, noise_scheduler, settings).mean()

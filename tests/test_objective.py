@@ -1,15 +1,26 @@
 """The training objective's options, in this process: the timestep distributions (bias, logit-normal) as
-drawn, sample by sample, from the per-(seed, epoch, sample) generators; and the configuration checks of
-these options."""
+drawn, sample by sample, from the per-(seed, epoch, sample) generators; the loss types and Huber
+thresholds against hand computations (with v-prediction and Min-SNR) and their gradients; validation
+loss untouched by them; and the configuration checks of these options."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
 import torch
 
 from sdxl_trainer.config import parse_config
-from sdxl_trainer.diffusion import NoiseSettings, draw_sample_randomness, timestep_weights
+from sdxl_trainer.diffusion import (
+    NoiseSettings,
+    build_noise_scheduler,
+    draw_sample_randomness,
+    huber_thresholds,
+    sample_losses,
+    timestep_weights,
+    training_loss,
+)
 
 
 def chi_square(counts: np.ndarray, probabilities: np.ndarray) -> tuple[float, int]:
@@ -112,6 +123,139 @@ def test_plain_uniform_draws_are_those_of_earlier_versions():
     assert drawn_timesteps(NoiseSettings(0.0, min_timestep=10, max_timestep=990), 8)[7] == generator.integers(10, 990, (1,), dtype=np.int64)[0]
 
 
+# --- loss types -----------------------------------------------------------------------------------------
+
+
+class ConstantUNet(torch.nn.Module):
+    """Predicts 0.3 everywhere, so prediction - target spans both sides of a Huber threshold."""
+
+    def forward(self, sample, timestep, encoder_hidden_states, added_cond_kwargs):
+        return type("Output", (), {"sample": torch.full_like(sample, 0.3)})
+
+
+def objective_batch(samples: int = 4) -> dict[str, torch.Tensor]:
+    return {
+        "latents": torch.randn(samples, 4, 6, 5, generator=torch.Generator().manual_seed(2)),
+        "sample_index": torch.arange(10, 10 + samples),
+        "prompt_embeds": torch.zeros(samples, 77, 32),
+        "pooled_prompt_embeds": torch.zeros(samples, 32),
+        "time_ids": torch.zeros(samples, 6),
+    }
+
+
+def kohya_threshold(schedule: str, c: float, t: int, alpha_bar: float) -> float:
+    """kohya's get_huber_threshold_if_needed (library/train_util.py), one timestep, in plain floats."""
+    if schedule == "constant":
+        return c
+    if schedule == "exponential":
+        alpha = -math.log(c) / 1000
+        return math.exp(-alpha * t)
+    sigma = ((1.0 - alpha_bar) / alpha_bar) ** 0.5
+    return (1 - c) / (1 + sigma) ** 2 + c
+
+
+def hand_loss(d: np.ndarray, loss_type: str, c: float) -> float:
+    """kohya's conditional_loss of one sample, mean over its elements, in float64."""
+    if loss_type == "l2":
+        return float(np.mean(d**2))
+    if loss_type == "l1":
+        return float(np.mean(np.abs(d)))
+    smooth = 2 * (np.sqrt(d**2 + c**2) - c)
+    return float(np.mean(c * smooth if loss_type == "huber" else smooth))
+
+
+@pytest.fixture(scope="module")
+def schedulers(tiny_pipeline_dir):
+    return {kind: build_noise_scheduler(str(tiny_pipeline_dir), kind, zero_terminal_snr=False) for kind in ("epsilon", "v_prediction")}
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+@pytest.mark.parametrize(
+    "loss_type,schedule,min_snr_gamma",
+    [("l2", "snr", 0.0), ("l1", "snr", 5.0), ("huber", "constant", 0.0), ("huber", "exponential", 5.0), ("huber", "snr", 5.0), ("smooth_l1", "snr", 0.0),
+     ("smooth_l1", "exponential", 0.0)],
+)
+def test_loss_types_by_hand(schedulers, prediction_type, loss_type, schedule, min_snr_gamma):
+    """training_loss equals, per sample: the target by hand (noise, or v = sqrt(a) noise - sqrt(1 - a) x0),
+    kohya's threshold and elementwise loss, the mean, times min(SNR, gamma) / SNR (or / (SNR + 1) for v)."""
+    scheduler = schedulers[prediction_type]
+    batch = objective_batch()
+    settings = NoiseSettings(0.0, loss_type=loss_type, huber_schedule=schedule, huber_c=0.3, min_snr_gamma=min_snr_gamma)
+    loss = training_loss(ConstantUNet(), batch, scheduler, (torch.zeros(77, 32), torch.zeros(32)), 9, 2, settings)
+
+    randomness = draw_sample_randomness(batch["latents"], batch["sample_index"], 9, 2, settings)
+    expected = []
+    for sample in range(4):
+        t = int(randomness.timesteps[sample])
+        a = float(scheduler.alphas_cumprod[t])
+        noise, x0 = randomness.noise[sample].double().numpy(), batch["latents"][sample].double().numpy()
+        target = noise if prediction_type == "epsilon" else math.sqrt(a) * noise - math.sqrt(1 - a) * x0
+        value = hand_loss(0.3 - target, loss_type, kohya_threshold(schedule, 0.3, t, a))
+        if min_snr_gamma:
+            snr = a / (1 - a)
+            value *= min(snr, min_snr_gamma) / (snr + 1 if prediction_type == "v_prediction" else snr)
+        expected.append(value)
+    assert loss.item() == pytest.approx(np.mean(expected), rel=1e-5)
+
+
+def test_huber_thresholds_follow_kohyas_schedules(schedulers):
+    scheduler = schedulers["epsilon"]
+    timesteps = torch.tensor([0, 250, 500, 999])
+    for schedule in ("constant", "exponential", "snr"):
+        got = huber_thresholds(scheduler, timesteps, NoiseSettings(0.0, loss_type="huber", huber_schedule=schedule, huber_c=0.1))
+        hand = [kohya_threshold(schedule, 0.1, t, float(scheduler.alphas_cumprod[t])) for t in timesteps.tolist()]
+        assert got.tolist() == pytest.approx(hand, rel=1e-6)
+    exponential = huber_thresholds(scheduler, timesteps, NoiseSettings(0.0, huber_schedule="exponential", huber_c=0.1))
+    assert exponential[0].item() == 1.0 and exponential[2].item() == pytest.approx(0.1**0.5)  # 1 at t = 0, c^(t/1000)
+    snr = huber_thresholds(scheduler, timesteps, NoiseSettings(0.0, huber_schedule="snr", huber_c=0.1))
+    assert 0.9 < snr[0].item() and snr[-1].item() < 0.11 and bool((snr.diff() < 0).all())  # MSE-like at low noise, c at high
+
+
+def test_huber_bounds_an_outliers_gradient_where_l2_does_not(schedulers):
+    """One element 100 off: its gradient is 2d/N under l2 but under huber 2c d / sqrt(d^2 + c^2) / N, at most 2c/N;
+    an element far inside the threshold gets (nearly) the l2 gradient."""
+    target = torch.zeros(1, 4, 4, 4)
+    n = target.numel()
+    for loss_type, outlier_gradient, small_gradient in (("l2", 200 / n, 2e-3 / n), ("huber", 2 * 0.5 * 100 / math.hypot(100, 0.5) / n, 2e-3 / n)):
+        prediction = torch.full((1, 4, 4, 4), 1e-3)
+        prediction[0, 0, 0, 0] = 100.0
+        prediction.requires_grad_(True)
+        settings = NoiseSettings(0.0, loss_type=loss_type, huber_schedule="constant", huber_c=0.5)
+        sample_losses(prediction, target, torch.tensor([500]), schedulers["epsilon"], settings).sum().backward()
+        assert prediction.grad[0, 0, 0, 0].item() == pytest.approx(outlier_gradient, rel=1e-5)
+        assert prediction.grad[0, 1, 1, 1].item() == pytest.approx(small_gradient, rel=1e-4)
+
+
+def test_validation_loss_keeps_its_fixed_timesteps_and_plain_mse(sample_cache_dir, schedulers):
+    """Whatever the training options, val/loss is MSE at the fixed, stratified uniform timesteps of each
+    held-out item (its own generator under the validation key): here recomputed item by item."""
+    from sdxl_trainer.data import CachedDataset, collate
+    from sdxl_trainer.validation import TIMESTEP_RANGES, VALIDATION_LOSS_KEY, loss_batches, validation_loss
+
+    class RecordingUNet(ConstantUNet):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def forward(self, sample, timestep, encoder_hidden_states, added_cond_kwargs):
+            self.seen.append(timestep.clone())
+            return super().forward(sample, timestep, encoder_hidden_states, added_cond_kwargs)
+
+    dataset = CachedDataset([sample_cache_dir])
+    items = np.arange(min(len(dataset), 9))
+    unet = RecordingUNet()
+    result = validation_loss(unet, dataset, items, schedulers["epsilon"], seed=4, device=torch.device("cpu"), batch_size=2)
+    squares, seen = [], []
+    for range_index, batch_items in loss_batches(items, dataset.bucket_ids(), 2):
+        low, high = TIMESTEP_RANGES[range_index]
+        latents = collate([dataset[int(item)] for item in batch_items])["latents"].float()
+        drawn = draw_sample_randomness(latents, torch.from_numpy(batch_items), 4, VALIDATION_LOSS_KEY, NoiseSettings(0.0, min_timestep=low, max_timestep=high))
+        seen.append(drawn.timesteps)
+        squares += (0.3 - drawn.noise).square().mean(dim=(1, 2, 3)).tolist()
+    assert torch.equal(torch.cat(unet.seen), torch.cat(seen))
+    assert result["val/loss"] == pytest.approx(np.mean(squares), rel=1e-5)
+
+
 # --- configuration --------------------------------------------------------------------------------------
 
 
@@ -138,6 +282,9 @@ def train_config(*flags: str):
         (["--timestep_bias_portion", "0.5"], "--timestep_bias_portion has no effect without --timestep_bias_strategy earlier or later"),
         (["--timestep_bias_strategy", "later", "--timestep_bias_multiplier", "2", "--timestep_bias_end", "900"],
          "--timestep_bias_end has no effect without --timestep_bias_strategy range"),
+        (["--loss_type", "huber", "--huber_c", "0"], "--huber_c must be > 0"),
+        (["--loss_type", "huber", "--huber_c", "2"], "at most 1 with --huber_schedule snr"),
+        (["--huber_schedule", "constant"], "--huber_schedule has no effect without --loss_type huber or smooth_l1"),
     ],
 )
 def test_config_rejects_timestep_options_that_contradict_or_do_nothing(flags, message, capsys):
