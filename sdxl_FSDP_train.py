@@ -155,6 +155,17 @@ class TrainConfig:
     )
     min_snr_gamma: float = option(0.0, help="Min-SNR loss weighting gamma (5 is the paper's value); 0 = off")
     noise_offset: float = option(0.0, help="std of a per-channel offset added to the noise (0.03-0.1 helps very dark/bright images); 0 = off")
+    noise_offset_random_strength: bool = option(
+        False, help="draw each sample's offset std uniformly from [0, --noise_offset) (kohya's flag; drawn per sample here, per batch there)"
+    )
+    ip_noise_gamma: float = option(
+        0.0,
+        help="input perturbation (Ning et al. 2023; kohya's flag): the UNet's input is noised with noise + gamma * a second noise while "
+        "the target keeps the first, against exposure bias; about 0.1 is the usual value; 0 = off",
+    )
+    ip_noise_gamma_random_strength: bool = option(
+        False, help="draw each sample's gamma uniformly from [0, --ip_noise_gamma) (kohya's flag; drawn per sample here, per batch there)"
+    )
     min_timestep: int = option(0, help="smallest training timestep drawn (inclusive)")
     max_timestep: int = option(1000, help="training timesteps are drawn below this (exclusive); SDXL has 1000")
     timestep_sampling: TimestepSampling = option(
@@ -190,6 +201,11 @@ class TrainConfig:
         "near 1 (MSE-like) at low noise, --huber_c at high noise",
     )
     huber_c: float = option(0.1, help="huber / smooth_l1: the threshold (constant) or the one reached at high noise (exponential, snr); > 0, at most 1 with a schedule")
+    debiased_estimation_loss: bool = option(
+        False,
+        help="weight each sample's loss by 1/sqrt(SNR) (epsilon) or 1/(SNR + 1) (v-prediction), SNR capped at 1000: kohya's "
+        "--debiased_estimation_loss (Yu et al. 2023), which evens out how much each timestep is learned; after Min-SNR if both are on",
+    )
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
         "auto", help="UNet compute precision over fp32 master weights (FSDP2's param dtype; torch.autocast on one process): auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, about 5x slower)"
     )
@@ -305,8 +321,8 @@ class TrainConfig:
             problems.append("--max_consecutive_skipped_updates must be at least 1")
         if not 0 < self.ema_decay < 1:
             problems.append(f"--ema_decay must be between 0 and 1 (typically 0.999-0.9999), got {self.ema_decay}")
-        if self.min_snr_gamma < 0 or self.noise_offset < 0:
-            problems.append("--min_snr_gamma and --noise_offset must be >= 0 (0 turns them off)")
+        if self.min_snr_gamma < 0 or self.noise_offset < 0 or self.ip_noise_gamma < 0:
+            problems.append("--min_snr_gamma, --noise_offset and --ip_noise_gamma must be >= 0 (0 turns them off)")
         if not 0 <= self.min_timestep < self.max_timestep <= 1000:
             problems.append(f"need 0 <= --min_timestep < --max_timestep <= 1000, got {self.min_timestep} and {self.max_timestep}")
         if not self.encode_captions_each_step:
@@ -381,6 +397,8 @@ class TrainConfig:
             problems.append(f"--huber_c must be > 0, and at most 1 with --huber_schedule {self.huber_schedule} (it runs from 1 down to huber_c), got {self.huber_c}")
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
         needs = {  # option: (what it needs, whether that is on)
+            "noise_offset_random_strength": ("--noise_offset", self.noise_offset > 0),
+            "ip_noise_gamma_random_strength": ("--ip_noise_gamma", self.ip_noise_gamma > 0),
             "logit_mean": ("--timestep_sampling logit_normal", self.timestep_sampling == "logit_normal"),
             "logit_std": ("--timestep_sampling logit_normal", self.timestep_sampling == "logit_normal"),
             "timestep_bias_multiplier": ("a --timestep_bias_strategy", strategy != "none"),

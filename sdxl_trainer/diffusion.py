@@ -15,6 +15,13 @@ Timesteps. Uniform in [min_timestep, max_timestep) by default. --timestep_sampli
 sample's timestep is the inverse CDF of one uniform draw, which is torch.multinomial's distribution
 (diffusers' SDXL example and SimpleTuner draw biased timesteps with it) from a generator of our own.
 
+Noise. Each sample's noise, the target's, may carry a per-channel offset (--noise_offset, Guttenberg
+2023) whose strength can itself be drawn (--noise_offset_random_strength, kohya's flag). Input
+perturbation (--ip_noise_gamma; Ning et al. 2023, "Input Perturbation Reduces Exposure Bias in Diffusion
+Models") noises the UNet's input with that noise plus gamma times a second draw, while the target keeps
+the first: kohya's noise + strength * randn_like, optionally with a drawn strength. kohya draws the two
+random strengths once per batch; here each sample draws its own, so they too follow (seed, epoch, sample).
+
 Loss. Each sample's loss is an elementwise loss of prediction minus target (--loss_type: l2 = squared
 error, l1, or kohya's pseudo-Huber "huber" and "smooth_l1" with a threshold per timestep, see
 huber_thresholds) averaged over the latent, then weighted per sample: Min-SNR, then debiased
@@ -43,6 +50,9 @@ TRAIN_TIMESTEPS = 1000  # SDXL's training schedule (num_train_timesteps)
 class NoiseSettings:
     conditional_dropout_percent: float  # share of samples (0-1) trained with the empty caption
     noise_offset: float = 0.0  # std of a per-channel constant added to the noise (0 = off)
+    noise_offset_random_strength: bool = False  # each sample's offset std drawn from U(0, noise_offset)
+    ip_noise_gamma: float = 0.0  # input perturbation: the UNet's input gets noise + gamma * more noise (0 = off)
+    ip_noise_gamma_random_strength: bool = False  # each sample's gamma drawn from U(0, ip_noise_gamma)
     min_snr_gamma: float = 0.0  # Min-SNR loss weighting (Hang et al. 2023); 0 = off
     min_timestep: int = 0  # timesteps are drawn from [min_timestep, max_timestep)
     max_timestep: int = 1000
@@ -57,6 +67,7 @@ class NoiseSettings:
     loss_type: LossType = "l2"
     huber_schedule: HuberSchedule = "snr"  # how huber / smooth_l1's threshold follows the timestep
     huber_c: float = 0.1
+    debiased_estimation_loss: bool = False  # weight each sample's loss by 1/sqrt(SNR) (epsilon) or 1/(SNR+1) (v)
 
 
 def build_noise_scheduler(base_model: str, prediction_type: PredictionType, zero_terminal_snr: bool) -> DDPMScheduler:
@@ -129,27 +140,42 @@ def sample_seed(run_seed: int, key: int, item_index: int) -> int:
 
 @dataclass
 class SampleRandomness:
-    noise: torch.Tensor  # like the latents
+    noise: torch.Tensor  # like the latents: the noise the target is made of
     timesteps: torch.Tensor  # (B,) int64
     drop_caption: torch.Tensor  # (B,) bool
+    input_noise: torch.Tensor  # the noise in the UNet's input: `noise`, plus the input perturbation where on
 
 
 def draw_sample_randomness(latents: torch.Tensor, sample_indices: torch.Tensor, run_seed: int, epoch: int, settings: NoiseSettings) -> SampleRandomness:
-    """Noise, timestep and caption dropout of each sample, drawn on the CPU from the sample's own generator."""
-    noises, timesteps, drop = [], [], []
-    channels = latents.shape[1]
+    """Noise, timestep, caption dropout and input noise of each sample, drawn on the CPU from the sample's
+    own generator, in that order; each option's draws follow only while it is on."""
+    noises, timesteps, drop, input_noises = [], [], [], []
+    shape, channels = tuple(latents.shape[1:]), latents.shape[1]
     cdf = timestep_cdf(settings)
     for sample_index in sample_indices.tolist():
         generator = sample_generator(run_seed, epoch, sample_index)
-        noise = torch.from_numpy(generator.standard_normal(tuple(latents.shape[1:]), dtype=np.float32))
+        noise = torch.from_numpy(generator.standard_normal(shape, dtype=np.float32))
         timesteps.append(torch.from_numpy(draw_timestep(generator, settings, cdf)))
         drop.append(torch.from_numpy(generator.random(1) < settings.conditional_dropout_percent))
         if settings.noise_offset:
             # A shift of each channel's mean lets the model learn very dark or bright images (Guttenberg 2023).
-            noise = noise + settings.noise_offset * torch.from_numpy(generator.standard_normal((channels, 1, 1), dtype=np.float32))
+            offsets = torch.from_numpy(generator.standard_normal((channels, 1, 1), dtype=np.float32))
+            noise = noise + drawn_strength(generator, settings.noise_offset, settings.noise_offset_random_strength) * offsets
         noises.append(noise)
+        input_noise = noise
+        if settings.ip_noise_gamma:
+            perturbation = torch.from_numpy(generator.standard_normal(shape, dtype=np.float32))
+            input_noise = noise + drawn_strength(generator, settings.ip_noise_gamma, settings.ip_noise_gamma_random_strength) * perturbation
+        input_noises.append(input_noise)
     device = latents.device
-    return SampleRandomness(torch.stack(noises).to(device), torch.cat(timesteps).to(device), torch.cat(drop).to(device))
+    return SampleRandomness(
+        torch.stack(noises).to(device), torch.cat(timesteps).to(device), torch.cat(drop).to(device), torch.stack(input_noises).to(device)
+    )
+
+
+def drawn_strength(generator: np.random.Generator, strength: float, at_random: bool) -> float:
+    """`strength`, or with `at_random` strength * U(0, 1) from the sample's generator (kohya's torch.rand(1) * strength)."""
+    return strength * float(generator.random()) if at_random else strength
 
 
 def signal_to_noise(noise_scheduler: DDPMScheduler, timesteps: torch.Tensor) -> torch.Tensor:
@@ -162,6 +188,14 @@ def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: Prediction
     The v form stays finite at SNR 0 (zero terminal SNR)."""
     clipped = torch.clamp(snr, max=gamma)
     return clipped / (snr + 1) if prediction_type == "v_prediction" else clipped / snr
+
+
+def debiased_weights(snr: torch.Tensor, prediction_type: PredictionType) -> torch.Tensor:
+    """Per-sample loss weights of debiased estimation (Yu et al. 2023, "Debias the Training of Diffusion
+    Models") as kohya's apply_debiased_estimation: 1/sqrt(SNR) for epsilon, 1/(SNR + 1) for v, with SNR
+    capped at 1000 (timestep 0 of SDXL's schedule has about 1175). Finite at SNR 0 for v."""
+    snr = torch.clamp(snr, max=1000)
+    return 1 / (snr + 1) if prediction_type == "v_prediction" else snr.rsqrt()
 
 
 def huber_thresholds(noise_scheduler: DDPMScheduler, timesteps: torch.Tensor, settings: NoiseSettings) -> torch.Tensor:
@@ -196,12 +230,15 @@ def sample_losses(
     prediction: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor, noise_scheduler: DDPMScheduler, settings: NoiseSettings
 ) -> torch.Tensor:
     """Each sample's weighted loss (B,), fp32: --loss_type's elementwise loss averaged over the latent,
-    times its Min-SNR weight (kohya applies the weights in this order to the same per-sample means)."""
+    times its Min-SNR weight, times its debiased-estimation weight (kohya applies them in this order to
+    the same per-sample means)."""
     thresholds = huber_thresholds(noise_scheduler, timesteps, settings) if settings.loss_type in ("huber", "smooth_l1") else None
     losses = elementwise_loss(prediction.float() - target, settings.loss_type, thresholds).mean(dim=(1, 2, 3))
     prediction_type = noise_scheduler.config.prediction_type
     if settings.min_snr_gamma:
         losses = losses * min_snr_weights(signal_to_noise(noise_scheduler, timesteps), settings.min_snr_gamma, prediction_type)
+    if settings.debiased_estimation_loss:
+        losses = losses * debiased_weights(signal_to_noise(noise_scheduler, timesteps), prediction_type)
     return losses
 
 
@@ -229,7 +266,7 @@ def training_loss(
     latents = batch["latents"].float()
     randomness = draw_sample_randomness(latents, batch["sample_index"], run_seed, epoch, settings)
     prompt_embeds, pooled = condition_on_captions(batch, randomness.drop_caption, empty_prompt)
-    noisy_latents = noise_scheduler.add_noise(latents, randomness.noise, randomness.timesteps)
+    noisy_latents = noise_scheduler.add_noise(latents, randomness.input_noise, randomness.timesteps)
     prediction = unet(
         noisy_latents,
         randomness.timesteps,

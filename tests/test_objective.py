@@ -1,7 +1,8 @@
 """The training objective's options, in this process: the timestep distributions (bias, logit-normal) as
 drawn, sample by sample, from the per-(seed, epoch, sample) generators; the loss types and Huber
-thresholds against hand computations (with v-prediction and Min-SNR) and their gradients; validation
-loss untouched by them; and the configuration checks of these options."""
+thresholds against hand computations (with v-prediction and Min-SNR) and their gradients; debiased
+estimation's weights; input perturbation and random noise-offset strength replayed draw by draw from the
+sample's generator; validation loss untouched by them; and the configuration checks of these options."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from sdxl_trainer.diffusion import (
     NoiseSettings,
     build_noise_scheduler,
     draw_sample_randomness,
+    sample_generator,
     huber_thresholds,
     sample_losses,
     timestep_weights,
@@ -256,6 +258,118 @@ def test_validation_loss_keeps_its_fixed_timesteps_and_plain_mse(sample_cache_di
     assert result["val/loss"] == pytest.approx(np.mean(squares), rel=1e-5)
 
 
+# --- debiased estimation --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_debiased_estimation_weights_by_hand(schedulers, prediction_type):
+    """kohya's apply_debiased_estimation after Min-SNR: 1/sqrt(min(SNR, 1000)) for epsilon, 1/(min(SNR, 1000) + 1)
+    for v; timestep 0 (SNR about 1175 in SDXL's schedule) meets the cap."""
+    scheduler = schedulers[prediction_type]
+    timesteps = torch.tensor([0, 40, 500, 999])
+    prediction, target = torch.full((4, 4, 3, 3), 0.5), torch.zeros(4, 4, 3, 3)  # l2 = 0.25 per sample
+    settings = NoiseSettings(0.0, debiased_estimation_loss=True, min_snr_gamma=5.0)
+    got = sample_losses(prediction, target, timesteps, scheduler, settings)
+    expected = []
+    for t in timesteps.tolist():
+        a = float(scheduler.alphas_cumprod[t])
+        snr = a / (1 - a)
+        min_snr = min(snr, 5.0) / (snr + 1 if prediction_type == "v_prediction" else snr)
+        capped = min(snr, 1000.0)
+        debiased = 1 / (capped + 1) if prediction_type == "v_prediction" else 1 / math.sqrt(capped)
+        expected.append(0.25 * min_snr * debiased)
+    assert float(scheduler.alphas_cumprod[0] / (1 - scheduler.alphas_cumprod[0])) > 1000
+    assert got.tolist() == pytest.approx(expected, rel=1e-5)
+    plain = sample_losses(prediction, target, timesteps, scheduler, NoiseSettings(0.0, debiased_estimation_loss=True))
+    assert bool((plain.diff() > 0).all())  # noisier timesteps weigh more
+
+
+# --- input perturbation and random strengths -------------------------------------------------------------
+
+
+def replayed_draws(seed: int, epoch: int, sample: int, shape: tuple, offset: float, offset_random: bool, gamma: float, gamma_random: bool):
+    """One sample's draws, replayed by hand from its generator in the documented order: noise, timestep,
+    caption dropout, offset (per-channel normals, then its strength), perturbation (normals, then its strength)."""
+    generator = sample_generator(seed, epoch, sample)
+    noise = generator.standard_normal(shape, dtype=np.float32)
+    timestep = generator.integers(0, 1000, (1,), dtype=np.int64)
+    generator.random(1)
+    offsets = generator.standard_normal((shape[0], 1, 1), dtype=np.float32)
+    noise = noise + np.float32(offset * (generator.random() if offset_random else 1.0)) * offsets
+    perturbation = generator.standard_normal(shape, dtype=np.float32)
+    input_noise = noise + np.float32(gamma * (generator.random() if gamma_random else 1.0)) * perturbation
+    return noise, timestep, input_noise
+
+
+@pytest.mark.parametrize("offset_random,gamma_random", [(False, False), (True, True)])
+def test_noise_offset_and_input_perturbation_by_hand(offset_random, gamma_random):
+    settings = NoiseSettings(0.0, noise_offset=0.1, noise_offset_random_strength=offset_random, ip_noise_gamma=0.2, ip_noise_gamma_random_strength=gamma_random)
+    latents = torch.zeros(3, 4, 5, 6)
+    drawn = draw_sample_randomness(latents, torch.tensor([7, 2, 30]), 5, 3, settings)
+    for row, sample in enumerate((7, 2, 30)):
+        noise, timestep, input_noise = replayed_draws(5, 3, sample, (4, 5, 6), 0.1, offset_random, 0.2, gamma_random)
+        torch.testing.assert_close(drawn.noise[row], torch.from_numpy(noise), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(drawn.input_noise[row], torch.from_numpy(input_noise), rtol=1e-6, atol=1e-6)
+        assert drawn.timesteps[row].item() == timestep[0]
+
+
+def test_random_strengths_are_uniform_per_sample():
+    """With random strength each sample's offset std and gamma are U(0, max): the input perturbation's
+    per-sample std over gamma spreads evenly over (0, 1), and the mean size of the offsets halves."""
+    samples = 400
+    latents = torch.zeros(samples, 4, 16, 16)
+    items = torch.arange(samples)
+    fixed = draw_sample_randomness(latents, items, 1, 0, NoiseSettings(0.0, noise_offset=0.1, ip_noise_gamma=0.2))
+    drawn = draw_sample_randomness(latents, items, 1, 0, NoiseSettings(0.0, noise_offset=0.1, noise_offset_random_strength=True,
+                                                                         ip_noise_gamma=0.2, ip_noise_gamma_random_strength=True))
+    assert torch.allclose((fixed.input_noise - fixed.noise).std(dim=(1, 2, 3)), torch.tensor(0.2), rtol=0.15)
+    strengths = np.sort(((drawn.input_noise - drawn.noise).std(dim=(1, 2, 3)) / 0.2).numpy())
+    assert np.abs(strengths - (np.arange(samples) + 0.5) / samples).max() < 0.1  # the quantiles of U(0, 1)
+    plain = draw_sample_randomness(latents, items, 1, 0, NoiseSettings(0.0))
+    fixed_size = (fixed.noise - plain.noise).abs().mean().item()
+    random_size = (drawn.noise - plain.noise).abs().mean().item()
+    assert random_size / fixed_size == pytest.approx(0.5, abs=0.06)
+
+
+def test_input_perturbation_noises_the_input_and_leaves_the_target(schedulers):
+    """The UNet sees sqrt(a) x0 + sqrt(1 - a) (noise + gamma * perturbation); the loss is against the noise."""
+    scheduler = schedulers["epsilon"]
+    seen = []
+
+    class InputRecordingUNet(torch.nn.Module):
+        def forward(self, sample, timestep, encoder_hidden_states, added_cond_kwargs):
+            seen.append(sample.clone())
+            return type("Output", (), {"sample": torch.zeros_like(sample)})
+
+    batch = objective_batch()
+    settings = NoiseSettings(0.0, ip_noise_gamma=0.5)
+    loss = training_loss(InputRecordingUNet(), batch, scheduler, (torch.zeros(77, 32), torch.zeros(32)), 9, 2, settings)
+    drawn = draw_sample_randomness(batch["latents"], batch["sample_index"], 9, 2, settings)
+    a = scheduler.alphas_cumprod[drawn.timesteps].view(-1, 1, 1, 1)
+    torch.testing.assert_close(seen[0], a.sqrt() * batch["latents"] + (1 - a).sqrt() * drawn.input_noise, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(drawn.input_noise, drawn.noise)
+    assert loss.item() == pytest.approx(drawn.noise.square().mean().item(), rel=1e-5)
+
+
+def test_every_draw_is_reproducible_per_seed_epoch_and_sample_and_options_leave_earlier_draws_alone():
+    """Alone or in a batch, in any order, a sample draws the same; another epoch draws anew; turning on
+    input perturbation or random strengths leaves the noise, timestep and caption dropout as they were."""
+    everything = NoiseSettings(0.5, noise_offset=0.1, noise_offset_random_strength=True, ip_noise_gamma=0.1, ip_noise_gamma_random_strength=True,
+                               timestep_sampling="logit_normal", timestep_bias_strategy="later", timestep_bias_multiplier=2.0)
+    latents = torch.zeros(6, 4, 3, 3)
+    batch = draw_sample_randomness(latents, torch.tensor([0, 1, 2, 3, 4, 5]), 8, 1, everything)
+    reversed_order = draw_sample_randomness(latents, torch.tensor([5, 4, 3, 2, 1, 0]), 8, 1, everything)
+    alone = draw_sample_randomness(latents[:1], torch.tensor([3]), 8, 1, everything)
+    for field in ("noise", "timesteps", "drop_caption", "input_noise"):
+        assert torch.equal(getattr(batch, field), getattr(reversed_order, field).flip(0))
+        assert torch.equal(getattr(batch, field)[3:4], getattr(alone, field))
+    assert not torch.equal(draw_sample_randomness(latents, torch.arange(6), 8, 2, everything).input_noise, batch.input_noise)
+    without = draw_sample_randomness(latents, torch.arange(6), 8, 1, NoiseSettings(0.5, noise_offset=0.1, timestep_sampling="logit_normal",
+                                                                                 timestep_bias_strategy="later", timestep_bias_multiplier=2.0))
+    assert torch.equal(without.timesteps, batch.timesteps) and torch.equal(without.drop_caption, batch.drop_caption)
+    assert torch.equal(without.input_noise, without.noise)
+
+
 # --- configuration --------------------------------------------------------------------------------------
 
 
@@ -285,6 +399,9 @@ def train_config(*flags: str):
         (["--loss_type", "huber", "--huber_c", "0"], "--huber_c must be > 0"),
         (["--loss_type", "huber", "--huber_c", "2"], "at most 1 with --huber_schedule snr"),
         (["--huber_schedule", "constant"], "--huber_schedule has no effect without --loss_type huber or smooth_l1"),
+        (["--ip_noise_gamma", "-0.1"], "--ip_noise_gamma must be >= 0"),
+        (["--ip_noise_gamma_random_strength"], "--ip_noise_gamma_random_strength has no effect without --ip_noise_gamma"),
+        (["--noise_offset_random_strength"], "--noise_offset_random_strength has no effect without --noise_offset"),
     ],
 )
 def test_config_rejects_timestep_options_that_contradict_or_do_nothing(flags, message, capsys):
