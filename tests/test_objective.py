@@ -284,6 +284,20 @@ def test_debiased_estimation_weights_by_hand(schedulers, prediction_type):
     assert bool((plain.diff() > 0).all())  # noisier timesteps weigh more
 
 
+def test_weights_and_thresholds_stay_finite_at_zero_terminal_snr(tiny_pipeline_dir):
+    """At SNR 0 (the last timestep with --zero_terminal_snr, v-prediction) the debiased weight is 1/(0 + 1) = 1,
+    Min-SNR's (about) 0, and the snr schedule's Huber threshold c itself (sigma is (about) infinite)."""
+    scheduler = build_noise_scheduler(str(tiny_pipeline_dir), "v_prediction", zero_terminal_snr=True)
+    timesteps = torch.tensor([999])
+    settings = NoiseSettings(0.0, loss_type="huber", huber_schedule="snr", huber_c=0.1, debiased_estimation_loss=True)
+    assert huber_thresholds(scheduler, timesteps, settings).item() == pytest.approx(0.1, abs=1e-6)
+    loss = sample_losses(torch.full((1, 4, 2, 2), 0.5), torch.zeros(1, 4, 2, 2), timesteps, scheduler, settings)
+    assert loss.item() == pytest.approx(0.2 * (math.sqrt(0.25 + 0.01) - 0.1), rel=1e-5)  # weight 1
+    with_min_snr = sample_losses(torch.full((1, 4, 2, 2), 0.5), torch.zeros(1, 4, 2, 2), timesteps, scheduler,
+                                 NoiseSettings(0.0, loss_type="huber", debiased_estimation_loss=True, min_snr_gamma=5.0))
+    assert torch.isfinite(with_min_snr).all() and with_min_snr.item() < 1e-5
+
+
 # --- input perturbation and random strengths -------------------------------------------------------------
 
 
