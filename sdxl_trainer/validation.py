@@ -6,8 +6,9 @@ item's own generator (diffusion.sample_seed with a validation key in place of th
 validations only the model changes. Timesteps are stratified: the items, in a fixed order, take the
 ranges [0, 333), [333, 667), [667, 1000) in turn, so every range gets a third of them and its own mean
 (`val/loss_t0-333` is the low-noise end: fine detail; `val/loss_t667-1000` the high-noise end: layout and
-colour). No caption dropout, no noise offset, no Min-SNR weighting: plain MSE against the model's target,
-the same number whatever the training options. Batches (one bucket and one range each) are spread over the
+colour). No caption dropout, no noise offset, no Min-SNR weighting, no timestep bias or logit-normal
+sampling: plain MSE against the model's target whatever --loss_type trains with, so val/loss is the same
+number whatever the training options and runs that differ in them can be compared. Batches (one bucket and one range each) are spread over the
 ranks; ranks with fewer batches repeat one with weight 0, since with FSDP every forward is a collective.
 The per-range sums and counts are added up in one all_reduce.
 

@@ -1,9 +1,11 @@
-"""Stop and resume is invisible: for every learning-rate schedule, with warm-up, "k updates, stop, resume,
-N-k updates" on 2 processes equals "N updates straight" bitwise (weights, learning rate and loss of every
-update); a --learning_rate changed on resume applies from the next update; the schedules are diffusers'."""
+"""Stop and resume is invisible: for every learning-rate schedule, with warm-up (and on the constant one
+with every timestep-sampling and loss option), "k updates, stop, resume, N-k updates" on 2 processes
+equals "N updates straight" bitwise (weights, learning rate and loss of every update); a --learning_rate
+changed on resume applies from the next update; the schedules are diffusers'."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -45,11 +47,28 @@ def exported_unet(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors")
 
 
-@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
-def test_resume_equals_the_uninterrupted_run(tmp_path, sample_cache_dir, tiny_pipeline_dir, schedule):
-    straight = train(tmp_path / "straight", sample_cache_dir, tiny_pipeline_dir, schedule)
+# Biased logit-normal timesteps, pseudo-Huber loss with Min-SNR and debiased estimation, input perturbation and
+# a noise offset, both at random strengths: every draw follows (seed, epoch, sample), so resume stays bitwise.
+# They ride on the constant schedule's run rather than costing two more.
+OBJECTIVE_OPTIONS = (
+    "--timestep_sampling", "logit_normal", "--logit_mean", "0.3", "--timestep_bias_strategy", "later", "--timestep_bias_multiplier", "2",
+    "--loss_type", "huber", "--huber_schedule", "snr", "--min_snr_gamma", "5", "--debiased_estimation_loss",
+    "--ip_noise_gamma", "0.1", "--ip_noise_gamma_random_strength", "--noise_offset", "0.05", "--noise_offset_random_strength",
+)
+
+
+@pytest.mark.parametrize(
+    "schedule,options",
+    [(schedule, OBJECTIVE_OPTIONS if schedule == "constant" else ()) for schedule in SCHEDULE_NAMES],
+    ids=[f"{schedule}-with-every-objective-option" if schedule == "constant" else schedule for schedule in SCHEDULE_NAMES],
+)
+def test_resume_equals_the_uninterrupted_run(tmp_path, sample_cache_dir, tiny_pipeline_dir, schedule, options):
+    straight = train(tmp_path / "straight", sample_cache_dir, tiny_pipeline_dir, schedule, *options)
     resumed_copy(straight, tmp_path / "resumed")
-    resumed = train(tmp_path / "resumed", sample_cache_dir, tiny_pipeline_dir, schedule, "--load_saved_state", "latest")
+    resumed = train(tmp_path / "resumed", sample_cache_dir, tiny_pipeline_dir, schedule, *options, "--load_saved_state", "latest")
+    if options:
+        config = json.loads((straight / "config.json").read_text())
+        assert (config["loss_type"], config["timestep_sampling"], config["ip_noise_gamma_random_strength"]) == ("huber", "logit_normal", True)
 
     straight_rates, resumed_rates = scalars(straight, "train/lr"), scalars(resumed, "train/lr")
     assert len(straight_rates) == 6
