@@ -119,7 +119,7 @@ class TrainConfig:
     )
     adam_beta1: float = option(0.9, help="beta1 of AdamW and Lion")
     adam_beta2: float | None = option(None, help="beta2 of AdamW and Lion; None = the optimizer's own default: 0.999 for AdamW, 0.99 for Lion (the paper's)")
-    adam_epsilon: float = option(1e-8, help="AdamW epsilon")
+    adam_epsilon: float = option(1e-8, help="AdamW's epsilon, added to the root of the second moment (keeps tiny moments from blowing up the step)")
     weight_decay: float = option(1e-2, help="decoupled weight decay of every optimizer")
     max_grad_norm: float = option(1.0, help="clip the global gradient norm to this; 0 = no clipping (the norm is still logged)")
     max_consecutive_skipped_updates: int = option(
