@@ -202,8 +202,8 @@ class TrainConfig:
         help="text file, one prompt per line (# = comment), each with optional kohya-style options: --w WIDTH --h HEIGHT --d SEED "
         "--l GUIDANCE --s STEPS --n NEGATIVE; default: sample_prompts.txt beside this script",
     )
-    num_inference_steps: int = option(30, help="denoising steps of validation and sample images")
-    guidance_scale: float = option(5.0, help="classifier-free guidance of validation and sample images")
+    num_inference_steps: int = option(30, help="denoising steps of validation and sample images (a sample prompt's --s overrides it)")
+    guidance_scale: float = option(5.0, help="classifier-free guidance of validation and sample images (a sample prompt's --l overrides it)")
     handoff_dir: Path | None = option(None, help="folder through which the trained UNet reaches every process for images; None = /dev/shm, else the temp folder")
     save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the exported models")
     save_diffusers: bool = option(True, help="export the trained pipeline: OUTPUT_DIR/PROJECT_NAME/pipeline at the end, pipeline_epoch_NNNN at epoch saves")
