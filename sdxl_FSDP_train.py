@@ -49,7 +49,7 @@ from sdxl_trainer.evaluation import Evaluator, PipelineSource, Schedule
 from sdxl_trainer.lr_schedule import LearningRateSchedule, ScheduleName
 from sdxl_trainer.holdout import HOLDOUT_FILE, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
 from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError, load_image_metrics
-from sdxl_trainer.sample_grid import DEFAULT_SAMPLE_PROMPTS, choose_sample_prompts, read_prompts, sample_seeds
+from sdxl_trainer.sample_prompts import DEFAULT_SAMPLE_PROMPTS, choose_sample_prompts, column_seeds, read_prompts
 from sdxl_trainer.sampling import GenerationSettings
 from sdxl_trainer.validation import ImageValidator
 from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder
@@ -252,9 +252,13 @@ class TrainConfig:
     num_sample_images: int = option(8, help="sample images per row: the --sample_prompts topped up with dataset captions")
     save_samples_every_n_epochs: int = option(1, help="epochs between sample rows (0 = only the base model's row)")
     start_save_samples_epoch: int = option(1, help="first epoch (counting from 1) after which sample rows are added")
-    sample_prompts: Path = option(DEFAULT_SAMPLE_PROMPTS, help="text file, one prompt per line (# = comment); default: sample_prompts.txt beside this script")
-    num_inference_steps: int = option(30, help="denoising steps of validation and sample images")
-    guidance_scale: float = option(5.0, help="classifier-free guidance of validation and sample images")
+    sample_prompts: Path = option(
+        DEFAULT_SAMPLE_PROMPTS,
+        help="text file, one prompt per line (# = comment), each with optional kohya-style options: --w WIDTH --h HEIGHT --d SEED "
+        "--l GUIDANCE --s STEPS --n NEGATIVE; default: sample_prompts.txt beside this script",
+    )
+    num_inference_steps: int = option(30, help="denoising steps of validation and sample images (a sample prompt's --s overrides it)")
+    guidance_scale: float = option(5.0, help="classifier-free guidance of validation and sample images (a sample prompt's --l overrides it)")
     handoff_dir: Path | None = option(None, help="folder through which the trained UNet reaches every process for images; None = /dev/shm, else the temp folder")
     save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the exported models")
     save_diffusers: bool = option(True, help="export the trained pipeline: OUTPUT_DIR/PROJECT_NAME/pipeline at the end, pipeline_epoch_NNNN at epoch saves")
@@ -312,6 +316,11 @@ class TrainConfig:
             problems.append("--validation_source_dirs needs one image folder per --cached_dataset_dirs entry, in the same order")
         if not self.sample_prompts.is_file():
             problems.append(f"--sample_prompts {self.sample_prompts} does not exist")
+        elif self.save_samples:
+            try:
+                read_prompts(self.sample_prompts)
+            except ValueError as error:
+                problems.append(f"--sample_prompts: {error}")
         if self.weights_dtype == "bf16" and self.mixed_precision in ("fp16", "fp32"):
             problems.append(f"--weights_dtype bf16 computes in bf16: drop --mixed_precision {self.mixed_precision} (or pass bf16), or keep fp32 weights")
         for name in ("save_model_every_n_epochs", "save_state_every_n_updates", "checkpoints_total_limit", "validation_loss_every_n_epochs",
@@ -661,7 +670,13 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
             validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, generation, config.validation_source_dirs)
         elif world.is_main:
             print("Warning: no image metric has its weights here, so validation images are not generated (see the warnings above).")
-    prompts = choose_sample_prompts(read_prompts(config.sample_prompts), [dataset.caption(item) for item in range(len(dataset))], config.num_sample_images, seed) if config.save_samples else []
+    prompts = []
+    if config.save_samples:
+        file_prompts, notes = read_prompts(config.sample_prompts)
+        if world.is_main:
+            for note in notes:
+                print(f"Note: {note}")
+        prompts = choose_sample_prompts(file_prompts, [dataset.caption(item) for item in range(len(dataset))], config.num_sample_images, seed)
     return Evaluator(
         world,
         None if config.max_train_updates else config.num_train_epochs,  # with --max_train_updates the run validates at its end
@@ -679,7 +694,7 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
         sample_schedule=Schedule(config.save_samples, config.save_samples_every_n_epochs, config.start_save_samples_epoch),
         validator=validator,
         sample_prompts=prompts,
-        sample_seeds=sample_seeds(seed, len(prompts)),
+        sample_seeds=column_seeds(prompts, seed),
         sample_size=config.max_resolution,
         grid_path=run_dir / "samples" / "sample_grid.png",
         caption_chunks=caption_chunks(config),

@@ -29,6 +29,7 @@ from .holdout import Holdout
 from .monitor import MetricsWriter
 from .parallel import World
 from .sample_grid import append_grid_row, is_due
+from .sample_prompts import SamplePrompt
 from .sampling import GenerationSettings, ImageRequest, gather_images, generate, rank_share
 from .trained_models import TrainedModels
 from .validation import ImageValidator, validation_loss
@@ -74,15 +75,16 @@ class Evaluator:
         image_schedule: Schedule,
         sample_schedule: Schedule,
         validator: ImageValidator | None,
-        sample_prompts: list[str],
+        sample_prompts: list[SamplePrompt],
         sample_seeds: list[int],
         sample_size: int,
         grid_path: Path,
         caption_chunks: int,
         trained_caption_encoder: StepCaptionEncoder | None = None,
     ):
-        """caption_chunks: the caches' caption length in chunks of 75 tokens; sample prompts are encoded with
-        the same rule (encoding.encode_prompts). trained_caption_encoder (--train_text_encoder): validation
+        """sample_prompts: the sample grid's columns, with sample_seeds their seeds and sample_size the side of
+        a column whose prompt sets no size. caption_chunks: the caches' caption length in chunks of 75
+        tokens; sample prompts (and their negative prompts) are encoded with the same rule (encoding.encode_prompts). trained_caption_encoder (--train_text_encoder): validation
         then encodes captions with the trained encoders instead of reading the cached embeddings."""
         self.world = world
         self.num_epochs = num_epochs
@@ -165,15 +167,30 @@ class Evaluator:
             (pipeline.tokenizer, pipeline.tokenizer_2), (pipeline.text_encoder, pipeline.text_encoder_2), captions, self.caption_chunks, self.world.device
         )
 
-    def _add_sample_row(self, pipeline, negative: tuple[torch.Tensor, torch.Tensor], label: str, metrics: MetricsWriter, step: int) -> None:
-        captions = self._encode(pipeline, self.sample_prompts)
-        requests = [
-            ImageRequest(position, captions.prompt_embeds[position].cpu(), captions.pooled_prompt_embeds[position].cpu(), self.sample_size, self.sample_size, seed)
-            for position, seed in enumerate(self.sample_seeds)
+    def _sample_requests(self, pipeline, negative: tuple[torch.Tensor, torch.Tensor]) -> list[ImageRequest]:
+        """One request per sample column, in column order, with the options its prompt line set."""
+        prompts = self.sample_prompts
+        captions = self._encode(pipeline, [prompt.text for prompt in prompts])
+        negative_texts = sorted({prompt.negative for prompt in prompts if prompt.negative is not None})
+        encoded = self._encode(pipeline, negative_texts) if negative_texts else None
+        negatives = {text: (encoded.prompt_embeds[i].cpu(), encoded.pooled_prompt_embeds[i].cpu()) for i, text in enumerate(negative_texts)}
+        return [
+            ImageRequest(
+                position, captions.prompt_embeds[position].cpu(), captions.pooled_prompt_embeds[position].cpu(),
+                prompt.width or self.sample_size, prompt.height or self.sample_size, seed,
+                prompt.steps, prompt.guidance_scale, negatives.get(prompt.negative, negative),
+            )
+            for position, (prompt, seed) in enumerate(zip(prompts, self.sample_seeds))
         ]
+
+    def _add_sample_row(self, pipeline, negative: tuple[torch.Tensor, torch.Tensor], label: str, metrics: MetricsWriter, step: int) -> None:
+        requests = self._sample_requests(pipeline, negative)
         mine = rank_share(requests, self.world.rank, self.world.world_size)
         images = gather_images(generate(pipeline, mine, self.generation, negative, self.world.device), self.world.device)
         if self.world.is_main:
-            grid = append_grid_row(self.grid_path, [images[position] for position in range(len(requests))], label, self.sample_prompts)
+            grid = append_grid_row(
+                self.grid_path, [images[position] for position in range(len(requests))], label, [prompt.text for prompt in self.sample_prompts],
+                options=[prompt.options_text() for prompt in self.sample_prompts],
+            )
             metrics.image("samples/grid", np.asarray(grid), step)
         dist.barrier()

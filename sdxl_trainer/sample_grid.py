@@ -1,21 +1,21 @@
 """Sample grids: the same prompts and seeds rendered at every sample epoch, one row per epoch, in one PNG.
 
 The first row is the base model ("base"), each later call appends a row below ("epoch 3"), so a column shows
-one prompt through training. Above the rows a header shows the prompts (wrapped, cut to a few lines); left
-of each row its label. The file is PNG (lossless): appending re-opens it and copies the old rows unchanged.
-The prompts and row labels are also kept in the PNG's text metadata, and appending with other prompts is
-refused (the columns would no longer match their header).
+one prompt through training. Above the rows a header shows the prompts (wrapped, cut to a few lines) and,
+below each, the options its line set (size, seed, guidance...); left of each row its label. Images of any
+shape share one layout: each is scaled to fit a square cell and centred on the background (letterboxed), so
+a portrait and a landscape column line up and every row has the same height. The file is PNG (lossless):
+appending re-opens it and copies the old rows unchanged. The prompts, their options and the row labels are
+also kept in the PNG's text metadata, and appending with other prompts or options is refused (the columns
+would no longer match their header).
 
-Prompts come from a text file (--sample_prompts; by default sample_prompts.txt beside sdxl_FSDP_train.py,
-found from this package's location, never the working directory), topped up with dataset captions to
---num_sample_images. Each prompt keeps one seed for the whole run.
+The prompts and their options come from sample_prompts.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import textwrap
 from pathlib import Path
 
@@ -23,42 +23,15 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont, PngImagePlugin
 
-from .diffusion import sample_seed
-
-DEFAULT_SAMPLE_PROMPTS = Path(__file__).resolve().parent.parent / "sample_prompts.txt"
-SAMPLE_KEY = 1_000_003  # stands in for the epoch in sample_seed(seed, key, prompt position)
 CELL_SIZE = 384  # px: each sample is scaled to fit a square cell of this side
 LABEL_WIDTH = 120  # px
-HEADER_LINES = 4
+HEADER_LINES = 4  # of prompt text; one more line holds the column's options
 FONT_SIZE = 14
 PADDING = 6
 BACKGROUND = (255, 255, 255)
 TEXT = (0, 0, 0)
+OPTIONS_TEXT = (0, 70, 160)  # the line under a prompt with its options
 METADATA_KEY = "sdxl_trainer_sample_grid"
-
-
-def read_prompts(path: Path) -> list[str]:
-    """One prompt per line; blank lines and lines starting with # are skipped."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-
-
-def choose_sample_prompts(file_prompts: list[str], captions: list[str], count: int, seed: int) -> list[str]:
-    """The file's prompts (at most `count`), topped up to `count` with distinct dataset captions in a seeded order."""
-    prompts = list(dict.fromkeys(file_prompts))[:count]
-    order = list(range(len(captions)))
-    random.Random(seed).shuffle(order)
-    for index in order:
-        if len(prompts) >= count:
-            break
-        if captions[index] not in prompts:
-            prompts.append(captions[index])
-    return prompts
-
-
-def sample_seeds(seed: int, count: int) -> list[int]:
-    """One fixed seed per prompt position, the same at every sample epoch."""
-    return [sample_seed(seed, SAMPLE_KEY, position) for position in range(count)]
 
 
 def is_due(epochs_done: int, every_n_epochs: int, start_epoch: int = 0, num_epochs: int | None = None) -> bool:
@@ -110,16 +83,18 @@ def _fit(image: Image.Image, size: int) -> Image.Image:
 
 
 def header_height() -> int:
-    return HEADER_LINES * _line_height(_font()) + 2 * PADDING
+    return (HEADER_LINES + 1) * _line_height(_font()) + 2 * PADDING
 
 
-def _header(prompts: list[str], cell_size: int) -> Image.Image:
+def _header(prompts: list[str], options: list[str], cell_size: int) -> Image.Image:
     font = _font()
     header = Image.new("RGB", (LABEL_WIDTH + cell_size * len(prompts), header_height()), BACKGROUND)
     draw = ImageDraw.Draw(header)
-    for column, prompt in enumerate(prompts):
-        for line_number, line in enumerate(_wrap(prompt, font, cell_size - 2 * PADDING, HEADER_LINES)):
-            draw.text((LABEL_WIDTH + column * cell_size + PADDING, PADDING + line_number * _line_height(font)), line, fill=TEXT, font=font)
+    for column, (prompt, option_text) in enumerate(zip(prompts, options)):
+        lines = [(line, TEXT) for line in _wrap(prompt, font, cell_size - 2 * PADDING, HEADER_LINES)]
+        lines += [(line, OPTIONS_TEXT) for line in _wrap(option_text, font, cell_size - 2 * PADDING, 1)]
+        for line_number, (line, colour) in enumerate(lines):
+            draw.text((LABEL_WIDTH + column * cell_size + PADDING, PADDING + line_number * _line_height(font)), line, fill=colour, font=font)
     return header
 
 
@@ -136,33 +111,36 @@ def _row(images: list, label: str, cell_size: int) -> Image.Image:
     return row
 
 
-def append_grid_row(path: Path, images: list, label: str, prompts: list[str], cell_size: int = CELL_SIZE) -> Image.Image:
-    """Add a row of `images` (one per prompt: PIL images, uint8 (3, H, W) tensors or (H, W, 3) arrays) labelled
-    `label` below the grid at `path`, creating the grid with its prompt header if the file does not exist.
-    Returns the whole grid (e.g. for TensorBoard). The file is replaced atomically."""
-    if len(images) != len(prompts):
-        raise ValueError(f"{len(images)} images for {len(prompts)} prompts")
+def append_grid_row(path: Path, images: list, label: str, prompts: list[str], cell_size: int = CELL_SIZE, options: list[str] | None = None) -> Image.Image:
+    """Add a row of `images` (one per prompt: PIL images, uint8 (3, H, W) tensors or (H, W, 3) arrays, any
+    size) labelled `label` below the grid at `path`, creating the grid with its prompt header if the file
+    does not exist; `options` is a line per prompt for the header ("" or None: none). Returns the whole grid
+    (e.g. for TensorBoard). The file is replaced atomically."""
+    options = options or [""] * len(prompts)
+    if not len(images) == len(prompts) == len(options):
+        raise ValueError(f"{len(images)} images for {len(prompts)} prompts with {len(options)} option lines")
     row = _row(images, label, cell_size)
     if path.exists():
         with Image.open(path) as existing:
             record = json.loads(existing.text.get(METADATA_KEY, "{}"))
-            if record.get("prompts") != prompts or record.get("cell_size") != cell_size:
+            # A grid from before per-prompt options has no "options": its columns had none.
+            if record.get("prompts") != prompts or record.get("options", [""] * len(prompts)) != options or record.get("cell_size") != cell_size:
                 raise ValueError(
-                    f"{path} was started with other sample prompts or cell size: move it away (or delete it) to start a "
-                    "new grid, or sample with the prompts in its header"
+                    f"{path} was started with other sample prompts, prompt options or cell size: move it away (or delete it) "
+                    "to start a new grid, or sample with the prompts in its header"
                 )
             grid = Image.new("RGB", (existing.width, existing.height + row.height), BACKGROUND)
             grid.paste(existing.convert("RGB"), (0, 0))
         grid.paste(row, (0, grid.height - row.height))
         labels = [*record["labels"], label]
     else:
-        header = _header(prompts, cell_size)
+        header = _header(prompts, options, cell_size)
         grid = Image.new("RGB", (row.width, header.height + row.height), BACKGROUND)
         grid.paste(header, (0, 0))
         grid.paste(row, (0, header.height))
         labels = [label]
     metadata = PngImagePlugin.PngInfo()
-    metadata.add_text(METADATA_KEY, json.dumps({"prompts": prompts, "cell_size": cell_size, "labels": labels}))
+    metadata.add_text(METADATA_KEY, json.dumps({"prompts": prompts, "options": options, "cell_size": cell_size, "labels": labels}))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     grid.save(tmp, format="PNG", pnginfo=metadata)

@@ -1,22 +1,25 @@
 """Generating images on every rank with the trained (possibly FSDP-sharded) UNet, and gathering results.
 
 With FSDP every UNet forward is a collective (each block's weights are all-gathered), so all ranks must
-make the same number of UNet calls: each rank generates its own share of the requests in batches of
-one image size, and ranks with fewer batches run small dummy generations (discarded) until all have made
-as many pipeline calls as the busiest one. Each image's starting noise comes from its own seed (a CPU
+make the same number of UNet calls: each rank generates its own share of the requests in batches of one
+image size, step count and guidance scale. How many UNet forwards a pipeline call makes depends only on
+its step count (one per scheduler timestep, whatever the size, batch or guidance), so the ranks agree on
+the number of calls per step count (the busiest rank's), go through the step counts in ascending order,
+and a rank with fewer calls of a step count runs small dummy generations of that many steps (discarded). Each image's starting noise comes from its own seed (a CPU
 generator per image), so an image does not depend on the rank, batch or process count it was made in.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from diffusers import AutoencoderKL, StableDiffusionXLPipeline
 
 DUMMY_SIZE = 64  # px; the smallest image every SDXL-shaped UNet accepts (8x8 latents)
+MAX_STEPS = 1000  # inference steps per image at most (the noise schedule's training timesteps)
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class ImageRequest:
     width: int  # px, multiples of 8
     height: int
     seed: int  # of this image's starting noise
+    num_inference_steps: int | None = None  # None: GenerationSettings'
+    guidance_scale: float | None = None  # None: GenerationSettings'
+    negative: tuple[torch.Tensor, torch.Tensor] | None = None  # (prompt_embeds, pooled) to guide away from; None: generate()'s
 
 
 @dataclass(frozen=True)
@@ -41,19 +47,26 @@ def rank_share(requests: list, rank: int, world_size: int) -> list:
     return requests[rank::world_size]
 
 
-def _batches(requests: list[ImageRequest], batch_size: int) -> list[list[ImageRequest]]:
-    by_size: dict[tuple[int, int], list[ImageRequest]] = defaultdict(list)
+def _batches_by_steps(requests: list[ImageRequest], batch_size: int) -> dict[int, list[list[ImageRequest]]]:
+    """Step count -> this rank's pipeline calls of that many steps; each call one size and guidance scale."""
+    groups: dict[tuple, list[ImageRequest]] = defaultdict(list)
     for request in requests:
-        by_size[(request.width, request.height)].append(request)
-    return [group[start : start + batch_size] for _, group in sorted(by_size.items()) for start in range(0, len(group), batch_size)]
+        groups[(request.num_inference_steps, request.guidance_scale, request.width, request.height)].append(request)
+    by_steps: dict[int, list[list[ImageRequest]]] = defaultdict(list)
+    for (steps, *_), group in sorted(groups.items()):
+        by_steps[steps] += [group[start : start + batch_size] for start in range(0, len(group), batch_size)]
+    return by_steps
 
 
-def _max_over_ranks(value: int, device: torch.device) -> int:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+def _calls_per_step_count(batches: dict[int, list], device: torch.device) -> list[tuple[int, int]]:
+    """(step count, pipeline calls) for every step count any rank uses, ascending; the calls the busiest rank's."""
+    counts = torch.zeros(MAX_STEPS + 1, dtype=torch.int64)
+    for steps, calls in batches.items():
+        counts[steps] = len(calls)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        counts = counts.to(device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return [(steps, count) for steps, count in enumerate(counts.tolist()) if count]
 
 
 @torch.no_grad()
@@ -65,31 +78,52 @@ def generate(
     device: torch.device,
 ) -> dict[int, torch.Tensor]:
     """Generate this rank's `requests` -> {key: uint8 (3, H, W) on the CPU}. Every rank must call this (with
-    its own share, possibly empty): it pads the number of pipeline calls to the busiest rank's.
-    `negative` is the (prompt_embeds, pooled) pair guidance pushes away from: the cached empty caption."""
-    batches = _batches(requests, settings.batch_size)
-    calls = _max_over_ranks(len(batches), device)
-    dummy = ImageRequest(-1, torch.zeros_like(negative[0]), torch.zeros_like(negative[1]), DUMMY_SIZE, DUMMY_SIZE, 0)
+    its own share, possibly empty): it pads the UNet calls to the busiest rank's. A request's step count and
+    guidance scale default to `settings`', its negative to `negative`: the (prompt_embeds, pooled) pair
+    guidance pushes away from, the cached empty caption."""
+    requests = [
+        replace(
+            request,
+            num_inference_steps=request.num_inference_steps or settings.num_inference_steps,
+            guidance_scale=settings.guidance_scale if request.guidance_scale is None else request.guidance_scale,
+        )
+        for request in requests
+    ]
+    if any(not 1 <= request.num_inference_steps <= MAX_STEPS for request in requests):
+        raise ValueError(f"inference steps must be from 1 to {MAX_STEPS}")
+    batches = _batches_by_steps(requests, settings.batch_size)
+    dummy = ImageRequest(-1, torch.zeros_like(negative[0]), torch.zeros_like(negative[1]), DUMMY_SIZE, DUMMY_SIZE, 0, guidance_scale=settings.guidance_scale)
     images: dict[int, torch.Tensor] = {}
-    for call in range(calls):
-        batch = batches[call] if call < len(batches) else [dummy]
-        count = len(batch)
-        output = pipeline(
-            prompt_embeds=torch.stack([r.prompt_embeds for r in batch]).to(device, torch.float32),
-            pooled_prompt_embeds=torch.stack([r.pooled_prompt_embeds for r in batch]).to(device, torch.float32),
-            negative_prompt_embeds=negative[0].to(device, torch.float32).expand(count, *negative[0].shape),
-            negative_pooled_prompt_embeds=negative[1].to(device, torch.float32).expand(count, *negative[1].shape),
-            width=batch[0].width,
-            height=batch[0].height,
-            num_inference_steps=settings.num_inference_steps,
-            guidance_scale=settings.guidance_scale,
-            generator=[torch.Generator().manual_seed(r.seed) for r in batch],
-            output_type="latent",
-        ).images
-        for request, image in zip(batch, decode_latents(pipeline.vae, output).cpu()):
-            if request.key >= 0:
-                images[request.key] = image.contiguous()
+    for steps, calls in _calls_per_step_count(batches, device):
+        for call in range(calls):
+            mine = batches.get(steps, [])
+            batch = mine[call] if call < len(mine) else [replace(dummy, num_inference_steps=steps)]
+            images.update(_generate_batch(pipeline, batch, negative, device))
+    images.pop(-1, None)
     return images
+
+
+def _generate_batch(pipeline: StableDiffusionXLPipeline, batch: list[ImageRequest], negative: tuple[torch.Tensor, torch.Tensor],
+                    device: torch.device) -> dict[int, torch.Tensor]:
+    """One pipeline call: requests of one size, step count and guidance scale -> {key: uint8 (3, H, W)}."""
+    negatives = [negative if request.negative is None else request.negative for request in batch]
+
+    def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(tensors).to(device, torch.float32)
+
+    latents = pipeline(
+        prompt_embeds=stacked([request.prompt_embeds for request in batch]),
+        pooled_prompt_embeds=stacked([request.pooled_prompt_embeds for request in batch]),
+        negative_prompt_embeds=stacked([embeds for embeds, _ in negatives]),
+        negative_pooled_prompt_embeds=stacked([pooled for _, pooled in negatives]),
+        width=batch[0].width,
+        height=batch[0].height,
+        num_inference_steps=batch[0].num_inference_steps,
+        guidance_scale=batch[0].guidance_scale,
+        generator=[torch.Generator().manual_seed(request.seed) for request in batch],
+        output_type="latent",
+    ).images
+    return {request.key: image.contiguous() for request, image in zip(batch, decode_latents(pipeline.vae, latents).cpu())}
 
 
 @torch.no_grad()

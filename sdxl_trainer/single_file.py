@@ -119,10 +119,16 @@ def _rename(key: str, module_map: dict[str, str], inner_names: dict[str, str] | 
     raise KeyError(f"no single-file name for UNet weight {key!r}")
 
 
-def unet_to_ldm(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+def unet_ldm_names(keys, config: dict) -> dict[str, str]:
+    """diffusers UNet weight name -> its ldm name (without the file's UNET_PREFIX), for a UNet with this config."""
     module_map = _unet_module_map(config)
     # Transformer blocks keep their names in both layouts (ldm's SpatialTransformer = diffusers' Transformer2DModel).
-    return {UNET_PREFIX + _rename(key, module_map, UNET_RESNET_NAMES): value for key, value in state_dict.items()}
+    return {key: _rename(key, module_map, UNET_RESNET_NAMES) for key in keys}
+
+
+def unet_to_ldm(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    names = unet_ldm_names(state_dict, config)
+    return {UNET_PREFIX + names[key]: value for key, value in state_dict.items()}
 
 
 def _vae_module_map(config: dict) -> dict[str, str]:

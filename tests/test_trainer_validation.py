@@ -15,7 +15,7 @@ from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, 
 from metric_networks import write_metric_weights
 from sdxl_trainer.data import CachedDataset
 from sdxl_trainer.holdout import HOLDOUT_FILE
-from sdxl_trainer.sample_grid import METADATA_KEY
+from sdxl_trainer.sample_grid import BACKGROUND, CELL_SIZE, LABEL_WIDTH, METADATA_KEY, header_height
 
 
 def tensorboard(run_dir: Path) -> EventAccumulator:
@@ -29,6 +29,8 @@ def run(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
     """2 epochs with validation after each, then the same run resumed for a third epoch."""
     output_dir = tmp_path_factory.mktemp("validated")
     weights = write_metric_weights(output_dir / "metric_weights")
+    prompts = output_dir / "prompts.txt"  # two shapes, two step counts (rank 1 pads the 3-step call), topped up with a caption
+    prompts.write_text("a red square --w 256 --h 384 --d 7 --s 3\na blue circle --w 320 --h 200 --l 1 --n green\n", encoding="utf-8")
 
     def flags(epochs: int) -> list[str]:
         return [
@@ -38,7 +40,7 @@ def run(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
             "--train_batch_size", "1", "--optimizer", "adamw", "--mixed_precision", "fp32", "--set_seed", "3",
             "--dataloader_num_workers", "0", "--no-save_diffusers", "--load_saved_state", "latest",
             "--validation_loss_percent", "0.2", "--validation_image_percent", "0.2",
-            "--num_inference_steps", "2", "--num_sample_images", "3",
+            "--num_inference_steps", "2", "--num_sample_images", "3", "--sample_prompts", str(prompts),
             "--validation_metrics", "fid", "kid", "is", "lpips",
             "--inception_weights", str(weights.inception), "--lpips_weights", str(weights.lpips),
             "--validation_source_dirs", str(SAMPLE_DATASET), "--handoff_dir", str(output_dir / "handoff"),
@@ -74,10 +76,21 @@ def test_held_out_items_are_saved_once_and_never_trained_on(run, sample_cache_di
 
 
 def test_sample_grid_grows_by_one_row_per_sample_epoch(run):
-    run_dir, _, _, _ = run
+    run_dir, first_log, _, _ = run
     with Image.open(run_dir / "samples" / "sample_grid.png") as grid:
         record = json.loads(grid.text[METADATA_KEY])
+        pixels = np.asarray(grid.convert("RGB"))
     assert record["labels"] == ["base", "epoch 1", "epoch 2", "epoch 3"]
-    assert len(record["prompts"]) == 3
+    # The prompt file's lines with their options, in file order, then a dataset caption; the same after the resume.
+    assert record["prompts"][:2] == ["a red square", "a blue circle"] and len(record["prompts"]) == 3
+    assert record["options"] == ["256x384, seed 7, 3 steps", "320x192, cfg 1, neg: green", ""]
+    assert "prompts.txt:2: --h 200 rounded to 192 px" in first_log
+    assert pixels.shape[0] == header_height() + 4 * CELL_SIZE
+    for row in range(4):  # every cell holds an image of its column's shape, letterboxed: portrait, landscape, square
+        cells = [pixels[header_height() + row * CELL_SIZE :][:CELL_SIZE, LABEL_WIDTH + column * CELL_SIZE :][:, :CELL_SIZE] for column in range(3)]
+        filled = [(cell != BACKGROUND).any(axis=-1) for cell in cells]
+        assert filled[0][:, : CELL_SIZE // 7].sum() == 0 and filled[0][:, CELL_SIZE // 2].mean() > 0.9  # 256x384: bars left and right
+        assert filled[1][: CELL_SIZE // 6].sum() == 0 and filled[1][CELL_SIZE // 2].mean() > 0.9  # 320x192: bars above and below
+        assert filled[2][:, 0].mean() > 0.9 and filled[2][0].mean() > 0.9  # 512x512 fills its cell
     assert len(tensorboard(run_dir).Images("samples/grid")) == 4
     assert not list((run_dir.parent / "handoff").glob("sdxl_handoff_*"))  # handoff folders removed

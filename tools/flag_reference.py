@@ -1,6 +1,6 @@
-"""Write docs/flags.md: every flag of the caching script, the trainer and the single-file converter, with
-its default and help text, read from the config dataclasses the scripts parse (so it cannot drift from
-`--help`).
+"""Write docs/flags.md: every flag of the caching script, the trainer, the single-file converter and the
+LoRA extractor, with its default and help text, read from the config dataclasses the scripts parse (so it
+cannot drift from `--help`).
 
 Run: venv/bin/python tools/flag_reference.py [OUTPUT]   (default: print to stdout)
      venv/bin/python tools/flag_reference.py docs/flags.md
@@ -17,6 +17,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+import sdxl_extract_lora  # noqa: E402
 import sdxl_FSDP_train  # noqa: E402
 import sdxl_process_data_dir  # noqa: E402
 import sdxl_to_single_file  # noqa: E402
@@ -41,6 +42,12 @@ SCRIPTS = (
         "sdxl_to_single_file.py",
         sdxl_to_single_file.ConvertConfig,
         "Converts a diffusers SDXL folder into one single-file `.safetensors` (see README, \"Exporting the model\").",
+    ),
+    (
+        "LoRA extraction flags",
+        "sdxl_extract_lora.py",
+        sdxl_extract_lora.ExtractConfig,
+        "Extracts a LoRA (kohya / A1111 layout) from a fine-tune and its base model (see README, \"Extracting a LoRA\").",
     ),
 )
 

@@ -1,0 +1,173 @@
+"""LoRA extraction (sdxl_extract_lora.py) on the tiny pipeline: a "fine-tune" made by adding a known rank-2
+change plus noise to the layers a LoRA carries. The extracted file, loaded by diffusers' own
+`load_lora_weights` into the base pipeline, must bring the UNet's output (and the text encoders') closer to
+the tuned model's as the rank grows, and reproduce it at full rank; its keys must be kohya's."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from sdxl_trainer.lora_extract import TEXT_ENCODER_BLOCKS, UNET_ATTENTION_BLOCKS, UNET_CONV_BLOCKS, extract_lora, lora_metadata, save_lora, target_layers
+
+FULL_RANK = 10_000  # above every layer's full rank: capped per layer
+KEY = re.compile(r"^lora_(unet|te1|te2)_[a-z0-9_]+\.(lora_down\.weight|lora_up\.weight|alpha)$")
+
+
+def load_pipeline(folder):
+    from diffusers import StableDiffusionXLPipeline
+
+    pipeline = StableDiffusionXLPipeline.from_pretrained(folder)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def add_low_rank_change(model: torch.nn.Module, blocks: tuple[str, ...], generator: torch.Generator) -> None:
+    """Every LoRA layer of `model` += a rank-2 change of about 15% of its weights' spread, plus 1.5% noise."""
+    with torch.no_grad():
+        for layer in target_layers(model, blocks).values():
+            weight = layer.weight.reshape(layer.weight.shape[0], -1)
+            low_rank = torch.randn(weight.shape[0], 2, generator=generator) @ torch.randn(2, weight.shape[1], generator=generator)
+            change = 0.15 * weight.std() * (low_rank / 2 + 0.1 * torch.randn(weight.shape, generator=generator))
+            layer.weight += change.reshape(layer.weight.shape)
+
+
+@pytest.fixture(scope="module")
+def tuned_dir(tmp_path_factory, tiny_pipeline_dir):
+    """The tiny pipeline with every UNet LoRA layer (transformer and ResNet blocks, samplers) and both text
+    encoders changed, saved as a diffusers folder in fp32."""
+    pipeline = load_pipeline(tiny_pipeline_dir)
+    generator = torch.Generator().manual_seed(0)
+    add_low_rank_change(pipeline.unet, UNET_ATTENTION_BLOCKS + UNET_CONV_BLOCKS, generator)
+    for encoder in (pipeline.text_encoder, pipeline.text_encoder_2):
+        add_low_rank_change(encoder, TEXT_ENCODER_BLOCKS, generator)
+    folder = tmp_path_factory.mktemp("tuned") / "pipeline"
+    pipeline.save_pretrained(folder)
+    return folder
+
+
+def unet_output(unet) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    sample, hidden = torch.randn(2, 4, 16, 16, generator=generator), torch.randn(2, 77, 80, generator=generator)
+    added = {"text_embeds": torch.randn(2, 48, generator=generator), "time_ids": torch.tensor([[128.0, 128, 0, 0, 128, 128]] * 2)}
+    with torch.no_grad():
+        return unet(sample, torch.tensor([300, 700]), hidden, added_cond_kwargs=added).sample
+
+
+def text_outputs(pipeline) -> list[torch.Tensor]:
+    token_ids = torch.randint(0, 49408, (2, 77), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        return [encoder(token_ids, output_hidden_states=True).hidden_states[-2] for encoder in (pipeline.text_encoder, pipeline.text_encoder_2)]
+
+
+def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((output - reference).norm() / reference.norm())
+
+
+def test_extracted_lora_approaches_the_tuned_model_as_the_rank_grows(tmp_path, tiny_pipeline_dir, tuned_dir):
+    base, tuned = load_pipeline(tiny_pipeline_dir), load_pipeline(tuned_dir)
+    target_unet, target_text = unet_output(tuned.unet), text_outputs(tuned)
+    unet_errors = [relative_error(unet_output(base.unet), target_unet)]  # no LoRA: rank 0
+    text_errors = [[relative_error(output, target) for output, target in zip(text_outputs(base), target_text)]]
+    kept = []
+    for rank in (1, 2, 8, FULL_RANK):
+        extraction = extract_lora(base, tuned, rank, conv_rank=rank, dtype=torch.float32)
+        lora_file = tmp_path / f"rank_{rank}.safetensors"
+        save_lora(extraction, lora_metadata(tuned, rank, rank, lora_file.stem), lora_file)
+        with_lora = load_pipeline(tiny_pipeline_dir)
+        with_lora.load_lora_weights(str(lora_file))  # diffusers' kohya-format conversion, then PEFT layers
+        unet_errors.append(relative_error(unet_output(with_lora.unet), target_unet))
+        text_errors.append([relative_error(output, target) for output, target in zip(text_outputs(with_lora), target_text)])
+        kept.append(extraction.components["unet"].kept)
+    assert unet_errors == sorted(unet_errors, reverse=True) and len(set(unet_errors)) == len(unet_errors), unet_errors
+    assert unet_errors[2] < 0.3 * unet_errors[0]  # rank 2, the planted change's rank, carries most of it
+    assert unet_errors[-1] < 1e-4, unet_errors  # full rank: the tuned UNet up to float rounding
+    for encoder in range(2):  # both text encoders changed, so both are in the file and load
+        errors = [step[encoder] for step in text_errors]
+        assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-4, errors
+    assert kept == sorted(kept) and kept[-1] == pytest.approx(1.0) and 0.5 < kept[1] < 1.0
+
+
+def test_keys_shapes_and_metadata_follow_kohyas_layout(tmp_path, tiny_pipeline_dir, tuned_dir):
+    from sdxl_trainer.single_file import UNET_PREFIX, pipeline_to_single_file
+
+    base, tuned = load_pipeline(tiny_pipeline_dir), load_pipeline(tuned_dir)
+    extraction = extract_lora(base, tuned, rank=4, conv_rank=2)
+    lora_file = tmp_path / "lora.safetensors"
+    save_lora(extraction, lora_metadata(tuned, 4, 2, "my_lora"), lora_file)
+    tensors = load_file(lora_file)
+    assert all(KEY.match(key) for key in tensors) and all(tensor.dtype == torch.float16 for tensor in tensors.values())
+    names = {key.rsplit(".", 2)[0] if key.endswith(".weight") else key.removesuffix(".alpha") for key in tensors}
+    # A UNet layer is named as in the original (ldm) layout A1111 and ComfyUI map LoRA keys onto: its weight's
+    # name in our single-file export with dots as underscores. Text encoders by their Hugging Face names.
+    single_file = pipeline_to_single_file(base)
+    ldm_layers = {key.removeprefix(UNET_PREFIX).removesuffix(".weight").replace(".", "_") for key in single_file if key.startswith(UNET_PREFIX)}
+    unet_names = {name.removeprefix("lora_unet_") for name in names if name.startswith("lora_unet_")}
+    assert unet_names <= ldm_layers
+    assert {"input_blocks_3_1_transformer_blocks_0_attn2_to_k", "middle_block_1_proj_in", "output_blocks_1_1_transformer_blocks_0_ff_net_0_proj",
+            "input_blocks_1_0_in_layers_2", "input_blocks_1_0_emb_layers_1", "input_blocks_2_0_op", "output_blocks_1_2_conv",
+            "output_blocks_0_0_skip_connection"} <= unet_names
+    assert not any(name.startswith(("conv_in", "out_2", "time_embed", "label_emb")) or "norm" in name for name in unet_names)
+    for prefix, encoder in (("lora_te1_", base.text_encoder), ("lora_te2_", base.text_encoder_2)):
+        expected = {name if name.startswith("text_model.") else f"text_model.{name}" for name in target_layers(encoder, TEXT_ENCODER_BLOCKS)}
+        assert {name.removeprefix(prefix) for name in names if name.startswith(prefix)} == {name.replace(".", "_") for name in expected}
+    assert "lora_te1_text_model_encoder_layers_0_self_attn_q_proj" in names and "lora_te2_text_model_encoder_layers_1_mlp_fc2" in names
+    # Shapes: down (r, in[, kh, kw]), up (out, r[, 1, 1]), alpha = r; 3x3 convolutions at conv_rank.
+    assert tensors["lora_unet_middle_block_1_proj_in.lora_down.weight"].shape == (4, 64)
+    assert tensors["lora_unet_middle_block_1_proj_in.lora_up.weight"].shape == (64, 4)
+    assert tensors["lora_unet_input_blocks_1_0_in_layers_2.lora_down.weight"].shape == (2, 32, 3, 3)
+    assert tensors["lora_unet_input_blocks_1_0_in_layers_2.lora_up.weight"].shape == (32, 2, 1, 1)
+    assert tensors["lora_unet_output_blocks_0_0_skip_connection.lora_down.weight"].shape == (4, 128, 1, 1)
+    assert float(tensors["lora_unet_input_blocks_1_0_in_layers_2.alpha"]) == 2 and float(tensors["lora_unet_middle_block_1_proj_in.alpha"]) == 4
+    with safe_open(str(lora_file), "pt") as opened:
+        metadata = opened.metadata()
+    assert metadata["ss_network_module"] == "networks.lora" and metadata["ss_base_model_version"] == "sdxl_base_v1-0"
+    assert (metadata["ss_network_dim"], metadata["ss_network_alpha"]) == ("4", "4.0")
+    assert json.loads(metadata["ss_network_args"]) == {"conv_dim": "2", "conv_alpha": "2.0"}
+    assert metadata["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora" and metadata["modelspec.title"] == "my_lora"
+
+
+def test_cli_takes_a_single_file_fine_tune_and_leaves_unchanged_text_encoders_out(tmp_path, tiny_pipeline_dir, capsys):
+    """The usual case: a UNet-only fine-tune exported as one fp16 file. Its text encoders differ from the fp32
+    base only by rounding, so they are left out; conv_in, which no LoRA key carries, is named as left out."""
+    import sdxl_extract_lora
+    import sdxl_to_single_file
+
+    tuned = load_pipeline(tiny_pipeline_dir)
+    generator = torch.Generator().manual_seed(3)
+    add_low_rank_change(tuned.unet, UNET_ATTENTION_BLOCKS, generator)
+    with torch.no_grad():
+        tuned.unet.conv_in.weight += 0.003 * torch.randn(tuned.unet.conv_in.weight.shape, generator=generator)
+    tuned.save_pretrained(tmp_path / "tuned")
+    tuned_file = tmp_path / "tuned.safetensors"
+    assert sdxl_to_single_file.main(["--pipeline", str(tmp_path / "tuned"), "--output", str(tuned_file), "--save_precision", "fp16"]) == 0
+    output = tmp_path / "loras" / "extracted.safetensors"
+    argv = ["--base", str(tiny_pipeline_dir), "--tuned", str(tuned_file), "--single_file_config", str(tiny_pipeline_dir), "--rank", "4", "--output", str(output)]
+    assert sdxl_extract_lora.main(argv) == 0
+    printed = capsys.readouterr().out
+    tensors = load_file(output)
+    assert tensors and all(key.startswith("lora_unet_") for key in tensors) and all(tensor.dtype == torch.float16 for tensor in tensors.values())
+    assert not any("in_layers" in key or "_op." in key for key in tensors)  # no --conv_rank: transformer blocks only
+    assert "text_encoder: left out" in printed and "text_encoder_2: left out" in printed
+    assert re.search(r"unet: \d+ layers; the LoRA keeps \d+\.\d% of their weight change", printed)
+    assert re.search(r"no LoRA key carries.*:\n  unet\.conv_in\.weight: 0\.0\d+\n", printed)
+    base = load_pipeline(tiny_pipeline_dir)
+    before = relative_error(unet_output(base.unet), unet_output(tuned.unet))
+    base.load_lora_weights(str(output))
+    assert relative_error(unet_output(base.unet), unet_output(tuned.unet)) < 0.5 * before
+
+
+def test_cli_refuses_bad_flags_before_loading_anything(tmp_path, capsys):
+    import sdxl_extract_lora
+
+    with pytest.raises(SystemExit):
+        sdxl_extract_lora.main(["--base", str(tmp_path / "missing"), "--tuned", str(tmp_path), "--rank", "0", "--conv_rank", "-1",
+                                "--output", str(tmp_path / "lora.ckpt"), "--device", "gpu"])
+    error = capsys.readouterr().err
+    for expected in ("--base", "does not exist", "--output must end in .safetensors", "--rank must be at least 1", "--conv_rank must be >= 0", "--device 'gpu'"):
+        assert expected in error
