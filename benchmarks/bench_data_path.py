@@ -3,7 +3,8 @@ synthetic bucket assignment (no images, no model, no cache).
 
 For each size (items) it runs, each in a fresh process so the peak resident memory is that case's alone:
   start   planner + stream built for the whole run and the first update read, as the trainer does it at
-          start (the epoch-0 bucket checks included); peak resident memory of that process (one rank's);
+          start (its bucket checks included; not the synthetic assignment, which stands in for reading the
+          manifests); peak resident memory of that process (one rank's);
   updates host time per update of the stream (plan bookkeeping, data position, DataLoader over a dataset
           that returns only the sample index) over the first updates of the run, and over updates read
           after a resume in the middle of epoch 0 (where a position that grows with the epoch costs most).
@@ -60,8 +61,7 @@ def rss_peak_mib() -> float:
 
 
 def stream_from(planner: EpochPlanner, position: DataPosition, args: argparse.Namespace) -> DataStream:
-    plans = planner.plans(args.epochs, position.epoch, position.carried_in, position.consumed)
-    return DataStream(SampleIndices(), plans, position, 0, args.train_batch_size, 0, torch.device("cpu"))
+    return DataStream(SampleIndices(), planner, position, args.epochs, 0, args.train_batch_size, 0, torch.device("cpu"))
 
 
 def per_update_ms(stream: DataStream, count: int) -> float:
@@ -76,8 +76,8 @@ def per_update_ms(stream: DataStream, count: int) -> float:
 def run_case(args: argparse.Namespace) -> dict[str, float]:
     baseline = rss_peak_mib()
     global_batch = args.train_batch_size * args.world_size
+    sizes, ids = synthetic_buckets(args.case_items)  # what the trainer reads from the manifests: not timed
     started = time.perf_counter()
-    sizes, ids = synthetic_buckets(args.case_items)
     trainable = np.arange(args.case_items)
     planner = EpochPlanner(ids, trainable, global_batch, args.gradient_accumulation_steps, SEED)
     bucket_counts(sizes, ids, planner.possible_samples())
@@ -89,7 +89,7 @@ def run_case(args: argparse.Namespace) -> dict[str, float]:
     first = per_update_ms(stream_from(planner, DataPosition.epoch_start(0), args), args.updates)
     epoch0 = planner.plan(0, np.zeros(0, dtype=np.int64))
     half = epoch0.num_updates // 2
-    consumed = np.concatenate([batch for update in range(half) for batch in epoch0.update_batches(update)])
+    consumed = epoch0.batches_through(half - 1).reshape(-1)
     resumed = DataPosition(0, half, np.zeros(0, dtype=np.int64), consumed)
     middle = per_update_ms(stream_from(planner, resumed, args), args.updates)
     return {"update_ms_epoch_start": first, "update_ms_mid_epoch": middle, "updates_per_epoch": epoch0.num_updates}
