@@ -931,8 +931,9 @@ def train(config: TrainConfig, world: World) -> int:
     elif world.is_main and config.load_saved_state == "latest":
         print(f"No complete checkpoint in {run_dir / 'checkpoints'} yet: starting from the base model.")
     updates_left = max(config.max_train_updates - first_update, 0) if config.max_train_updates else None
-    plans = planner.plans(config.num_train_epochs, position.epoch, position.carried_in, position.consumed, max_updates=updates_left)
-    stream = DataStream(dataset, plans, position, world.rank, config.train_batch_size, config.dataloader_num_workers, world.device, updates_left)
+    stream = DataStream(
+        dataset, planner, position, config.num_train_epochs, world.rank, config.train_batch_size, config.dataloader_num_workers, world.device, updates_left
+    )
     total_updates = first_update + stream.num_updates
     if total_updates == 0:
         raise SystemExit(
@@ -961,7 +962,7 @@ def train(config: TrainConfig, world: World) -> int:
         print(
             f"{len(dataset)} cached items"
             + (f" ({len(planner.epoch_samples(0))} samples an epoch with --dataset_repeats)" if config.dataset_repeats else "")
-            + f", {world.world_size} process{'es' if world.world_size > 1 else ''}, {run_length(config, len(plans))}, "
+            + f", {world.world_size} process{'es' if world.world_size > 1 else ''}, {run_length(config, stream.num_epochs)}, "
             f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
             f"compute {str(compute_dtype).removeprefix('torch.')}, "
             + ("bf16 weights (stochastic rounding), " if config.weights_dtype == "bf16" else "")

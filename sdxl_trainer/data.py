@@ -36,7 +36,7 @@ from .cache import CacheReader, captions_in, load_manifest
 from .checkpoint import DataPosition
 from .stop_request import ignore_stop_signals
 
-# Rows of a global batch plan are sample indices: item sample % len(dataset) (see Repeats above).
+# A global batch: sample indices (item sample % len(dataset), see Repeats above); an epoch plan holds them as rows.
 GlobalBatch = np.ndarray
 REPEATS_STREAM = 11  # seed-sequence entry of the fractional-repeat draws, apart from the plan's (seed, epoch)
 
@@ -98,7 +98,7 @@ class CachedDataset(Dataset):
 
 @dataclass
 class EpochPlan:
-    batches: list[GlobalBatch]  # global batches in training order, each of global_batch_size items
+    batches: np.ndarray  # (number of global batches, global_batch_size) int64: the global batches in training order
     carried_out: np.ndarray  # items left for the next epoch
     accumulation_steps: int  # global batches per optimizer update (the last update may have fewer)
 
@@ -106,10 +106,14 @@ class EpochPlan:
     def num_updates(self) -> int:
         return math.ceil(len(self.batches) / self.accumulation_steps)
 
-    def update_batches(self, update_in_plan: int) -> list[GlobalBatch]:
-        """The global batches of the plan's update `update_in_plan` (counted from 0)."""
+    def update_batches(self, update_in_plan: int) -> np.ndarray:
+        """The global batches (rows) of the plan's update `update_in_plan` (counted from 0)."""
         first = update_in_plan * self.accumulation_steps
         return self.batches[first : first + self.accumulation_steps]
+
+    def batches_through(self, update_in_plan: int) -> np.ndarray:
+        """The global batches of updates 0 .. update_in_plan (a view)."""
+        return self.batches[: (update_in_plan + 1) * self.accumulation_steps]
 
 
 class EpochPlanner:
@@ -154,7 +158,7 @@ class EpochPlanner:
         if exclude is not None and len(exclude):
             carried_in = np.setdiff1d(carried_in, exclude)
         sample_buckets, carried_buckets = self.bucket_of[samples % self.num_items], self.bucket_of[carried_in % self.num_items]
-        batches: list[GlobalBatch] = []
+        batches: list[np.ndarray] = []  # per bucket, its global batches as rows
         leftovers: list[np.ndarray] = []
         for bucket in np.unique(np.concatenate([sample_buckets, carried_buckets])):
             items = samples[sample_buckets == bucket]
@@ -164,48 +168,74 @@ class EpochPlanner:
                 fresh = np.setdiff1d(fresh, exclude, assume_unique=True)
             stream = np.concatenate([carried_here, rng.permutation(fresh)]).astype(np.int64)
             full = len(stream) // self.global_batch_size * self.global_batch_size
-            batches.extend(stream[:full].reshape(-1, self.global_batch_size))
+            batches.append(stream[:full].reshape(-1, self.global_batch_size))
             leftovers.append(stream[full:])
-        order = rng.permutation(len(batches))
-        batches = [batches[i] for i in order]
-        # Batches holding carried-over items go first: those items have waited an epoch already.
-        holds_carried = [bool(np.isin(batch, carried_in).any()) for batch in batches]
-        batches = [batch for batch, carried in zip(batches, holds_carried) if carried] + [
-            batch for batch, carried in zip(batches, holds_carried) if not carried
-        ]
+        all_batches = np.concatenate([np.zeros((0, self.global_batch_size), dtype=np.int64), *batches])
+        order = rng.permutation(len(all_batches))
+        # Batches holding carried-over items go first (in shuffled order, as the others): those items have
+        # waited an epoch already.
+        holds_carried = np.isin(all_batches[order], carried_in).any(axis=1)
+        order = np.concatenate([order[holds_carried], order[~holds_carried]])
         carried_out = np.concatenate(leftovers).astype(np.int64) if leftovers else np.zeros(0, dtype=np.int64)
-        return EpochPlan(batches, carried_out, self.accumulation_steps)
+        return EpochPlan(all_batches[order], carried_out, self.accumulation_steps)
 
     def plans(self, num_epochs: int, start_epoch: int = 0, carried_in: np.ndarray | None = None, consumed: np.ndarray | None = None,
               max_updates: int | None = None) -> list[EpochPlan]:
+        """All of epoch_plans' plans at once (for tests and small runs: the stream plans one epoch at a time)."""
+        return list(self.epoch_plans(num_epochs, start_epoch, carried_in, consumed, max_updates))
+
+    def epoch_plans(self, num_epochs: int, start_epoch: int = 0, carried_in: np.ndarray | None = None, consumed: np.ndarray | None = None,
+                    max_updates: int | None = None) -> Iterator[EpochPlan]:
         """Plans of epochs start_epoch .. num_epochs-1, or with max_updates of as many epochs as hold that many
         updates (the last one whole: the run stops inside it). A resumed run passes the position it saved:
         the items carried into start_epoch and those start_epoch already trained on; its first plan then
         holds only the rest of that epoch. With an unchanged global batch and accumulation this is exactly
         the rest of the original plan (same batches, same order); otherwise the untrained items are planned
-        anew."""
+        anew. Each epoch is planned when the one before it has been read."""
         carried = np.zeros(0, dtype=np.int64) if carried_in is None else carried_in
         consumed = np.zeros(0, dtype=np.int64) if consumed is None else consumed
-        plans: list[EpochPlan] = []
         planned_updates = 0
         epochs = itertools.count(start_epoch) if max_updates is not None else range(start_epoch, num_epochs)
         for epoch in epochs:
             if max_updates is not None and planned_updates >= max_updates:
-                break
+                return
             plan = self.plan(epoch, carried)
             if epoch == start_epoch and len(consumed):
                 plan = self._rest_of_epoch(epoch, carried, plan, consumed)
             if max_updates is not None and plan.num_updates == 0 and epoch > start_epoch:
-                break  # no epoch holds an update: the run cannot reach max_updates
-            plans.append(plan)
+                return  # no epoch holds an update: the run cannot reach max_updates
+            yield plan
             planned_updates += plan.num_updates
             carried = plan.carried_out
-        return plans
+
+    def updates_per_epoch(self, first: EpochPlan, num_epochs: int, start_epoch: int = 0, max_updates: int | None = None) -> list[int]:
+        """The updates of each plan epoch_plans yields when its first plan (of start_epoch) is `first`, found
+        without planning the later epochs where their batch counts follow from bucket sizes alone: with whole
+        repeats every epoch plans the same samples, and once the carried-over ones are among them each bucket
+        forms floor(its samples / global batch) batches every epoch, whichever samples are carried. Fractional
+        repeats (another share each epoch) plan every later epoch here, one at a time."""
+        counts = [first.num_updates]
+        repeats = self.repeats[self.trainable]
+        samples = self.epoch_samples(start_epoch + 1)
+        if np.any(repeats != np.floor(repeats)) or not np.isin(first.carried_out, samples).all():
+            left = None if max_updates is None else max_updates - first.num_updates
+            for plan in self.epoch_plans(num_epochs, start_epoch + 1, first.carried_out, None, left) if left is None or left > 0 else ():
+                if max_updates is not None and plan.num_updates == 0:
+                    break  # as epoch_plans stops: no epoch holds an update
+                counts.append(plan.num_updates)
+            return counts
+        _, per_bucket = np.unique(self.bucket_of[samples % self.num_items], return_counts=True)
+        per_epoch = math.ceil(int((per_bucket // self.global_batch_size).sum()) / self.accumulation_steps)
+        if max_updates is None:
+            return counts + [per_epoch] * max(num_epochs - start_epoch - 1, 0)
+        if per_epoch == 0 or first.num_updates >= max_updates:
+            return counts
+        return counts + [per_epoch] * math.ceil((max_updates - first.num_updates) / per_epoch)
 
     def _rest_of_epoch(self, epoch: int, carried_in: np.ndarray, full_plan: EpochPlan, consumed: np.ndarray) -> EpochPlan:
         done_batches, remainder = divmod(len(consumed), self.global_batch_size)
         # A plan may hold fewer batches than were done: a resume with a larger global batch.
-        planned_prefix = np.concatenate([np.zeros(0, dtype=np.int64), *full_plan.batches[:done_batches]])
+        planned_prefix = full_plan.batches[:done_batches].reshape(-1)
         at_update_boundary = done_batches % self.accumulation_steps == 0 or done_batches == len(full_plan.batches)
         if remainder == 0 and at_update_boundary and np.array_equal(np.sort(planned_prefix), np.sort(consumed)):
             return EpochPlan(full_plan.batches[done_batches:], full_plan.carried_out, self.accumulation_steps)
@@ -214,12 +244,8 @@ class EpochPlanner:
 
 def bucket_counts(bucket_sizes: np.ndarray, bucket_ids: np.ndarray, items: np.ndarray) -> dict[str, int]:
     """How many of `items` each bucket (as "WxH") holds."""
-    ids, counts = np.unique(bucket_ids[items], return_counts=True)
-    result = {}
-    for bucket, count in zip(ids, counts):
-        width, height = bucket_sizes[items[bucket_ids[items] == bucket][0]]
-        result[f"{width}x{height}"] = int(count)
-    return result
+    _, first, counts = np.unique(bucket_ids[items], return_index=True, return_counts=True)
+    return {f"{width}x{height}": int(count) for (width, height), count in zip(bucket_sizes[items[first]], counts)}
 
 
 def small_buckets(bucket_sizes: np.ndarray, bucket_ids: np.ndarray, items: np.ndarray, global_batch_size: int) -> dict[str, int]:
@@ -249,44 +275,81 @@ class Update:
 class DataStream:
     """The run's remaining optimizer updates in order, each with the data position a checkpoint needs.
 
-    One DataLoader reads the whole run's plan (every epoch's rank slices in a row), so its worker processes
-    start once instead of at every epoch."""
+    Epochs are planned one at a time as the run reaches them (the number of updates is known at start,
+    EpochPlanner.updates_per_epoch), and a position is a few numbers and a view of the epoch's plan, so the
+    host's work per update and its memory do not grow with the dataset. One DataLoader reads the whole run
+    (every epoch's rank slices in a row), so its worker processes start once instead of at every epoch.
+    `sample_index` stays on the host: the per-sample generators read it without a device sync."""
 
-    def __init__(self, dataset: CachedDataset, plans: list[EpochPlan], position: DataPosition, rank: int, per_rank_batch: int,
+    def __init__(self, dataset: Dataset, planner: EpochPlanner, position: DataPosition, num_epochs: int, rank: int, per_rank_batch: int,
                  num_workers: int, device: torch.device, max_updates: int | None = None):
-        """max_updates: stop after that many updates, inside an epoch if need be (--max_train_updates)."""
-        self.plans = plans
+        """num_epochs: the run's epochs (--num_train_epochs; ignored with max_updates); max_updates: stop after
+        that many updates, inside an epoch if need be (--max_train_updates)."""
         self.position = position
         self.device = device
-        updates = [(plan, update) for plan in plans for update in range(plan.num_updates)][:max_updates]
-        self.num_updates = len(updates)
+        self.rank, self.per_rank_batch = rank, per_rank_batch
+        plans = planner.epoch_plans(num_epochs, position.epoch, position.carried_in, position.consumed, max_updates)
+        first = next(plans, None)
+        self.updates_per_epoch = [] if first is None else planner.updates_per_epoch(first, num_epochs, position.epoch, max_updates)
+        self.num_epochs = len(self.updates_per_epoch)  # planned, the first one perhaps in part (a resume) or not to its end (max_updates)
+        self.num_updates = min(sum(self.updates_per_epoch), max_updates) if max_updates is not None else sum(self.updates_per_epoch)
+        self._plans = iter(()) if first is None else itertools.chain([first], plans)
+        self._planned: dict[int, EpochPlan] = {}  # by epoch index in the run: the one being trained and the loader's, which reads ahead
+        self._next_plan = 0
         self.loader = DataLoader(
             dataset,
-            batch_sampler=[rank_slice(batch, rank, per_rank_batch) for plan, update in updates for batch in plan.update_batches(update)],
+            batch_sampler=self._rank_slices(),
             num_workers=num_workers,
             collate_fn=collate,
             pin_memory=device.type == "cuda",
             worker_init_fn=ignore_stop_signals,
         )
 
+    def _plan(self, index: int) -> EpochPlan:
+        while self._next_plan <= index:
+            plan = next(self._plans)
+            if plan.num_updates != self.updates_per_epoch[self._next_plan]:
+                raise RuntimeError(f"bug: epoch {self._next_plan} of the run holds {plan.num_updates} updates, {self.updates_per_epoch[self._next_plan]} counted")
+            self._planned[self._next_plan] = plan
+            self._next_plan += 1
+        return self._planned[index]
+
+    def _updates(self) -> Iterator[tuple[int, int, EpochPlan]]:
+        """(epoch index in the run, update in its plan, plan) of every update the stream gives."""
+        left = self.num_updates
+        for index, count in enumerate(self.updates_per_epoch):
+            plan = self._plan(index)  # every epoch's, one without updates too: the next one starts from its carried items
+            for update_in_plan in range(count):
+                if left == 0:
+                    return
+                left -= 1
+                yield index, update_in_plan, plan
+
+    def _rank_slices(self) -> Iterator[list[int]]:
+        for _, update_in_plan, plan in self._updates():
+            for batch in plan.update_batches(update_in_plan):
+                yield rank_slice(batch, self.rank, self.per_rank_batch)
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {key: value if key == "sample_index" else value.to(self.device, non_blocking=True) for key, value in batch.items()}
+
     def __iter__(self) -> Iterator[Update]:
         batches = iter(self.loader)
         start = self.position
-        left = self.num_updates
-        for index, plan in enumerate(self.plans):
+        epoch_start = start
+        for index, update_in_plan, plan in self._updates():
             epoch = start.epoch + index
-            position = start if index == 0 else DataPosition.epoch_start(epoch, self.plans[index - 1].carried_out)
-            consumed = [position.consumed]
-            for update_in_plan in range(plan.num_updates):
-                if left == 0:
-                    return  # --max_train_updates reached inside the epoch: self.position is where a resume goes on
-                left -= 1
-                update_batches = plan.update_batches(update_in_plan)
-                microbatches = [{key: value.to(self.device, non_blocking=True) for key, value in next(batches).items()} for _ in update_batches]
-                consumed.extend(update_batches)
-                ends_epoch = update_in_plan == plan.num_updates - 1
-                if ends_epoch:
-                    self.position = DataPosition.epoch_start(epoch + 1, plan.carried_out)
-                else:
-                    self.position = DataPosition(epoch, position.updates_in_epoch + update_in_plan + 1, position.carried_in, np.concatenate(consumed))
-                yield Update(epoch, microbatches, sum(len(batch) for batch in update_batches), self.position, ends_epoch)
+            if update_in_plan == 0 and index > 0:
+                epoch_start = DataPosition.epoch_start(epoch, self._planned[index - 1].carried_out)
+                for done in [done for done in self._planned if done < index - 1]:
+                    del self._planned[done]  # the loader has read past those epochs too (it may still need epoch index - 1's)
+            update_batches = plan.update_batches(update_in_plan)
+            microbatches = [self._to_device(next(batches)) for _ in update_batches]
+            ends_epoch = update_in_plan == plan.num_updates - 1
+            if ends_epoch:
+                self.position = DataPosition.epoch_start(epoch + 1, plan.carried_out)
+            else:
+                self.position = DataPosition(
+                    epoch, epoch_start.updates_in_epoch + update_in_plan + 1, epoch_start.carried_in, epoch_start.consumed, plan.batches_through(update_in_plan)
+                )
+            yield Update(epoch, microbatches, int(update_batches.size), self.position, ends_epoch)

@@ -51,7 +51,7 @@ def test_plan_invariants(counts, global_batch, accumulation):
     for seed in range(5):
         plans = planner(counts, global_batch, accumulation, seed).plans(6)
         for plan in plans:
-            assert plan.batches, "these datasets always make at least one update"
+            assert len(plan.batches), "these datasets always make at least one update"
             for batch in plan.batches:
                 assert batch.shape == (global_batch,)
                 assert len(set(ids[batch].tolist())) == 1, "a batch mixes buckets"
@@ -155,7 +155,7 @@ def test_bucket_smaller_than_global_batch_is_always_carried():
 
 def test_no_items_no_batches():
     plan = EpochPlanner(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 2, 1, 0).plan(0, np.zeros(0, dtype=np.int64))
-    assert plan.batches == [] and plan.carried_out.tolist() == []
+    assert len(plan.batches) == 0 and plan.carried_out.tolist() == []
 
 
 def test_a_resume_whose_global_batch_no_bucket_fills_plans_the_rest_of_the_epoch_as_carried_items():
@@ -163,7 +163,7 @@ def test_a_resume_whose_global_batch_no_bucket_fills_plans_the_rest_of_the_epoch
     can form, so every item not yet trained on is carried (the trainer refuses such a run before it starts)."""
     consumed = np.concatenate(planner([6, 5], global_batch=2).plan(0, np.zeros(0, dtype=np.int64)).batches[:4])
     plans = planner([6, 5], global_batch=8).plans(1, 0, None, consumed)
-    assert [plan.batches for plan in plans] == [[]]
+    assert [len(plan.batches) for plan in plans] == [0]
     assert sorted(plans[0].carried_out.tolist()) == sorted(set(range(11)) - set(consumed.tolist()))
 
 
@@ -294,7 +294,7 @@ def test_fuzz_a_resumed_epoch_trains_exactly_the_rest():
         ids, trainable, global_batch, accumulation = random_layout(rng)
         planner = EpochPlanner(ids, trainable, global_batch, accumulation, seed=case)
         straight = planner.plans(3)
-        if not straight[1].batches:
+        if len(straight[1].batches) == 0:
             continue
         stop_after = int(rng.integers(0, straight[1].num_updates + 1))
         consumed = [batch for update in range(stop_after) for batch in straight[1].update_batches(update)]
@@ -314,10 +314,55 @@ class SampleIndices(torch.utils.data.Dataset):
 def streamed(planner: EpochPlanner, global_batch: int, position, max_updates: int) -> tuple[list[list[int]], list[bool], object]:
     """The samples of each update a DataStream gives with --max_train_updates' cap (1 rank), whether each ends
     its epoch, and the position after the last one."""
-    plans = planner.plans(99, position.epoch, position.carried_in, position.consumed, max_updates=max_updates)
-    stream = DataStream(SampleIndices(), plans, position, 0, global_batch, 0, torch.device("cpu"), max_updates)
+    stream = DataStream(SampleIndices(), planner, position, 99, 0, global_batch, 0, torch.device("cpu"), max_updates)
     updates = list(stream)
     return [torch.cat([batch["sample_index"] for batch in update.microbatches]).tolist() for update in updates], [u.ends_epoch for u in updates], stream.position
+
+
+class Tensors(torch.utils.data.Dataset):
+    def __getitem__(self, sample: int) -> dict[str, torch.Tensor]:
+        return {"sample_index": torch.tensor(sample), "latents": torch.zeros(2)}
+
+
+def test_fuzz_the_stream_counts_its_epochs_without_planning_them_and_gives_the_positions_of_the_whole_plans():
+    """DataStream plans one epoch at a time and counts the run's updates up front (by bucket sizes with whole
+    repeats): the counts are those of the plans, and each update's position (what a checkpoint saves) is
+    the one the whole plans give: the epoch's carried-in items and its batches so far. Sample indices stay on
+    the host (no device read for the per-sample generators); the other tensors move to the device."""
+    rng = np.random.default_rng(5)
+    for case in range(60):
+        ids, trainable, global_batch, accumulation = random_layout(rng)
+        repeats = rng.choice([1.0, 2.0, 1.5, 0.5], size=len(ids)) if case % 3 == 0 else None
+        planner = EpochPlanner(ids, trainable, global_batch, accumulation, seed=case, repeats=repeats)
+        num_epochs = int(rng.integers(1, 5))
+        max_updates = int(rng.integers(1, 12)) if case % 2 else None
+        start = DataPosition.epoch_start(0)
+        if case % 4 == 1:  # a resume inside epoch 1
+            first, second = planner.plans(2)
+            done = int(rng.integers(0, second.num_updates + 1))
+            consumed = second.batches_through(done - 1).reshape(-1) if done else np.zeros(0, dtype=np.int64)
+            start = DataPosition(1, done, first.carried_out, consumed)
+        plans = planner.plans(num_epochs, start.epoch, start.carried_in, start.consumed, max_updates)
+        stream = DataStream(Tensors(), planner, start, num_epochs, 0, global_batch, 0, torch.device("meta"), max_updates)
+        assert stream.updates_per_epoch == [plan.num_updates for plan in plans], f"case {case}"
+        expected = [(index, plan, update) for index, plan in enumerate(plans) for update in range(plan.num_updates)][:max_updates]
+        updates = list(stream)
+        assert len(updates) == len(expected) == stream.num_updates
+        for update, (index, plan, update_in_plan) in zip(updates, expected):
+            epoch = start.epoch + index
+            carried_in, consumed = (start.carried_in, start.consumed) if index == 0 else (plans[index - 1].carried_out, np.zeros(0, dtype=np.int64))
+            samples = torch.cat([batch["sample_index"] for batch in update.microbatches])
+            assert samples.tolist() == plan.update_batches(update_in_plan).reshape(-1).tolist()
+            assert all(batch["sample_index"].device.type == "cpu" and batch["latents"].device.type == "meta" for batch in update.microbatches)
+            position = update.position_after
+            if update.ends_epoch:
+                assert (position.epoch, position.updates_in_epoch, position.consumed.tolist()) == (epoch + 1, 0, [])
+                assert position.carried_in.tolist() == plan.carried_out.tolist()
+            else:
+                assert (position.epoch, position.carried_in.tolist()) == (epoch, carried_in.tolist())
+                whole = np.concatenate([consumed, *plan.batches[: (update_in_plan + 1) * accumulation]])
+                assert position.consumed.dtype == np.int64 and position.consumed.tolist() == whole.tolist()
+                assert position.updates_in_epoch == (start.updates_in_epoch if index == 0 else 0) + update_in_plan + 1
 
 
 def test_fuzz_a_run_capped_in_updates_stops_inside_an_epoch_and_a_resume_goes_on_exactly():
@@ -331,7 +376,7 @@ def test_fuzz_a_run_capped_in_updates_stops_inside_an_epoch_and_a_resume_goes_on
         per_epoch = planner.plan(0, np.zeros(0, dtype=np.int64)).num_updates
         if per_epoch == 0:
             plans = planner.plans(99, max_updates=5)  # no epoch can hold an update: planning stops
-            assert len(plans) == 1 and not plans[0].batches
+            assert len(plans) == 1 and len(plans[0].batches) == 0
             continue
         total = int(rng.integers(1, 3 * per_epoch + 2))
         first = int(rng.integers(0, total + 1))
