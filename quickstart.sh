@@ -17,8 +17,6 @@ bash sdxl_process_data_dir.sh \
     --min_resolution 256 --max_resolution 512
 bash train.sh \
     --cached_dataset_dirs "$OUTPUT_DIR/cache" \
-    --pretrained_model_name_or_path "$OUTPUT_DIR/tiny_sdxl" \
-    --min_resolution 256 --max_resolution 512 \
     --num_train_epochs 2 --learning_rate 1e-4 --set_seed 123 \
     --num_inference_steps 10 --num_sample_images 4 \
     --output_dir "$OUTPUT_DIR" --project_name run \

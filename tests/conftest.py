@@ -77,8 +77,7 @@ def trainer_flags(cache_dir: Path | list[Path], pipeline_dir: Path, output_dir: 
     cache_dirs = cache_dir if isinstance(cache_dir, list) else [cache_dir]
     return [
         "--cached_dataset_dirs", *(str(path) for path in cache_dirs),
-        "--pretrained_model_name_or_path", str(pipeline_dir),
-        "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
+        "--pretrained_model_name_or_path", str(pipeline_dir),  # the resolution range comes from the cache
         "--output_dir", str(output_dir), "--project_name", project,
         "--train_batch_size", "1", "--mixed_precision", "fp32", "--set_seed", "5", "--learning_rate", "1e-4",
         "--dataloader_num_workers", "0", "--save_precision", "fp32", "--save_model_every_n_epochs", "0",
