@@ -46,6 +46,7 @@ from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, bucket_co
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
 from sdxl_trainer.ema import ShardedEMA
 from sdxl_trainer.evaluation import Evaluator, PipelineSource, Schedule
+from sdxl_trainer.library_noise import hide_library_progress_bars
 from sdxl_trainer.lr_schedule import LearningRateSchedule, ScheduleName
 from sdxl_trainer.holdout import HOLDOUT_FILE, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
 from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError, load_image_metrics
@@ -572,10 +573,16 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
                 wanted=config.validation_metrics or METRICS,
                 required=set(config.validation_metrics or ()) | named_weights,
                 allow_download=os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""),
-                warn=world.is_main,
+                warn=False,  # said below in one line each, not as Python warnings with their source lines
             )
         except MetricWeightsError as error:
             raise SystemExit(f"Cannot start training: {error}") from error
+        if world.is_main:
+            off_by_reason: dict[str, list[str]] = {}
+            for name, reason in metrics.skipped.items():
+                off_by_reason.setdefault(reason, []).append(name)
+            for reason, names in off_by_reason.items():
+                print(f"Warning: validation metrics {names} are off: {reason}.")
         if metrics.enabled:
             validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, generation, config.validation_source_dirs)
         elif world.is_main:
@@ -686,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(TrainConfig, argv, description=__doc__, quiet=os.environ.get("RANK", "0") != "0")
     if config.estimate_memory:
         return print_memory_estimate(config)
+    hide_library_progress_bars()
     world = init_distributed()
     # Any error on any rank ends every process of the job (see watchdog.py).
     # Rank 0's console also goes to train.log in the run folder (the watchdog's last words included).

@@ -13,6 +13,7 @@ VENV_DIR=${VENV_DIR:-venv}
 [ -x "$VENV_DIR/bin/python" ] || bash create_venv.sh
 gpus=$("$VENV_DIR/bin/python" -c "import torch; print(torch.cuda.device_count())")
 [ "$gpus" -gt 0 ] || gpus=2
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # what torchrun sets for several processes, without its banner
 exec "$VENV_DIR/bin/torchrun" \
     --nproc_per_node "${NUM_PROCESSES:-$gpus}" \
     --nnodes "${NUM_MACHINES:-1}" \
