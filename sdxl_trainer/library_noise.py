@@ -45,6 +45,16 @@ UNACTIONABLE = (
         "No CUDA runtime is found",
         "inductor compiles C++ kernels for the CPU on a machine without a GPU, where the CUDA toolkit is not used",
     ),
+    Unactionable(
+        "torch.distributed.elastic.multiprocessing.api",
+        "Sending process %s closing signal %s",
+        "torchrun stopping the other ranks after one failed: the failing rank printed why (watchdog.py)",
+    ),
+    Unactionable(
+        "torch.distributed.elastic.multiprocessing.api",
+        "failed (exitcode: %s) local_rank: %s",
+        "torchrun naming the failed rank after the rank printed its own message (launcher.py names one that died without)",
+    ),
 )
 
 

@@ -48,9 +48,9 @@ def sample_cache_dir(tmp_path_factory, tiny_pipeline_dir) -> Path:
 
 
 def launcher_command(num_processes: int, script: Path, args: list[str]) -> list[str]:
-    """torchrun with num_processes CPU processes (gloo), as train.sh runs it."""
+    """torchrun with num_processes CPU processes (gloo), through sdxl_trainer.launcher as train.sh runs it."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "sdxl_trainer.launcher",
         "--nproc_per_node", str(num_processes),
         "--master_addr", "127.0.0.1",
         "--master_port", str(free_port()),
