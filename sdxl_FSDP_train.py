@@ -912,7 +912,7 @@ def train(config: TrainConfig, world: World) -> int:
         report=monitor.say,
         last_saved_update=first_update if saved else None,
     )
-    stop = StopRequest()
+    stop = StopRequest(announce=world.is_main)
 
     # ---- training loop ---------------------------------------------------------------------------
     try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -10,6 +12,7 @@ from pathlib import Path
 
 from conftest import REPO_ROOT, process_env
 from sdxl_trainer.parallel import free_port
+from sdxl_trainer.stop_request import StopRequest
 
 COMPILE_ONCE = """
 import json, sys
@@ -108,3 +111,14 @@ def test_importing_the_trainer_prints_nothing_and_leaves_the_image_metric_librar
     )
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout == "[]\n"
+
+
+def test_a_stop_signal_is_announced_by_one_rank_only(capsys):
+    for announce in (True, False):
+        stop = StopRequest(announce=announce)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            stop.restore_handlers()
+        assert stop.signal_name == "SIGTERM"
+        assert capsys.readouterr().out.count("SIGTERM received: finishing the current update") == (1 if announce else 0)
