@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from tqdm import tqdm
 
-from sdxl_trainer.buckets import BUCKET_TABLE_VERSION, categories
+from sdxl_trainer.buckets import BUCKET_TABLE_VERSION, validate_resolution
 from sdxl_trainer.cache import CacheError, CacheSettings, read_cache_info, read_empty_prompt, settings_differences
 from sdxl_trainer.checkpoint import (
     CheckpointError,
@@ -46,6 +46,7 @@ from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, bucket_co
 from sdxl_trainer.diffusion import HuberSchedule, LossType, NoiseSettings, TimestepBias, TimestepSampling, biased_timesteps, build_noise_scheduler, timestep_weights
 from sdxl_trainer.ema import ShardedEMA
 from sdxl_trainer.evaluation import Evaluator, PipelineSource, Schedule
+from sdxl_trainer.library_noise import hide_library_progress_bars
 from sdxl_trainer.lr_schedule import LearningRateSchedule, ScheduleName
 from sdxl_trainer.holdout import HOLDOUT_FILE, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
 from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError, load_image_metrics
@@ -75,9 +76,10 @@ class TrainConfig:
         help="times each --cached_dataset_dirs entry's items are trained per epoch, one number per entry in the same order: 3 = three "
         "copies, each with its own noise and caption draws; 0.5 = a seeded half of the items, another half every epoch; None = 1 for all",
     )
-    pretrained_model_name_or_path: str = option(
-        "stabilityai/stable-diffusion-xl-base-1.0",
-        help="SDXL model to fine-tune: hub id, local diffusers folder, or single-file .safetensors; must be the one the caches were made with",
+    pretrained_model_name_or_path: str | None = option(
+        None,
+        help="SDXL model to fine-tune: hub id, local diffusers folder, or single-file .safetensors; must be the one the caches were made with; "
+        "None = that one, as its cache_info.json names it",
     )
     single_file_config: str = option(
         SDXL_CONFIG_SOURCE, help="diffusers config (hub id or folder) describing a single-file --pretrained_model_name_or_path; only its config files are read"
@@ -88,8 +90,10 @@ class TrainConfig:
     log_every_n_updates: int = option(1, help="write the training scalars every N updates (loss and gradient norm averaged over them)")
     report_to_wandb: bool = option(False, help="also log scalars, sample grids and the config to Weights & Biases (run `wandb login` first, or set WANDB_MODE=offline)")
     wandb_project: str = option("sdxl_finetune", help="Weights & Biases project of the run (the run's name is --project_name)")
-    min_resolution: int = option(512, help="smallest bucket category in px; must equal the caches'")
-    max_resolution: int = option(1024, help="largest bucket category in px; must equal the caches'")
+    min_resolution: int | None = option(None, help="smallest bucket category in px; None = the caches' (read from them); given, it must equal theirs")
+    max_resolution: int | None = option(
+        None, help="largest bucket category in px (also the sample images' size); None = the caches' (read from them); given, it must equal theirs"
+    )
     train_batch_size: int = option(1, help="images per GPU per microbatch")
     gradient_accumulation_steps: int = option(1, help="microbatches per optimizer update; effective batch = train_batch_size x processes x this")
     gradient_reduction: Literal["auto", "every_microbatch", "once_per_update"] = option(
@@ -279,7 +283,8 @@ class TrainConfig:
     estimate_memory: bool = option(
         False,
         help="print this configuration's memory per GPU at full SDXL size, by category, and which cards (16/24/48/80 GB) it fits, "
-        "then exit: the trainer's own code on fake tensors, no GPU, model download or cache needed (minutes on a CPU)",
+        "then exit: the trainer's own code on fake tensors, no GPU, model download or cache needed (minutes on a CPU); "
+        "square --max_resolution latents, 1024 px where it is not given",
     )
     estimate_gpus: int = option(0, help="GPUs (all machines together) --estimate_memory assumes; 0 = this machine's GPUs, 1 without any")
     load_saved_state: str | None = option(
@@ -295,10 +300,13 @@ class TrainConfig:
 
     def validate(self) -> list[str]:
         problems = []
-        try:
-            categories(self.min_resolution, self.max_resolution)
-        except ValueError as error:
-            problems.append(str(error))
+        for name in ("min_resolution", "max_resolution"):
+            if getattr(self, name) is None:
+                continue
+            try:
+                validate_resolution(getattr(self, name), f"--{name}")
+            except ValueError as error:
+                problems.append(str(error))
         for name in ("train_batch_size", "gradient_accumulation_steps", "log_every_n_updates", "num_train_epochs", "start_save_model_epoch", "num_sample_images", "num_inference_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1")
@@ -482,33 +490,32 @@ def cache_vae(info: CacheSettings) -> str | None:
 
 
 def check_caches(config: TrainConfig) -> list[str]:
-    """Every cache must exist and match the trainer's model family, resolution range and bucket table, and
-    all must share one VAE (the one validation decodes with and the export holds) and one caption length.
+    """Every cache must exist and match the trainer's model family and bucket table, and all must share one
+    VAE (the one validation decodes with and the export holds) and one caption length. What the flags leave
+    unset (model, resolution range) is taken from the caches first (take_cache_settings).
     The model is compared by the fingerprint of its VAE and text-encoder configs (read from config files
     only), not by its path, so a moved or re-downloaded model still matches."""
-    problems = []
-    vaes = set()
-    text_lengths = set()
+    infos, problems = {}, []
     for cache_dir in config.cached_dataset_dirs:
         try:
-            info = read_cache_info(cache_dir)
+            infos[cache_dir] = read_cache_info(cache_dir)
         except CacheError as error:
             problems.append(str(error))
-            continue
+    problems = problems or take_cache_settings(config, infos) or model_problems(config)
+    if problems:
+        return problems
+    vaes = set()
+    text_lengths = set()
+    for cache_dir, info in infos.items():
         vaes.add(cache_vae(info))
         text_lengths.add(info.text_max_length // TEXT_MAX_LENGTH * TOKENS_PER_CHUNK)
         wanted = dict(
-            min_resolution=config.min_resolution,
-            max_resolution=config.max_resolution,
             bucket_table_version=BUCKET_TABLE_VERSION,
             model_fingerprint=model_fingerprint(config.pretrained_model_name_or_path, cache_vae(info), config.single_file_config),
         )
         differences = settings_differences(info, dataclasses.replace(info, **wanted), tuple(wanted))
         if differences:
-            problems.append(
-                f"{cache_dir} was made with other settings ({'; '.join(differences)}): re-cache it with this model and "
-                "resolution range, or train with the cache's settings"
-            )
+            problems.append(f"{cache_dir} was made with other settings ({'; '.join(differences)}): re-cache it with this model")
     if len(vaes) > 1:
         names = sorted(vae or "the model's own" for vae in vaes)
         problems.append(f"the caches were encoded with different VAEs ({', '.join(names)}): re-cache them with one")
@@ -517,6 +524,35 @@ def check_caches(config: TrainConfig) -> list[str]:
             f"the caches were encoded with different --max_token_length ({', '.join(map(str, sorted(text_lengths)))}): "
             "re-cache them with one, as a batch may mix their items"
         )
+    return problems
+
+
+def take_cache_settings(config: TrainConfig, infos: dict[Path, CacheSettings]) -> list[str]:
+    """Fill in what the flags leave unset from the caches: the model they were made from and their resolution
+    range (over several caches: the smallest and the largest category; a batch never mixes bucket sizes, so
+    caches of different ranges train together). A flag that is given must agree; returns the conflicts."""
+    problems = []
+    ranges = {
+        "min_resolution": min(infos.items(), key=lambda entry: entry[1].min_resolution),
+        "max_resolution": max(infos.items(), key=lambda entry: entry[1].max_resolution),
+    }
+    for name, (cache_dir, info) in ranges.items():
+        cached, given = getattr(info, name), getattr(config, name)
+        if given is None:
+            setattr(config, name, cached)
+        elif given != cached:
+            problems.append(
+                f"--{name} {given} does not match the caches: {cache_dir} was made with --{name} {cached}; drop the flag "
+                f"(the trainer takes the range from the caches) or re-cache with --{name} {given}"
+            )
+    if config.pretrained_model_name_or_path is None:
+        models = sorted({info.pretrained_model_name_or_path for info in infos.values()})
+        if len(models) > 1:
+            problems.append(f"the caches were made from models named {', '.join(models)}: name the one to train with --pretrained_model_name_or_path")
+        elif problem := model_location_problem(models[0], "the caches' model (as their cache_info.json names it; pass --pretrained_model_name_or_path where it moved)"):
+            problems.append(problem)
+        else:
+            config.pretrained_model_name_or_path = models[0]
     return problems
 
 
@@ -580,7 +616,7 @@ def resolve_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Pat
 def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tuple[Path | None, TrainerState | None]:
     """Model, caches and the checkpoint to resume from, all checked before anything loads; every problem
     is reported at once. Returns the checkpoint folder and its trainer state (None, None for a fresh start)."""
-    problems = model_problems(config) or check_caches(config)
+    problems = check_caches(config)
     resume_dir, checkpoint_problems = resolve_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints", world.is_main)
     problems += checkpoint_problems
     if config.load_saved_state is None and not config.overwrite_run:
@@ -662,10 +698,16 @@ def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDa
                 wanted=config.validation_metrics or METRICS,
                 required=set(config.validation_metrics or ()) | named_weights,
                 allow_download=os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""),
-                warn=world.is_main,
+                warn=False,  # said below in one line each, not as Python warnings with their source lines
             )
         except MetricWeightsError as error:
             raise SystemExit(f"Cannot start training: {error}") from error
+        if world.is_main:
+            off_by_reason: dict[str, list[str]] = {}
+            for name, reason in metrics.skipped.items():
+                off_by_reason.setdefault(reason, []).append(name)
+            for reason, names in off_by_reason.items():
+                print(f"Warning: validation metrics {names} are off: {reason}.")
         if metrics.enabled:
             validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, generation, config.validation_source_dirs)
         elif world.is_main:
@@ -764,7 +806,7 @@ def print_memory_estimate(config: TrainConfig) -> int:
     for reduce_every_microbatch in sorted(reductions, reverse=True):
         settings = EstimateSettings(
             world_size=gpus, train_batch_size=config.train_batch_size, gradient_accumulation_steps=config.gradient_accumulation_steps,
-            resolution=config.max_resolution, compute_dtype=compute_dtype, optimizer=config.optimizer,
+            resolution=config.max_resolution or 1024, compute_dtype=compute_dtype, optimizer=config.optimizer,  # no cache read: SDXL's own size
             gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
             reduce_every_microbatch=reduce_every_microbatch, cpu_offload=config.cpu_offload, use_ema=config.use_ema, ema_on_cpu=config.ema_on_cpu,
             weights_dtype=WEIGHTS_DTYPES[config.weights_dtype],
@@ -785,6 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(TrainConfig, argv, description=__doc__, quiet=os.environ.get("RANK", "0") != "0")
     if config.estimate_memory:
         return print_memory_estimate(config)
+    hide_library_progress_bars()
     world = init_distributed()
     # Any error on any rank ends every process of the job (see watchdog.py).
     # Rank 0's console also goes to train.log in the run folder (the watchdog's last words included).
@@ -1002,7 +1045,7 @@ def train(config: TrainConfig, world: World) -> int:
         report=monitor.say,
         last_saved_update=first_update if saved else None,
     )
-    stop = StopRequest()
+    stop = StopRequest(announce=world.is_main)
 
     # ---- training loop ---------------------------------------------------------------------------
     try:

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from diffusers import StableDiffusionXLPipeline
-
 from sdxl_trainer.config import option, parse_config
 from sdxl_trainer.export import SAVE_DTYPES
-from sdxl_trainer.single_file import save_single_file
+from sdxl_trainer.library_noise import hide_library_progress_bars
+from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, load_pipeline, save_single_file
 
 
 @dataclass
@@ -35,7 +34,8 @@ class ConvertConfig:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(ConvertConfig, argv, description=__doc__)
-    pipeline = StableDiffusionXLPipeline.from_pretrained(config.pipeline, torch_dtype=SAVE_DTYPES[config.save_precision])
+    hide_library_progress_bars()
+    pipeline = load_pipeline(str(config.pipeline), SDXL_CONFIG_SOURCE, SAVE_DTYPES[config.save_precision])
     print(f"Wrote {save_single_file(pipeline, config.output, title=config.output.stem)}")
     return 0
 

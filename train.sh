@@ -13,8 +13,11 @@ VENV_DIR=${VENV_DIR:-venv}
 [ -x "$VENV_DIR/bin/python" ] || bash create_venv.sh
 gpus=$("$VENV_DIR/bin/python" -c "import torch; print(torch.cuda.device_count())")
 [ "$gpus" -gt 0 ] || gpus=2
-exec "$VENV_DIR/bin/torchrun" \
-    --nproc_per_node "${NUM_PROCESSES:-$gpus}" \
+processes=${NUM_PROCESSES:-$gpus}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # what torchrun sets for several processes, without its banner
+# torchrun, less the launcher output that would follow a failing rank's message (sdxl_trainer/launcher.py).
+exec "$VENV_DIR/bin/python" -m sdxl_trainer.launcher \
+    --nproc_per_node "$processes" \
     --nnodes "${NUM_MACHINES:-1}" \
     --node_rank "${MACHINE_RANK:-0}" \
     --master_addr "${MAIN_PROCESS_IP:-127.0.0.1}" \

@@ -128,7 +128,8 @@ def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, des
     if validate is not None:
         problems = validate()
         if problems:
-            parser.error("invalid configuration:\n  " + "\n  ".join(problems))
+            # Not a usage error: the flags parsed, their values are wrong, and each problem names its flag.
+            parser.exit(2, f"{parser.prog}: error: invalid configuration:\n  " + "\n  ".join(problems) + "\n")
     return config
 
 

@@ -143,7 +143,9 @@ def _text_side(model_name_or_path: str, single_file_config: str, text_dtype: tor
 
 
 def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    return module.to(device, dtype).requires_grad_(False).eval()
+    # diffusers warns about any .to(dtype) of a model, even to the dtype it has: cast only where it changes.
+    moved = module.to(device) if module.dtype == dtype else module.to(device, dtype)
+    return moved.requires_grad_(False).eval()
 
 
 def load_text_encoders(

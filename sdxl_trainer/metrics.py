@@ -29,7 +29,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import open_clip
 import torch
 import torchvision
 import torchvision.transforms.functional as TF
@@ -187,10 +186,11 @@ def load_lpips(path: Path) -> nn.Module:
 class HPSScorer(nn.Module):
     """HPSv2.1: cosine similarity of an open_clip model's image and text embeddings."""
 
-    def __init__(self, model: nn.Module, tokenizer: Callable[[list[str]], torch.Tensor]):
+    def __init__(self, model: nn.Module, tokenizer: Callable[[list[str]], torch.Tensor], mean_std: tuple[tuple[float, ...], tuple[float, ...]]):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
+        self.mean_std = mean_std
         size = model.visual.image_size
         self.image_size = size[0] if isinstance(size, (tuple, list)) else int(size)
 
@@ -206,7 +206,7 @@ class HPSScorer(nn.Module):
             pil = TF.resize(pil, [height, width], interpolation=TF.InterpolationMode.BICUBIC)
             pad_height, pad_width = size - height, size - width
             pil = TF.pad(pil, [pad_width // 2, pad_height // 2, pad_width - pad_width // 2, pad_height - pad_height // 2], fill=0)
-        return TF.normalize(TF.to_tensor(pil), open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD)
+        return TF.normalize(TF.to_tensor(pil), *self.mean_std)
 
     @torch.no_grad()
     def forward(self, images: list[torch.Tensor], captions: list[str]) -> torch.Tensor:
@@ -223,8 +223,10 @@ class HPSScorer(nn.Module):
 def load_hps(path: Path, architecture: str = HPS_ARCHITECTURE) -> HPSScorer:
     """open_clip's `architecture` with the HPS checkpoint loaded by open_clip itself: a strict load, tensors
     only (weights_only=True), with its conversions for checkpoints of older open_clip versions (HPSv2's)."""
+    import open_clip  # with timm and wandb, 40% of the trainer's import time: only where HPSv2 is scored
+
     model = open_clip.create_model(architecture, pretrained=str(path), weights_only=True)
-    return HPSScorer(model, open_clip.get_tokenizer(architecture))
+    return HPSScorer(model, open_clip.get_tokenizer(architecture), (open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD))
 
 
 # ---- scoring -------------------------------------------------------------------------------------------

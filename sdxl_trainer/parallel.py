@@ -73,7 +73,11 @@ def use_rank_own_compile_cache(rank: int, world_size: int) -> None:
     pytorch issues 188332 and 188390). Keyed by world size too, as it changes every shard's shape.
     The folders sit in the virtual env (not /tmp, which a reboot empties), so compiled kernels (torchao's
     8-bit AdamW step: minutes on a CPU) are reused by every later run."""
-    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or compile_cache_root()
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if base is None or Path(base) == Path(default_cache_dir()).absolute():
+        # Importing torch._dynamo (diffusers and torchao do) fills the variable with inductor's default in /tmp
+        # when it is unset, so by now that value means "not chosen by the user".
+        base = compile_cache_root()
     own = f"rank{rank}_of_{world_size}"
     if Path(base).name != own:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(base) / own)

@@ -258,15 +258,15 @@ def load_pipeline(model_name_or_path: str, single_file_config: str, dtype: torch
     """A diffusers folder or hub id, or a single-file checkpoint described by `single_file_config`; with
     `vae_name_or_path`, that VAE in place of the model's own (the one a cache was encoded with)."""
     if is_single_file(model_name_or_path):
-        pipeline = StableDiffusionXLPipeline.from_single_file(model_name_or_path, config=single_file_config, torch_dtype=dtype)
+        pipeline = StableDiffusionXLPipeline.from_single_file(model_name_or_path, config=single_file_config, dtype=dtype)
     else:
-        pipeline = StableDiffusionXLPipeline.from_pretrained(model_name_or_path, torch_dtype=dtype)
+        pipeline = StableDiffusionXLPipeline.from_pretrained(model_name_or_path, dtype=dtype)
     if vae_name_or_path:
-        pipeline.vae = AutoencoderKL.from_pretrained(vae_name_or_path, torch_dtype=dtype)
+        pipeline.vae = AutoencoderKL.from_pretrained(vae_name_or_path, dtype=dtype)
     return pipeline
 
 
 def load_unet(model_name_or_path: str, single_file_config: str, dtype: torch.dtype = torch.float32) -> UNet2DConditionModel:
     if is_single_file(model_name_or_path):
-        return UNet2DConditionModel.from_single_file(model_name_or_path, config=single_file_config, subfolder="unet", torch_dtype=dtype)
-    return UNet2DConditionModel.from_pretrained(model_name_or_path, subfolder="unet", torch_dtype=dtype)
+        return UNet2DConditionModel.from_single_file(model_name_or_path, config=single_file_config, subfolder="unet", dtype=dtype)
+    return UNet2DConditionModel.from_pretrained(model_name_or_path, subfolder="unet", dtype=dtype)

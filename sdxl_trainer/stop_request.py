@@ -23,7 +23,9 @@ REPEAT_GRACE_S = 3.0
 
 
 class StopRequest:
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
+        """`announce`: say that the signal arrived (on one rank: every rank gets it, the fact is one)."""
+        self.announce = announce
         self.signal_name: str | None = None
         self._first_signal_at = 0.0
         self._previous_handlers = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
@@ -33,11 +35,12 @@ class StopRequest:
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
             self._first_signal_at = now
-            print(
-                f"{self.signal_name} received: finishing the current update, then saving state "
-                f"(send it again after {REPEAT_GRACE_S:.0f} s to exit at once, without saving).",
-                flush=True,
-            )
+            if self.announce:
+                print(
+                    f"{self.signal_name} received: finishing the current update, then saving state "
+                    f"(send it again after {REPEAT_GRACE_S:.0f} s to exit at once, without saving).",
+                    flush=True,
+                )
         elif now - self._first_signal_at > REPEAT_GRACE_S:
             os._exit(128 + signum)
 

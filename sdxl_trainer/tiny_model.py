@@ -19,6 +19,8 @@ import torch
 from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
+from .library_noise import hide_library_progress_bars
+
 TEXT_MAX_LENGTH = 77
 
 # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json (the published architecture).
@@ -200,6 +202,7 @@ def main() -> None:
     parser.add_argument("output_dir", type=Path, help="folder to write the diffusers pipeline into")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     args = parser.parse_args()
+    hide_library_progress_bars()
     save_tiny_pipeline(args.output_dir, args.seed)
     print(f"Tiny SDXL pipeline written to {args.output_dir}")
 

@@ -9,10 +9,15 @@ JobWatchdog wraps a rank's whole run:
 - an exception (or a SystemExit with a message) on any rank is reported to the job's rendezvous store
   (the TCPStore torchrun and accelerate already run at MASTER_ADDR:MASTER_PORT); the first failing rank
   prints its message, and the process ends with exit code 1 without waiting for anything;
-- a thread in every rank polls the store every POLL_S seconds: when another rank has failed, it prints one
-  line naming that rank and ends its own process, even while the main thread is blocked in a collective;
+- a thread in every rank polls the store every POLL_S seconds: when another rank has failed, it ends its
+  own process, even while the main thread is blocked in a collective;
 - the same thread ends the rank when its launcher is gone (its parent process changed) or the store
   cannot be reached (the launcher on the first machine is gone).
+The failing rank's message is the last thing on its machine's console: it is printed once the other ranks
+have ended (or after ENDED_WAIT_S), on a line of its own, so neither their progress bar nor their output
+follows it. A SystemExit (a refusal or stop every rank reaches alike) is printed alone, any other error
+under one line saying the job stops; the other ranks end silently on that machine, and say in one line
+which rank failed on the other machines.
 DataLoader workers of an ending rank are killed first, as they ignore the signals a launcher sends.
 """
 
@@ -20,21 +25,28 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 import sys
 import threading
+import time
 import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
 
 POLL_S = 1.0
+ENDED_WAIT_S = 2 * POLL_S + 1.0  # the others notice a failure within POLL_S
+FIRST_FAILED_RANK = "first_failed_rank"
+ENDED_RANKS = "ended_ranks"
 STORE_TIMEOUT = timedelta(seconds=60)
 EXIT_CODE = 1
 
 
 def _end_process(message: str) -> None:
-    """Print, kill this rank's worker processes, and exit now (no cleanup that could wait on other ranks)."""
-    print(message, file=sys.stderr, flush=True)
+    """Print (if there is something to say), kill this rank's worker processes, and exit now (no cleanup that
+    could wait on other ranks)."""
+    if message:
+        print(message, file=sys.stderr, flush=True)
     for child in multiprocessing.active_children():
         child.kill()
     sys.stdout.flush()
@@ -55,6 +67,7 @@ class JobWatchdog:
             run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=STORE_TIMEOUT)
             self._store = dist.PrefixStore(f"sdxl_watchdog/{run_id}/", store)
+            self._store.set(f"host_of_rank_{rank}", socket.gethostname())
 
     def __enter__(self) -> JobWatchdog:
         threading.Thread(target=self._watch, name="job-watchdog", daemon=True).start()
@@ -65,17 +78,21 @@ class JobWatchdog:
         if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):
             return False
         message = self.describe(error)
-        first = True
+        failed_rank = self.rank
         if self._store is not None:
             try:
-                first = self._store.add("failures", 1) == 1
-                if first:
-                    self._store.add("first_failed_rank_plus_1", self.rank + 1)  # add, not set: reading it never blocks
+                # Set only if no rank failed before (atomic): the value that holds is the first failed rank.
+                failed_rank = int(self._store.compare_set(FIRST_FAILED_RANK, "", str(self.rank)))
             except Exception:  # noqa: BLE001 - the store may be gone with the launcher; the message still matters
                 pass
-        if first:
-            _end_process(f"[rank {self.rank}] {message}\nThe whole job is stopping (exit code {EXIT_CODE}).")
-        _end_process(f"[rank {self.rank}] Stopping: another rank failed first (see its message).")
+        if failed_rank == self.rank:
+            self._wait_for_the_others_to_end()
+            # A new line first: a progress bar may hold the current one.
+            if isinstance(error, SystemExit) or self.world_size == 1:
+                _end_process(f"\n{message}")
+            _end_process(f"\n[rank {self.rank}] The whole job is stopping (exit code {EXIT_CODE}) after this error:\n{message}")
+        # Every rank reaches the same refusal or stop (SystemExit) alike; the first one prints it.
+        self._end_after_another_rank(failed_rank, quietly=isinstance(error, SystemExit))
         return False  # not reached
 
     def describe(self, error: BaseException) -> str:
@@ -85,6 +102,27 @@ class JobWatchdog:
             return str(error)
         return "".join(traceback.format_exception(error)).rstrip()
 
+    def _wait_for_the_others_to_end(self) -> None:
+        deadline = time.monotonic() + ENDED_WAIT_S
+        try:
+            while self._store is not None and self._store.add(ENDED_RANKS, 0) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store may be gone with the launcher; the message still matters
+            pass
+
+    def _end_after_another_rank(self, failed_rank: int, quietly: bool = False) -> None:
+        """End this rank because `failed_rank` failed first: silently where its message is on this console
+        already (same machine) or `quietly`, else with one line naming it."""
+        try:
+            host = self._store.get(f"host_of_rank_{failed_rank}").decode() if self._store is not None else ""
+            if self._store is not None:
+                self._store.add(ENDED_RANKS, 1)
+        except Exception:  # noqa: BLE001 - the store may be gone with the launcher
+            host = ""
+        if quietly or host == socket.gethostname():
+            _end_process("")
+        _end_process(f"[rank {self.rank}] Stopping because rank {failed_rank}{f' on {host}' if host else ''} failed (its message is on that machine's console).")
+
     def _watch(self) -> None:
         while not self._finished.wait(POLL_S):
             if os.getppid() != self._parent_pid:
@@ -92,12 +130,10 @@ class JobWatchdog:
             if self._store is None:
                 continue
             try:
-                failed = self._store.add("failures", 0) > 0
-                failed_rank = self._store.add("first_failed_rank_plus_1", 0) - 1 if failed else -1
+                failed_rank = int(self._store.get(FIRST_FAILED_RANK)) if self._store.check([FIRST_FAILED_RANK]) else None
             except Exception as error:  # noqa: BLE001 - any store failure means the job is gone
                 if self._finished.is_set():
                     return
                 _end_process(f"[rank {self.rank}] Lost the job's rendezvous store ({error}): the launcher has ended. Stopping.")
-            if failed and not self._finished.is_set():
-                which = f"rank {failed_rank}" if failed_rank >= 0 else "another rank"
-                _end_process(f"[rank {self.rank}] Stopping because {which} failed (see its message).")
+            if failed_rank is not None and not self._finished.is_set():
+                self._end_after_another_rank(failed_rank)

@@ -67,9 +67,9 @@ def sample_cache_dir(tmp_path_factory, tiny_pipeline_dir) -> Path:
 
 
 def launcher_command(num_processes: int, script: Path, args: list[str]) -> list[str]:
-    """torchrun with num_processes CPU processes (gloo), as train.sh runs it."""
+    """torchrun with num_processes CPU processes (gloo), through sdxl_trainer.launcher as train.sh runs it."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "sdxl_trainer.launcher",
         "--nproc_per_node", str(num_processes),
         "--master_addr", "127.0.0.1",
         "--master_port", str(free_port()),
@@ -96,8 +96,7 @@ def trainer_flags(cache_dir: Path | list[Path], pipeline_dir: Path, output_dir: 
     cache_dirs = cache_dir if isinstance(cache_dir, list) else [cache_dir]
     return [
         "--cached_dataset_dirs", *(str(path) for path in cache_dirs),
-        "--pretrained_model_name_or_path", str(pipeline_dir),
-        "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
+        "--pretrained_model_name_or_path", str(pipeline_dir),  # the resolution range comes from the cache
         "--output_dir", str(output_dir), "--project_name", project,
         "--train_batch_size", "1", "--mixed_precision", "fp32", "--set_seed", "5", "--learning_rate", "1e-4",
         "--dataloader_num_workers", "0", "--save_precision", "fp32", "--save_model_every_n_epochs", "0",

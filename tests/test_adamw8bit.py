@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.subclass_8bit import OptimState8bit

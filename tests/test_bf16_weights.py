@@ -70,7 +70,7 @@ def test_updates_below_half_a_bf16_step_land_in_expectation(optimizer_name):
 
 
 def loss_trajectory(world, pipeline_dir, weights_dtype: torch.dtype, optimizer_factory, updates: int = 50) -> np.ndarray:
-    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet", torch_dtype=weights_dtype)
+    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet", dtype=weights_dtype)
     prepare_unet(unet, world, torch.bfloat16)
     step = make_train_step(unet, optimizer_factory(unet.parameters()), pipeline_dir)
     # 8 items seen again every 4 updates: the loss falls fast enough to tell the runs apart in 50 updates.
@@ -100,7 +100,7 @@ def test_bf16_weights_resume_exactly(world, tiny_pipeline_dir, tmp_path, optimiz
     from sdxl_trainer.checkpoint import load_training_state, save_training_state
 
     def fresh():
-        unet = UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet", torch_dtype=torch.bfloat16)
+        unet = UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet", dtype=torch.bfloat16)
         if layout == "fsdp2":
             shard_unet(unet, world.mesh, param_dtype=torch.bfloat16)
         else:

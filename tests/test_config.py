@@ -263,7 +263,63 @@ def test_train_config_defaults(train_config_class):
     config = parse_config(train_config_class, ["--cached_dataset_dirs", "c1", "c2"])
     assert config.cached_dataset_dirs == [Path("c1"), Path("c2")]
     assert config.conditional_dropout_percent == 0.1
-    assert (config.min_resolution, config.max_resolution) == (512, 1024)
+    assert (config.min_resolution, config.max_resolution, config.pretrained_model_name_or_path) == (None, None, None)  # the caches'
+
+
+# --- the trainer takes what its caches record -------------------------------------------------------------
+
+
+def cache_info_copy(cache_dir: Path, destination: Path, **changes) -> Path:
+    """A folder holding `cache_dir`'s cache_info.json with `changes` (all the trainer's cache check reads)."""
+    info = json.loads((cache_dir / "cache_info.json").read_text())
+    destination.mkdir()
+    (destination / "cache_info.json").write_text(json.dumps({**info, **changes}))
+    return destination
+
+
+def test_the_trainer_takes_the_model_and_resolution_range_from_its_cache(train_config_class, sample_cache_dir, tiny_pipeline_dir):
+    from sdxl_FSDP_train import check_caches
+
+    config = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir)])
+    assert check_caches(config) == []
+    assert (config.min_resolution, config.max_resolution) == (256, 512)  # what the conftest cache was made with
+    assert config.pretrained_model_name_or_path == str(tiny_pipeline_dir)
+
+
+def test_a_resolution_flag_that_contradicts_the_cache_is_refused_naming_the_cache_and_the_fix(train_config_class, sample_cache_dir):
+    from sdxl_FSDP_train import check_caches
+
+    agreeing = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), "--min_resolution", "256", "--max_resolution", "512"])
+    assert check_caches(agreeing) == []
+    config = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), "--min_resolution", "512"])
+    assert check_caches(config) == [
+        f"--min_resolution 512 does not match the caches: {sample_cache_dir} was made with --min_resolution 256; drop the flag "
+        "(the trainer takes the range from the caches) or re-cache with --min_resolution 512"
+    ]
+
+
+def test_caches_of_different_ranges_train_together_over_both(train_config_class, sample_cache_dir, tmp_path):
+    from sdxl_FSDP_train import check_caches
+
+    larger = cache_info_copy(sample_cache_dir, tmp_path / "larger", min_resolution=320, max_resolution=768)
+    config = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), str(larger)])
+    assert check_caches(config) == []
+    assert (config.min_resolution, config.max_resolution) == (256, 768)
+
+
+def test_caches_that_name_their_model_differently_need_the_model_flag(train_config_class, sample_cache_dir, tiny_pipeline_dir, tmp_path):
+    from sdxl_FSDP_train import check_caches
+
+    old_place = str(tmp_path / "old_place" / "tiny_sdxl")  # the model's own VAE is recorded under the model's name too
+    moved = cache_info_copy(sample_cache_dir, tmp_path / "moved", pretrained_model_name_or_path=old_place, vae_name_or_path=old_place)
+    config = parse_config(train_config_class, ["--cached_dataset_dirs", str(moved)])
+    (problem,) = check_caches(config)
+    assert f"the caches' model (as their cache_info.json names it; pass --pretrained_model_name_or_path where it moved) {old_place} does not exist" in problem
+    both = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), str(moved)])
+    (problem,) = check_caches(both)
+    assert problem.startswith("the caches were made from models named") and problem.endswith("name the one to train with --pretrained_model_name_or_path")
+    named = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), str(moved), "--pretrained_model_name_or_path", str(tiny_pipeline_dir)])
+    assert check_caches(named) == []  # the same model family (by fingerprint), wherever it lives now
 
 
 def test_train_config_rejects_dropout_percent_as_percent(train_config_class, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -22,6 +23,10 @@ def test_quickstart_trains_and_exports_a_loadable_pipeline(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "Quickstart finished." in result.stdout
     assert "skipped 2 (too small: 2)" in result.stdout  # the two sample images below 256 px
+    # Nothing from the libraries: torch's log lines, Python warnings, their progress bars, a launcher traceback.
+    library_lines = re.compile(r"^(\[rank\d+\]:)?[WE]\d{4} \d\d:\d\d|\.py:\d+: \w*Warning:|^(Loading weights|Loading pipeline components|Writing model shards)|^Traceback|deprecated|Unable to import|kept in float32")
+    console = (result.stdout + result.stderr).replace("\r", "\n").splitlines()
+    assert [line for line in console if library_lines.search(line)] == []
 
     run_dir = output_dir / "run"
     config = json.loads((run_dir / "config.json").read_text())

@@ -24,7 +24,7 @@ LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1
 
 
 def sharded_unet(pipeline_dir: Path, world, weights_dtype: torch.dtype = torch.float32) -> UNet2DConditionModel:
-    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet", torch_dtype=weights_dtype)
+    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet", dtype=weights_dtype)
     shard_unet(unet, world.mesh, param_dtype=None if weights_dtype == torch.float32 else weights_dtype)
     return unet
 

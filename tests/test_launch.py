@@ -1,0 +1,124 @@
+"""How a run starts: where compiled kernels are kept, what train.sh launches, and what the console shows."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from conftest import REPO_ROOT, process_env
+from sdxl_trainer.parallel import free_port
+from sdxl_trainer.stop_request import StopRequest
+
+COMPILE_ONCE = """
+import json, sys
+import torch
+import sdxl_FSDP_train  # the trainer's imports, as in a run (they import torch._dynamo)
+from sdxl_trainer.parallel import init_distributed, shutdown_distributed
+from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+init_distributed()
+torch.compile(lambda x: (x * 2).sin())(torch.ones(8))
+print(json.dumps({"cache_dir": cache_dir(), "counters": dict(counters["inductor"])}))
+shutdown_distributed()
+"""
+
+
+def make_venv(folder: Path) -> Path:
+    """A fresh virtual env that sees this env's packages (through a .pth file): its own sys.prefix, no copies."""
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    site_packages = Path(sysconfig.get_path("purelib", vars={"base": str(folder), "platbase": str(folder)}))
+    (site_packages / "parent_env.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    return folder / "bin" / "python"
+
+
+def test_a_fresh_process_keeps_compiled_kernels_in_its_virtual_env_and_the_next_one_reuses_them(tmp_path):
+    python = make_venv(tmp_path / "venv")
+    env = process_env()
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    runs = []
+    for _ in range(2):
+        result = subprocess.run([str(python), "-c", COMPILE_ONCE], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    expected = tmp_path / "venv" / "compile_cache" / "rank0_of_1"
+    assert [Path(run["cache_dir"]) for run in runs] == [expected, expected]
+    assert (expected / "fxgraph").is_dir()
+    assert runs[0]["counters"].get("fxgraph_cache_miss") == 1
+    assert runs[1]["counters"].get("fxgraph_cache_hit") == 1  # a later run reuses the kernel instead of compiling it again
+
+
+# ---- train.sh: what it starts, and what is left on screen ----------------------------------------------
+
+
+def recording_venv(folder: Path) -> tuple[Path, Path]:
+    """A VENV_DIR whose bin/python writes each call (its pid, arguments and allocator settings) to a log and
+    then becomes this env's python (exec: same pid). Returns the folder and the log."""
+    log = folder / "calls.log"
+    (folder / "bin").mkdir(parents=True)
+    python = folder / "bin" / "python"
+    python.write_text(
+        "#!/bin/sh\n"
+        f'echo "$$ mmap=${{MALLOC_MMAP_THRESHOLD_-unset}} trim=${{MALLOC_TRIM_THRESHOLD_-unset}} $*" >> "{log}"\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    python.chmod(0o755)
+    return folder, log
+
+
+def run_train_sh(tmp_path: Path, processes: int, flags: list[str]) -> tuple[subprocess.Popen, str, list[str]]:
+    """bash train.sh as a user starts it, stdout and stderr on one console; returns the process, its console
+    and the python calls train.sh made."""
+    venv, log = recording_venv(tmp_path / "venv")
+    env = dict(process_env(), VENV_DIR=str(venv), NUM_PROCESSES=str(processes), MAIN_PROCESS_PORT=str(free_port()))
+    env.pop("OMP_NUM_THREADS")  # train.sh decides
+    process = subprocess.Popen(["bash", "train.sh", *flags], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    console, _ = process.communicate(timeout=300)
+    return process, console, log.read_text().splitlines()
+
+
+def test_two_processes_go_through_the_launcher_and_a_bad_flag_is_the_last_line(tmp_path, sample_cache_dir):
+    process, console, calls = run_train_sh(tmp_path, 2, ["--cached_dataset_dirs", str(sample_cache_dir), "--learning_rate", "-1"])
+    assert process.returncode == 2
+    (launch,) = [call for call in calls if "sdxl_FSDP_train.py" in call]
+    assert launch.startswith(f"{process.pid} mmap=unset trim=unset -m sdxl_trainer.launcher --nproc_per_node 2 ")
+    assert console.rstrip().splitlines()[-2:] == ["sdxl_FSDP_train.py: error: invalid configuration:", "  --learning_rate must be > 0, got -1.0"]
+    assert "usage:" not in console  # the flags parsed; their values are wrong
+    assert "Traceback" not in console and "OMP_NUM_THREADS" not in console
+
+
+def test_two_processes_refused_before_training_leave_the_refusal_last(tmp_path, sample_cache_dir):
+    process, console, _ = run_train_sh(tmp_path, 2, ["--cached_dataset_dirs", str(sample_cache_dir), "--max_resolution", "1024", "--output_dir", str(tmp_path)])
+    assert process.returncode == 1
+    assert console.rstrip().splitlines()[-2:] == [
+        "Cannot start training:",
+        f"  --max_resolution 1024 does not match the caches: {sample_cache_dir} was made with --max_resolution 512; drop the flag "
+        "(the trainer takes the range from the caches) or re-cache with --max_resolution 1024",
+    ]
+    assert console.count("Cannot start training:") == 1  # printed once, by the first rank
+    assert "Traceback" not in console and "ChildFailedError" not in console
+
+
+def test_importing_the_trainer_prints_nothing_and_leaves_the_image_metric_libraries_out():
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys, sdxl_FSDP_train; print(sorted(name for name in ('open_clip', 'timm', 'wandb') if name in sys.modules))"],
+        cwd=REPO_ROOT, env=dict(process_env(), PYTHONWARNINGS="default"), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout == "[]\n"
+
+
+def test_a_stop_signal_is_announced_by_one_rank_only(capsys):
+    for announce in (True, False):
+        stop = StopRequest(announce=announce)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            stop.restore_handlers()
+        assert stop.signal_name == "SIGTERM"
+        assert capsys.readouterr().out.count("SIGTERM received: finishing the current update") == (1 if announce else 0)
