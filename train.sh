@@ -14,7 +14,9 @@ VENV_DIR=${VENV_DIR:-venv}
 gpus=$("$VENV_DIR/bin/python" -c "import torch; print(torch.cuda.device_count())")
 [ "$gpus" -gt 0 ] || gpus=2
 processes=${NUM_PROCESSES:-$gpus}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # what torchrun sets for several processes, without its banner
+# What torchrun sets for several processes (without its banner); one process keeps every core, which a CPU
+# optimizer step (--cpu_offload) needs.
+[ "$processes" -le 1 ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # torchrun, less the launcher output that would follow a failing rank's message (sdxl_trainer/launcher.py).
 exec "$VENV_DIR/bin/python" -m sdxl_trainer.launcher \
     --nproc_per_node "$processes" \
