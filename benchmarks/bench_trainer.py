@@ -1,7 +1,7 @@
 """Trainer overhead on CPU with the tiny SDXL: the trainer's update path next to a hand-written loop doing
 the same forward/backward/clip/step on the same batches, in the same run, on 1 and on 2 processes.
 
-    venv/bin/python benchmarks/bench_trainer.py [--updates_per_round 6] [--rounds 3] [--processes 1 2]
+    venv/bin/python benchmarks/bench_trainer.py [--updates_per_round 6] [--rounds 3] [--processes 1 2] [--sessions 2]
 
 The trainer path is what sdxl_FSDP_train.py runs per update: the UNet as prepare_unet leaves it (plain on
 one process, FSDP2-sharded on two), DataLoader over the cache (2 workers), TrainStep (per-sample seeded
@@ -13,6 +13,12 @@ batches already in memory and draws noise from the global RNG:
 - 2 processes: a minimal FSDP2 loop over the trainer's own sharded UNet (target: overhead under 5%).
 Every path has the same optimizer (torchao AdamW8bit), precision (fp32) and gradient checkpointing; the
 paths alternate in rounds so machine noise hits them alike. Data loading should stay under 2% of an update.
+
+Each process count runs side by side under glibc's default allocator settings and under the thresholds
+train.sh sets (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, read from train.sh), alternating for
+--sessions sessions of each; besides the time, the training process's CPU time (all its threads) and minor
+page faults (heap handed back to the OS and faulted in again) per update are counted. Processes start as train.sh starts them:
+python directly for one, the launcher for two.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -122,16 +130,21 @@ def worker(pipeline_dir: Path, cache_dir: Path, output_dir: Path, updates_per_ro
         for run in paths.values():
             run(index)
     times: dict[str, list[float]] = {name: [] for name in paths}
+    faults: dict[str, list[int]] = {name: [] for name in paths}
+    cpu_seconds: dict[str, list[float]] = {name: [] for name in paths}  # all threads of the process: less exposed to a busy machine
     data_seconds_before, seconds_before = throughput.data_seconds, throughput.seconds
     index = warmup
     for _ in range(rounds):
         for name, run in paths.items():
             for offset in range(updates_per_round):
+                faults_before, cpu_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
                 times[name].append(run(index + offset))
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
+                cpu_seconds[name].append(time.process_time() - cpu_before)
         index += updates_per_round
     data_share = (throughput.data_seconds - data_seconds_before) / (throughput.seconds - seconds_before)
     if world.is_main:
-        (output_dir / f"times_{world.world_size}.json").write_text(json.dumps({"times": times, "data_share": data_share}))
+        (output_dir / f"times_{world.world_size}.json").write_text(json.dumps({"times": times, "faults": faults, "cpu_seconds": cpu_seconds, "data_share": data_share}))
     metrics.close()
     shutdown_distributed()
 
@@ -141,6 +154,7 @@ def main() -> None:
     parser.add_argument("--updates_per_round", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    parser.add_argument("--sessions", type=int, default=2, help="runs under each allocator setting, alternating")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -161,24 +175,40 @@ def main() -> None:
              "--min_resolution", "256", "--max_resolution", "512"]
         )
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO_ROOT))
-        reports = {}
+        glibc_defaults = {name: value for name, value in env.items() if not name.startswith("MALLOC_")}
+        allocators = {"glibc defaults": glibc_defaults, "train.sh's thresholds": dict(glibc_defaults, **train_sh_allocator_settings())}
+        reports: dict[tuple[int, str], list[dict]] = {}
         for processes in args.processes:
-            command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port()), __file__,
-                       "--updates_per_round", str(args.updates_per_round), "--rounds", str(args.rounds),
-                       "--worker", str(pipeline_dir), str(cache_dir), tmp]
-            subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
-            reports[processes] = json.loads((Path(tmp) / f"times_{processes}.json").read_text())
-    for processes, report in reports.items():
-        times = {name: np.array(values) for name, values in report["times"].items()}
+            launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "sdxl_trainer.launcher", "--nproc_per_node", str(processes), "--master_port", str(free_port())]
+            command = [*launch, __file__, "--updates_per_round", str(args.updates_per_round), "--rounds", str(args.rounds), "--worker", str(pipeline_dir), str(cache_dir), tmp]
+            for _ in range(args.sessions):
+                for allocator, allocator_env in allocators.items():
+                    subprocess.run(command, check=True, env=allocator_env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+                    reports.setdefault((processes, allocator), []).append(json.loads((Path(tmp) / f"times_{processes}.json").read_text()))
+    print(f"train.sh's allocator settings: {' '.join(f'{name}={value}' for name, value in train_sh_allocator_settings().items())}")
+    for (processes, allocator), sessions in reports.items():
+        times = {name: np.concatenate([session["times"][name] for session in sessions]) for name in sessions[0]["times"]}
+        faults = {name: np.concatenate([session["faults"][name] for session in sessions]) for name in sessions[0]["faults"]}
+        cpu_seconds = {name: np.concatenate([session["cpu_seconds"][name] for session in sessions]) for name in sessions[0]["cpu_seconds"]}
         reference = "plain loop" if processes == 1 else "minimal FSDP2 loop"
-        print(f"{processes} CPU process(es), tiny SDXL UNet, batch {PER_RANK_BATCH} per process, torchao AdamW8bit, fp32, gradient checkpointing")
+        print(f"{processes} CPU process(es), {allocator}, tiny SDXL UNet, batch {PER_RANK_BATCH} per process, torchao AdamW8bit, fp32, "
+              f"gradient checkpointing; {len(sessions)} sessions")
         for name, values in times.items():
-            print(f"  {name:20s}: {values.mean() * 1000:7.1f} ms/update (median {np.median(values) * 1000:.1f})")
+            print(f"  {name:20s}: {values.mean() * 1000:7.1f} ms/update (median {np.median(values) * 1000:.1f}), "
+                  f"CPU {np.median(cpu_seconds[name]) * 1000:7.1f} ms/update (median), {np.median(faults[name]):6.0f} minor page faults/update (median)")
         for name, values in times.items():
             if name != reference:
                 print(f"  {name} / {reference}: {values.mean() / times[reference].mean():.3f} (mean), "
                       f"{np.median(values) / np.median(times[reference]):.3f} (median)")
-        print(f"  data loading: {report['data_share'] * 100:.2f}% of the trainer's update time")
+        data_share = np.mean([session["data_share"] for session in sessions])
+        print(f"  data loading: {data_share * 100:.2f}% of the trainer's update time")
+
+
+def train_sh_allocator_settings() -> dict[str, str]:
+    """The MALLOC_*_ defaults train.sh exports (`export MALLOC_X_=${MALLOC_X_:-value}`), so this measures them as set."""
+    settings = dict(re.findall(r"(MALLOC_\w+_)=\$\{\1:-(\d+)\}", (REPO_ROOT / "train.sh").read_text()))
+    assert settings, "train.sh sets no MALLOC_*_ thresholds"
+    return settings
 
 
 if __name__ == "__main__":

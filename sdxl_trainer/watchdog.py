@@ -60,7 +60,10 @@ class JobWatchdog:
         self.rank = rank
         self.world_size = world_size
         self.expected_errors = expected_errors
-        self._parent_pid = os.getppid()
+        # Under a launcher (torchrun sets TORCHELASTIC_RUN_ID), a launcher that died would leave this rank
+        # training on as an orphan. A process started without one (train.sh with one process) is a program
+        # like any other: it goes on when the shell that started it ends (nohup, a closed terminal).
+        self._parent_pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._finished = threading.Event()
         self._store: dist.Store | None = None
         if world_size > 1:
@@ -125,7 +128,7 @@ class JobWatchdog:
 
     def _watch(self) -> None:
         while not self._finished.wait(POLL_S):
-            if os.getppid() != self._parent_pid:
+            if self._parent_pid is not None and os.getppid() != self._parent_pid:
                 _end_process(f"[rank {self.rank}] The launcher (process {self._parent_pid}) is gone: stopping, so no orphaned rank trains on.")
             if self._store is None:
                 continue

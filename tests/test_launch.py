@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 from conftest import REPO_ROOT, process_env
@@ -82,11 +83,25 @@ def run_train_sh(tmp_path: Path, processes: int, flags: list[str]) -> tuple[subp
     return process, console, log.read_text().splitlines()
 
 
+def test_one_process_starts_the_trainer_itself_without_torchrun_and_its_refusal_is_the_last_line(tmp_path, sample_cache_dir):
+    process, console, calls = run_train_sh(tmp_path, 1, ["--cached_dataset_dirs", str(sample_cache_dir), "--min_resolution", "512", "--output_dir", str(tmp_path)])
+    assert process.returncode == 1
+    # train.sh asks for the GPU count, then execs python on the trainer: the process the user started is the trainer.
+    trainer_calls = [call for call in calls if "sdxl_FSDP_train.py" in call]
+    assert trainer_calls == [f"{process.pid} mmap=33554432 trim=1073741824 sdxl_FSDP_train.py --cached_dataset_dirs {sample_cache_dir} "
+                             f"--min_resolution 512 --output_dir {tmp_path}"]
+    assert console.rstrip().splitlines()[-1] == (
+        f"  --min_resolution 512 does not match the caches: {sample_cache_dir} was made with --min_resolution 256; drop the flag "
+        "(the trainer takes the range from the caches) or re-cache with --min_resolution 512"
+    )
+    assert console.count("Cannot start training:") == 1 and "[rank" not in console
+
+
 def test_two_processes_go_through_the_launcher_and_a_bad_flag_is_the_last_line(tmp_path, sample_cache_dir):
     process, console, calls = run_train_sh(tmp_path, 2, ["--cached_dataset_dirs", str(sample_cache_dir), "--learning_rate", "-1"])
     assert process.returncode == 2
     (launch,) = [call for call in calls if "sdxl_FSDP_train.py" in call]
-    assert launch.startswith(f"{process.pid} mmap=unset trim=unset -m sdxl_trainer.launcher --nproc_per_node 2 ")
+    assert launch.startswith(f"{process.pid} mmap=33554432 trim=1073741824 -m sdxl_trainer.launcher --nproc_per_node 2 ")
     assert console.rstrip().splitlines()[-2:] == ["sdxl_FSDP_train.py: error: invalid configuration:", "  --learning_rate must be > 0, got -1.0"]
     assert "usage:" not in console  # the flags parsed; their values are wrong
     assert "Traceback" not in console and "OMP_NUM_THREADS" not in console
@@ -102,6 +117,33 @@ def test_two_processes_refused_before_training_leave_the_refusal_last(tmp_path, 
     ]
     assert console.count("Cannot start training:") == 1  # printed once, by the first rank
     assert "Traceback" not in console and "ChildFailedError" not in console
+
+
+OUTLIVES_ITS_SHELL = """
+import sys, time
+from pathlib import Path
+from sdxl_trainer.watchdog import POLL_S, JobWatchdog
+
+ready, marker = map(Path, sys.argv[1:])
+with JobWatchdog(rank=0, world_size=1):
+    ready.touch()  # the shell ends now
+    time.sleep(5 * POLL_S)  # several of the watchdog's checks of its parent
+    marker.write_text("still running")
+"""
+
+
+def test_a_trainer_started_without_a_launcher_outlives_the_shell_that_started_it(tmp_path):
+    ready, marker = tmp_path / "ready", tmp_path / "marker"
+    env = process_env()
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    # The shell starts python in the background and ends once python runs under its watchdog, as a closed
+    # terminal or the end of a `nohup bash train.sh &` session would.
+    shell = f'"{sys.executable}" -c "$0" "{ready}" "{marker}" > /dev/null 2>&1 & while [ ! -e "{ready}" ]; do sleep 0.1; done'
+    subprocess.run(["bash", "-c", shell, OUTLIVES_ITS_SHELL], cwd=REPO_ROOT, env=env, check=True, timeout=120)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert marker.exists(), "the trainer ended with the shell that started it"
 
 
 def test_importing_the_trainer_prints_nothing_and_leaves_the_image_metric_libraries_out():
