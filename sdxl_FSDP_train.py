@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal
 
 import numpy as np
 import torch
@@ -66,6 +66,9 @@ from sdxl_trainer.stop_request import StopRequest
 from sdxl_trainer.train_step import TrainStep
 from sdxl_trainer.trained_models import TEXT_ENCODER_NAMES, TrainedModels, text_encoder_label
 from sdxl_trainer.watchdog import JobWatchdog
+
+if TYPE_CHECKING:
+    from sdxl_trainer.memory_estimate import EstimateSettings  # imported when used: torch's memory trackers
 
 
 @dataclass
@@ -786,14 +789,12 @@ def export_model(config: TrainConfig, world, models: TrainedModels, ema: Sharded
 EXPECTED_ERRORS = (CacheError, CheckpointError, ExportError, HoldoutError, MetricWeightsError)  # their messages say it all
 
 
-def print_memory_estimate(config: TrainConfig) -> int:
-    """--estimate_memory: the configuration's peak per GPU at full SDXL size (sdxl_trainer/memory_estimate.py).
-    With --gradient_reduction auto and accumulation, cards under 40 GB reduce every microbatch and larger
-    ones once per update (reduce_every_microbatch), so each card size is judged by its own estimate."""
-    from sdxl_trainer.memory_estimate import EstimateSettings, estimate_memory  # torch's memory trackers: only here
+def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
+    """The per-GPU loads of this configuration that --estimate_memory judges, for config.estimate_gpus GPUs
+    (0: this machine's). With --gradient_reduction auto and accumulation, cards under 40 GB reduce every
+    microbatch and larger ones once per update (reduce_every_microbatch): both loads, every microbatch first."""
+    from sdxl_trainer.memory_estimate import EstimateSettings  # torch's memory trackers: only here
 
-    if os.environ.get("RANK", "0") != "0":
-        return 0
     gpus = config.estimate_gpus or max(torch.cuda.device_count(), 1)
     # auto is bf16 on every GPU since Ampere; fp16 has the same sizes.
     compute_dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.mixed_precision]
@@ -802,20 +803,35 @@ def print_memory_estimate(config: TrainConfig) -> int:
     reductions = {config.gradient_reduction == "every_microbatch"}
     if config.gradient_reduction == "auto" and uses_sharding(gpus, config.cpu_offload):  # a plain module has no reduction to choose
         reductions = {True, False} if config.gradient_accumulation_steps > 1 else {False}
-    print(f"Estimating on fake tensors (no GPU needed; a few minutes on a CPU) for {gpus} GPU{'s' if gpus > 1 else ''}...", flush=True)
-    for reduce_every_microbatch in sorted(reductions, reverse=True):
-        settings = EstimateSettings(
+    return [
+        EstimateSettings(
             world_size=gpus, train_batch_size=config.train_batch_size, gradient_accumulation_steps=config.gradient_accumulation_steps,
             resolution=config.max_resolution or 1024, compute_dtype=compute_dtype, optimizer=config.optimizer,  # no cache read: SDXL's own size
             gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
             reduce_every_microbatch=reduce_every_microbatch, cpu_offload=config.cpu_offload, use_ema=config.use_ema, ema_on_cpu=config.ema_on_cpu,
             weights_dtype=WEIGHTS_DTYPES[config.weights_dtype],
         )  # fmt: skip
+        for reduce_every_microbatch in sorted(reductions, reverse=True)
+    ]
+
+
+def print_memory_estimate(config: TrainConfig) -> int:
+    """--estimate_memory: the configuration's peak per GPU at full SDXL size (sdxl_trainer/memory_estimate.py),
+    each card size judged by its own gradient reduction (memory_settings)."""
+    from sdxl_trainer.memory_estimate import estimate_memory  # torch's memory trackers: only here
+
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    loads = memory_settings(config)
+    gpus = loads[0].world_size
+    print(f"Estimating on fake tensors (no GPU needed; a few minutes on a CPU) for {gpus} GPU{'s' if gpus > 1 else ''}...", flush=True)
+    for settings in loads:
         started = time.perf_counter()
         estimate = estimate_memory(settings)
-        if len(reductions) > 1:
-            cards = "Cards under 40 GB" if reduce_every_microbatch else "Cards of 40 GB and more"
-            print(f"{cards} reduce gradients {'every microbatch' if reduce_every_microbatch else 'once per update'} (--gradient_reduction auto):")
+        if len(loads) > 1:
+            every = settings.reduce_every_microbatch
+            cards = "Cards under 40 GB" if every else "Cards of 40 GB and more"
+            print(f"{cards} reduce gradients {'every microbatch' if every else 'once per update'} (--gradient_reduction auto):")
         print(estimate.report() + f"\n  (estimated in {time.perf_counter() - started:.0f} s)")
     if config.train_text_encoder:
         print("Not included: the trained text encoders (818 M parameters: 10 bytes each with adamw8bit, shared over the GPUs, and their activations).")

@@ -52,9 +52,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
 import gc
+import json
 import math
 import platform
 import shlex
@@ -79,7 +81,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit  # noqa: E402
 
-from sdxl_FSDP_train import resolve_compute_dtype  # noqa: E402
+from sdxl_FSDP_train import WEIGHTS_DTYPES, resolve_compute_dtype  # noqa: E402
 from sdxl_trainer.diffusion import NoiseSettings  # noqa: E402
 from sdxl_trainer.monitor import gather_floats, peak_memory_gib  # noqa: E402
 from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer  # noqa: E402
@@ -125,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tensor by tensor (the trainer's adamw8bit keeps its state and steps many tensors per kernel), to compare with")
     parser.add_argument("--mixed_precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                         help="compute dtype, as the trainer's option: auto = bf16 on GPUs that support it, else fp16; fp32 on the CPU")
+    parser.add_argument("--weights_dtype", choices=tuple(WEIGHTS_DTYPES), default="fp32",
+                        help="the trainer's --weights_dtype: fp32 master weights, or bf16 weights and gradients with stochastic "
+                        "rounding in the optimizer (compute is then bf16)")
+    parser.add_argument("--cpu_offload", action="store_true",
+                        help="the trainer's --cpu_offload: weights, gradients and optimizer state in host memory, the step on the CPU "
+                        "(trainer path only: --reference none)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="regional torch.compile of each transformer and ResNet block (compile_repeated_blocks), in both paths")
     parser.add_argument("--attention", choices=tuple(ATTENTION_BACKENDS), default="sdpa",
@@ -140,6 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "a path that runs out of GPU memory reads OOM")
     parser.add_argument("--output", type=Path, help="also write the table, with the date, device, driver, library versions "
                         "and this command, to this Markdown file (for benchmarks/results/)")
+    parser.add_argument("--json", type=Path, help="also write every row's figures and the run's settings to this JSON file")
     return parser.parse_args(argv)
 
 
@@ -158,6 +167,10 @@ def check_args(args: argparse.Namespace, world_size: int, device: torch.device, 
         problems.append("--attention flash needs bf16 or fp16 on a GPU: use --mixed_precision bf16, or --attention efficient for fp32")
     if args.sweep and (args.batch_size != 1 or not args.gradient_checkpointing):
         problems.append("--sweep runs batch 1, 4 and 8 with checkpointing on and off: drop --batch_size and --no-gradient_checkpointing")
+    if args.cpu_offload and args.reference not in ("none", "auto"):
+        problems.append("--cpu_offload measures the trainer path alone: drop --reference (or pass --reference none)")
+    if args.weights_dtype == "bf16" and args.mixed_precision not in ("auto", "bf16"):
+        problems.append("--weights_dtype bf16 computes in bf16: use --mixed_precision bf16 (or auto on a GPU with bf16)")
     if args.reference == "plain" and world_size > 1:
         problems.append("--reference plain runs an unsharded model and compares only on 1 process: use --reference fsdp2 (or auto) under torchrun")
     return problems
@@ -174,6 +187,7 @@ class PathResult:
     row: Row
     path: str
     seconds_per_step: float | None  # None: ran out of GPU memory
+    first_step_seconds: float | None  # the first warm-up step alone: compilation and the allocator's first requests
     optimizer_seconds: float | None  # of optimizer.step alone; None: out of memory, or every step skipped (fp16 overflow)
     peak_allocated_gib: float | None  # None: not measured (CPU)
     peak_reserved_gib: float | None
@@ -184,6 +198,8 @@ def new_unet(args: argparse.Namespace, row: Row, device: torch.device | str) -> 
     torch.manual_seed(SEED)
     with torch.device(device):
         unet = UNET_BUILDERS[args.model]()
+    if args.weights_dtype != "fp32":  # cast, as the trainer loads fp32 weights in --weights_dtype: the same start in every dtype
+        unet.to(WEIGHTS_DTYPES[args.weights_dtype])
     if row.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     return unet.train()
@@ -216,7 +232,7 @@ def reference_loss(unet: torch.nn.Module, batch: dict[str, torch.Tensor], schedu
 @functools.cache
 def flop_per_image(model: str, resolution: int, gradient_checkpointing: bool) -> float:
     """FLOP of one training image (forward + backward at batch 1, recompute included), counted on the meta device."""
-    args = argparse.Namespace(model=model, resolution=resolution)
+    args = argparse.Namespace(model=model, resolution=resolution, weights_dtype="fp32")  # FLOP do not depend on the weights dtype
     row = Row(1, gradient_checkpointing)
     unet = new_unet(args, row, "meta")
     batch = new_batch(unet, args, row, "meta")
@@ -257,7 +273,12 @@ def make_optimizer(name: str, parameters) -> torch.optim.Optimizer:
 
 
 def trainer_path(args: argparse.Namespace, row: Row, world: World, compute_dtype: torch.dtype) -> Callable[[int], object]:
-    unet = prepare_unet(new_unet(args, row, world.device), world, param_dtype(compute_dtype), compile_blocks=args.compile)
+    return build_trainer(args, row, world, compute_dtype)[1]
+
+
+def build_trainer(args: argparse.Namespace, row: Row, world: World, compute_dtype: torch.dtype) -> tuple[torch.nn.Module, Callable[[int], object]]:
+    """The UNet as the trainer prepares it, and one update of TrainStep over the synthetic batch (update number -> result)."""
+    unet = prepare_unet(new_unet(args, row, world.device), world, param_dtype(compute_dtype), compile_blocks=args.compile, cpu_offload=args.cpu_offload)
     optimizer = make_optimizer(args.optimizer, unet.parameters())
     step = TrainStep(
         unet,
@@ -271,7 +292,7 @@ def trainer_path(args: argparse.Namespace, row: Row, world: World, compute_dtype
         scaler=ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None,
     )
     batch = new_batch(unet, args, row, world.device)
-    return lambda index: step([batch], epoch=index)
+    return unet, lambda index: step([batch], epoch=index)
 
 
 def reference_path(args: argparse.Namespace, row: Row, world: World, compute_dtype: torch.dtype, fsdp2: bool) -> Callable[[int], object]:
@@ -306,12 +327,18 @@ def reference_path(args: argparse.Namespace, row: Row, world: World, compute_dty
     return step
 
 
-def seconds_per_step(step: Callable[[int], object], args: argparse.Namespace, world: World) -> float:
-    """Mean seconds per step over the measured window, of the slowest rank."""
+def seconds_per_step(step: Callable[[int], object], args: argparse.Namespace, world: World) -> tuple[float, float | None]:
+    """Mean seconds per step over the measured window, and of the first warm-up step alone (None without
+    warm-up), each of the slowest rank."""
     backend = ATTENTION_BACKENDS[args.attention]
+    first = None
     with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
         for index in range(args.warmup_steps):
+            started = time.perf_counter()
             step(index)
+            if index == 0:
+                synchronize(world.device)
+                first = max(gather_floats(time.perf_counter() - started, world.device))
         synchronize(world.device)
         dist.barrier()
         started = time.perf_counter()
@@ -319,7 +346,7 @@ def seconds_per_step(step: Callable[[int], object], args: argparse.Namespace, wo
             step(index)
         synchronize(world.device)
         elapsed = time.perf_counter() - started
-    return max(gather_floats(elapsed, world.device)) / args.measured_steps
+    return max(gather_floats(elapsed, world.device)) / args.measured_steps, first
 
 
 def optimizer_seconds(step: Callable[[int], object], args: argparse.Namespace, world: World) -> float | None:
@@ -356,18 +383,18 @@ def run_path(name: str, build: Callable[[], Callable[[int], object]], args: argp
         torch.cuda.reset_peak_memory_stats(world.device)
     try:
         step = build()
-        seconds = seconds_per_step(step, args, world)
+        seconds, first = seconds_per_step(step, args, world)
         optimizer = optimizer_seconds(step, args, world)
         del step
     except torch.OutOfMemoryError:
-        seconds = optimizer = None  # the row reads OOM; the model is freed below, once the handler has dropped the traceback
+        seconds = first = optimizer = None  # the row reads OOM; the model is freed below, once the handler has dropped the traceback
     gc.collect()
     allocated = reserved = None
     if on_gpu:
         allocated = max(gather_floats(peak_memory_gib(world.device), world.device))
         reserved = max(gather_floats(torch.cuda.max_memory_reserved(world.device) / 2**30, world.device))
         torch.cuda.empty_cache()
-    result = PathResult(row, name, seconds, optimizer, allocated, reserved)
+    result = PathResult(row, name, seconds, first, optimizer, allocated, reserved)
     if world.is_main:
         speed = "OOM" if seconds is None else f"{row.batch_size / seconds:.3f} images/s"
         print(f"  batch {row.batch_size}, checkpointing {_on_off(row.gradient_checkpointing)}, {name}: {speed}", flush=True)
@@ -444,7 +471,7 @@ def summary(args: argparse.Namespace, world: World, compute_dtype: torch.dtype, 
         [
             f"- model: {args.model} UNet, random weights; {args.resolution} x {args.resolution} px (latents 4 x {latent} x {latent})",
             f"- {world.world_size} process(es) on {device_name(world.device)}; compute {dtype}; optimizer {args.optimizer}; "
-            f"compile {_on_off(args.compile)}; attention {args.attention}; {args.warmup_steps} warm-up + {args.measured_steps} measured steps per path",
+            f"weights {args.weights_dtype}{'; CPU offload' if args.cpu_offload else ''}; compile {_on_off(args.compile)}; attention {args.attention}; {args.warmup_steps} warm-up + {args.measured_steps} measured steps per path",
             f"- trainer = TrainStep over the UNet as the trainer prepares it ({'FSDP2' if world.world_size > 1 else 'plain, autocast'}); {references[reference]}",
             f"- TFLOP per image, counted (forward + backward, recompute included): {counted_text}{nominal}",
             f"- peak: {peak_flops / 1e12:.4g} TFLOP/s, a {side}^3 {dtype} matmul timed on this device; MFU = images/s x FLOP per image / peak",
@@ -465,14 +492,35 @@ def environment(world: World) -> str:
     )
 
 
+def write_json(path: Path, args: argparse.Namespace, world: World, compute_dtype: torch.dtype, peak_flops: float, results: list[PathResult]) -> None:
+    rows = []
+    for result in results:
+        row = {**dataclasses.asdict(result.row), **{key: value for key, value in dataclasses.asdict(result).items() if key != "row"}}
+        if result.seconds_per_step is not None:
+            images_per_second = result.row.batch_size / result.seconds_per_step
+            flop = flop_per_image(args.model, args.resolution, result.row.gradient_checkpointing)
+            row.update(images_per_second=images_per_second, mfu=images_per_second * flop / peak_flops)
+        rows.append(row)
+    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "device": device_name(world.device), "driver": driver_version(world.device), "torch": torch.__version__,
+        "processes": world.world_size, "compute_dtype": str(compute_dtype).removeprefix("torch."), "peak_flops": peak_flops,
+        "settings": settings, "rows": rows,
+    }, indent=1) + "\n")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world = init_distributed()
-    compute_dtype = resolve_compute_dtype(args.mixed_precision, world.device)
+    compute_dtype = resolve_compute_dtype(args.mixed_precision, world.device, args.weights_dtype)
     problems = check_args(args, world.world_size, world.device, compute_dtype)
     if problems:
         raise SystemExit("Cannot run the benchmark:\n  " + "\n  ".join(problems))
-    reference = args.reference if args.reference != "auto" else ("plain" if world.world_size == 1 else "fsdp2")
+    reference = args.reference
+    if reference == "auto":  # a plain loop over bf16 weights (no stochastic rounding) or offloaded ones is not a peer
+        plain_peer = args.weights_dtype == "fp32" and not args.cpu_offload
+        reference = ("plain" if world.world_size == 1 else "fsdp2") if plain_peer else "none"
     if world.device.type == "cuda":
         # As the trainer's --allow_tf32 default: TF32 for whatever fp32 matmuls and convolutions remain.
         torch.backends.cuda.matmul.fp32_precision = "tf32"
@@ -499,6 +547,9 @@ def main(argv: list[str] | None = None) -> int:
             title = f"# Training throughput: {args.model} UNet, {args.resolution} px, {world.world_size} process(es)"
             args.output.write_text(f"{title}\n\n{environment(world)}\n{report}\n")
             print(f"Written to {args.output}")
+        if args.json:
+            write_json(args.json, args, world, compute_dtype, peak_flops, results)
+            print(f"Written to {args.json}")
     shutdown_distributed()
     return 0
 

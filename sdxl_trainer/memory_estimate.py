@@ -33,13 +33,17 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from diffusers import DDPMScheduler, UNet2DConditionModel
-from torch._C._distributed_c10d import FakeStore
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+
+try:
+    from torch._C._distributed_c10d import FakeStore
+except ImportError:  # torch before 2.12 (the lent GPUs' image has 2.11): importing its fake process group registers it
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .diffusion import NoiseSettings
 from .ema import ShardedEMA
@@ -191,29 +195,78 @@ class _PlainPeakTracker(_PeakOfCounted, MemTracker):
 
 
 @contextlib.contextmanager
-def _fake_world(world_size: int) -> Iterator[World]:
-    """A process group of world_size ranks, this process rank 0, whose collectives move nothing."""
+def _fake_world(world_size: int, device: torch.device) -> Iterator[World]:
+    """A process group of world_size ranks, this process rank 0, whose collectives move nothing: on a GPU,
+    this process then holds what one GPU of the run holds (gathered buffers hold no real weights)."""
     if dist.is_initialized():
         raise RuntimeError("the memory estimate needs its own fake process group: run it outside a training run")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
-        device = torch.device("cpu")
         yield World(0, world_size, 0, device, init_device_mesh(device.type, (world_size,)))
     finally:
         dist.destroy_process_group()
 
 
-def _synthetic_microbatch(unet: UNet2DConditionModel, batch_size: int, resolution: int) -> dict[str, torch.Tensor]:
+def _synthetic_microbatch(unet: UNet2DConditionModel, batch_size: int, resolution: int, device: torch.device) -> dict[str, torch.Tensor]:
     """A cached batch's tensors for one microbatch (values do not matter to the estimate, only shapes)."""
     config = unet.config
     side = resolution // 8
-    return {
-        "latents": torch.zeros(batch_size, config.in_channels, side, side, dtype=torch.bfloat16),
-        "prompt_embeds": torch.zeros(batch_size, TEXT_MAX_LENGTH, config.cross_attention_dim, dtype=torch.bfloat16),
-        "pooled_prompt_embeds": torch.zeros(batch_size, _pooled_width(unet), dtype=torch.bfloat16),
-        "time_ids": torch.full((batch_size, 6), float(resolution)),
-        "sample_index": torch.arange(batch_size),
-    }
+    with torch.device(device):
+        return {
+            "latents": torch.zeros(batch_size, config.in_channels, side, side, dtype=torch.bfloat16),
+            "prompt_embeds": torch.zeros(batch_size, TEXT_MAX_LENGTH, config.cross_attention_dim, dtype=torch.bfloat16),
+            "pooled_prompt_embeds": torch.zeros(batch_size, _pooled_width(unet), dtype=torch.bfloat16),
+            "time_ids": torch.full((batch_size, 6), float(resolution)),
+            "sample_index": torch.arange(batch_size),
+        }
+
+
+@dataclass
+class _Run:
+    """One configuration built by the trainer's code, ready for _train_two_updates."""
+
+    unet: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    ema: ShardedEMA | None
+    train_step: TrainStep
+    microbatches: list[dict[str, torch.Tensor]]
+
+
+def _build_run(settings: EstimateSettings, world: World, unet_config: dict) -> _Run:
+    with _default_dtype(settings.weights_dtype), world.device:  # Module.to() cannot swap fake parameters for others
+        unet = UNet2DConditionModel(**unet_config)
+    if settings.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    unet.train()
+    param_dtype = None if settings.compute_dtype == torch.float32 else settings.compute_dtype
+    prepare_unet(unet, world, param_dtype, settings.reshard_after_forward, cpu_offload=settings.cpu_offload)
+    optimizer = build_optimizer(settings.optimizer, unet.parameters(), 1e-5, 1e-2, (0.9, None), 1e-8)
+    ema = ShardedEMA(unet, 0.9999, on_cpu=settings.ema_on_cpu) if settings.use_ema else None
+    empty_prompt = (torch.zeros(TEXT_MAX_LENGTH, unet.config.cross_attention_dim), torch.zeros(_pooled_width(unet)))
+    train_step = TrainStep(
+        unet, optimizer, LearningRateSchedule("constant", 1e-5, 0, 1), _training_scheduler(),
+        NoiseSettings(conditional_dropout_percent=0.1), tuple(tensor.to(world.device) for tensor in empty_prompt), run_seed=0,
+        max_grad_norm=1.0, ema=ema, reduce_every_microbatch=settings.reduce_every_microbatch,
+    )  # fmt: skip
+    # A microbatch past the second adds nothing new: its gradients land where the second's did.
+    microbatches = [
+        _synthetic_microbatch(unet, settings.train_batch_size, settings.resolution, world.device)
+        for _ in range(min(settings.gradient_accumulation_steps, 2))
+    ]
+    return _Run(unet, optimizer, ema, train_step, microbatches)
+
+
+def _train_two_updates(run: _Run) -> bool:
+    """The first update only steps the optimizer, on zero gradients laid out as backward leaves them: it
+    creates the optimizer's state as a first update does (its forward and backward, without that state, need
+    less than the second's, and cost as much time on fake tensors as a whole update). The second is a whole
+    update. Returns whether the second stepped (a non-finite loss or gradient norm skips the step)."""
+    for parameter in run.unet.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    result = run.train_step(run.microbatches, epoch=0)
+    return result.stepped
 
 
 def estimate_memory(settings: EstimateSettings, unet_config: dict | None = None, fake: bool = True) -> MemoryEstimate:
@@ -222,39 +275,17 @@ def estimate_memory(settings: EstimateSettings, unet_config: dict | None = None,
     truth is known (the tests compare both on the tiny UNet)."""
     unet_config = unet_config or SDXL_UNET_CONFIG
     tensors = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with _fake_world(settings.world_size) as world, tensors, tracing(TracingContext(FakeTensorMode())):
-        with _default_dtype(settings.weights_dtype):  # Module.to() cannot swap fake parameters for others
-            unet = UNet2DConditionModel(**unet_config)
-        if settings.gradient_checkpointing:
-            unet.enable_gradient_checkpointing()
-        unet.train()
-        param_dtype = None if settings.compute_dtype == torch.float32 else settings.compute_dtype
-        prepare_unet(unet, world, param_dtype, settings.reshard_after_forward, cpu_offload=settings.cpu_offload)
-        optimizer = build_optimizer(settings.optimizer, unet.parameters(), 1e-5, 1e-2, (0.9, None), 1e-8)
-        ema = ShardedEMA(unet, 0.9999, on_cpu=settings.ema_on_cpu) if settings.use_ema else None
-        empty_prompt = (torch.zeros(TEXT_MAX_LENGTH, unet.config.cross_attention_dim), torch.zeros(_pooled_width(unet)))
-        train_step = TrainStep(
-            unet, optimizer, LearningRateSchedule("constant", 1e-5, 0, 1), _training_scheduler(),
-            NoiseSettings(conditional_dropout_percent=0.1), empty_prompt, run_seed=0, max_grad_norm=1.0, ema=ema,
-            reduce_every_microbatch=settings.reduce_every_microbatch,
-        )  # fmt: skip
+    with _fake_world(settings.world_size, torch.device("cpu")) as world, tensors, tracing(TracingContext(FakeTensorMode())):
+        run = _build_run(settings, world, unet_config)
+        unet, optimizer, ema = run.unet, run.optimizer, run.ema
         sharded = isinstance(unet, FSDPModule)
         tracker = _FSDPPeakTracker(unet, optimizer) if sharded else _PlainPeakTracker(unet)
         categories = _FSDP_CATEGORIES if sharded else _PLAIN_CATEGORIES
         tracker.counted = tuple(category for category in categories if not (settings.cpu_offload and category in _OFFLOADED))
         if not sharded:
             tracker.track_external(unet, optimizer)
-        # A microbatch past the second adds nothing new: its gradients land where the second's did.
-        microbatches = [_synthetic_microbatch(unet, settings.train_batch_size, settings.resolution) for _ in range(min(settings.gradient_accumulation_steps, 2))]
         with tracker:
-            # The first update only steps the optimizer, on zero gradients laid out as backward leaves them: it
-            # creates the optimizer's state as a first update does (its forward and backward, without that
-            # state, need less than the second's, and cost as much time on fake tensors as a whole update).
-            for parameter in unet.parameters():
-                parameter.grad = torch.zeros_like(parameter)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            train_step(microbatches, epoch=0)
+            _train_two_updates(run)
         by_category = dict.fromkeys(CATEGORIES, 0)
         for category, size in tracker.gpu_peak_snapshot.items():
             if category in tracker.counted:
@@ -272,6 +303,43 @@ def estimate_memory(settings: EstimateSettings, unet_config: dict | None = None,
         if settings.cpu_offload:
             host_bytes += 2 * local_parameter_bytes(unet) + state_bytes  # weights and gradients (in the weights' dtype), the optimizer's state
         return MemoryEstimate(settings, by_category, host_bytes, sum(parameter.numel() for parameter in unet.parameters()))
+
+
+@dataclass
+class MeasuredMemory:
+    """What one GPU really held for a configuration (measure_memory): torch's allocator statistics."""
+
+    peak_allocated: int  # bytes: torch.cuda.max_memory_allocated over both updates
+    peak_reserved: int  # bytes: the caching allocator's peak, fragmentation included
+    stepped: bool  # False: the second update was skipped (non-finite), so its step's temporaries are missing
+    out_of_memory: bool  # the run did not fit under cap_gib
+
+
+def measure_memory(settings: EstimateSettings, device: torch.device, cap_gib: float | None = None, unet_config: dict | None = None) -> MeasuredMemory:
+    """The estimate's two updates for real on one GPU, which holds what one GPU of a `settings.world_size`
+    run holds (a fake process group: collectives move nothing, so a sharded run's gathered weights are not
+    real ones and its loss may come out non-finite; `stepped` says so). The peak counts from after the model
+    is built and prepared, as the estimate's does; cap_gib limits what the process may allocate
+    (torch.cuda.set_per_process_memory_fraction), as on a card of that size."""
+    with _fake_world(settings.world_size, device) as world:
+        run = _build_run(settings, world, unet_config or SDXL_UNET_CONFIG)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        if cap_gib is not None:
+            torch.cuda.set_per_process_memory_fraction(min(cap_gib * GIB / torch.cuda.get_device_properties(device).total_memory, 1.0), device)
+        stepped, out_of_memory = False, False
+        try:
+            stepped = _train_two_updates(run)
+            torch.cuda.synchronize(device)
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        measured = MeasuredMemory(torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device), stepped, out_of_memory)
+        del run
+        torch.cuda.empty_cache()
+        return measured
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ from diffusers import UNet2DConditionModel
 from sdxl_trainer.memory_estimate import GIB, UNTRACKED_GIB, UNTRACKED_SHARE, EstimateSettings, MemoryEstimate, estimate_memory
 from sdxl_trainer.tiny_model import TINY_UNET_CONFIG
 
+from conftest import REPO_ROOT
+
 
 def settings(world_size: int, optimizer: str, **changes) -> EstimateSettings:
     values = dict(
@@ -114,3 +116,24 @@ def test_cuda_allocator_grows_segments_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     use_expandable_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_each_shipped_config_is_checked_with_the_reduction_of_its_card():
+    """benchmarks/gpu_memory_check.py runs each config's load for its card: with --gradient_reduction auto and
+    accumulation, a 24 GB card reduces every microbatch and an 80 GB one once per update, as the trainer does."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_memory_check", REPO_ROOT / "benchmarks" / "gpu_memory_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    loads = {path.name: (check.card_gib(path), check.load_for_card(path)) for path in check.CONFIGS}
+    card, consumer = loads["2x24gb_consumer.toml"]
+    assert (card, consumer.world_size, consumer.gradient_accumulation_steps, consumer.reduce_every_microbatch) == (24, 2, 4, True)
+    card, datacenter = loads["8x80gb_datacenter.toml"]
+    assert (card, datacenter.world_size, datacenter.gradient_accumulation_steps, datacenter.reduce_every_microbatch) == (80, 8, 2, False)
+    assert datacenter.use_ema and not consumer.use_ema
+    card, bf16 = loads["1x24gb_bf16.toml"]
+    assert (card, bf16.world_size, bf16.weights_dtype, bf16.compute_dtype) == (24, 1, torch.bfloat16, torch.bfloat16)
+    assert loads["1x24gb_offload.toml"][1].cpu_offload
+    with pytest.raises(SystemExit, match="<gpus>x<card>gb_<purpose>.toml"):
+        check.card_gib(REPO_ROOT / "configs" / "consumer.toml")

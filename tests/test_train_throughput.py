@@ -5,6 +5,7 @@ reference = the hand-written FSDP2 loop); plus its FLOP count, its table and its
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -51,9 +52,9 @@ def assert_measured(row: dict[str, str]) -> None:
 
 
 def test_sweep_on_one_process(tmp_path):
-    output = tmp_path / "results" / "tiny.md"
+    output, figures = tmp_path / "results" / "tiny.md", tmp_path / "results" / "tiny.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--sweep", "--output", str(output)],
+    result = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--sweep", "--output", str(output), "--json", str(figures)],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-6000:]
     rows = table_rows(result.stdout)
@@ -70,6 +71,13 @@ def test_sweep_on_one_process(tmp_path):
     for fact in ("date:", "device: CPU", "driver n/a (CPU)", "torch 2.", "diffusers ", "torchao ", "command (1 process)", "--sweep"):
         assert fact in written, fact
     assert "peak resident size" in result.stdout
+    written = json.loads(figures.read_text())
+    assert (written["processes"], written["compute_dtype"], written["settings"]["sweep"]) == (1, "float32", True)
+    assert len(written["rows"]) == len(rows)
+    for row, figure in zip(rows, written["rows"]):
+        assert (str(figure["batch_size"]), figure["path"]) == (row["batch"], row["path"])
+        assert f"{figure['images_per_second']:.3f}" == row["images/s per GPU"]
+        assert figure["first_step_seconds"] is None  # no warm-up step to time
 
 
 def test_two_processes_compare_with_the_fsdp2_loop():
@@ -95,14 +103,44 @@ def test_flop_count_on_meta_equals_a_real_run(bench, checkpointing):
         assert counted > bench.flop_per_image("tiny", 32, False)
 
 
+def test_bf16_weights_start_from_the_fp32_weights_rounded(bench):
+    row = bench.Row(1, True)
+    fp32 = bench.new_unet(bench.parse_args(["--model", "tiny", "--resolution", "32"]), row, "cpu")
+    bf16 = bench.new_unet(bench.parse_args(["--model", "tiny", "--resolution", "32", "--weights_dtype", "bf16"]), row, "cpu")
+    for (name, full), (_, rounded) in zip(fp32.named_parameters(), bf16.named_parameters()):
+        assert rounded.dtype == torch.bfloat16, name
+        torch.testing.assert_close(rounded, full.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_numerics_compare_each_precision_with_fp32(tmp_path):
+    """gpu_numerics.py on the tiny UNet (fp16 only on a GPU): the same start and draws in every precision."""
+    output = tmp_path / "numerics.json"
+    env = dict(os.environ, PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_numerics.py"), "--model", "tiny", "--resolution", "32",
+                             "--updates", "2", "--optimizer", "adamw", "--output", str(output)],
+                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-6000:]
+    rows = {row["precision"]: row for row in json.loads(output.read_text())["rows"]}
+    assert list(rows) == ["fp32", "bf16", "bf16 weights"]
+    assert rows["fp32"]["weight_change_error"] == rows["fp32"]["max_loss_difference"] == 0.0
+    for precision in ("bf16", "bf16 weights"):
+        row = rows[precision]
+        assert len(row["losses"]) == 2
+        assert 0 < row["max_loss_difference"] < 0.02, row  # same start and noise: bf16 rounding only
+        assert row["weight_change_error"] > 0.01, row  # rounding shows in the update
+    # bf16 weights move by whole bf16 steps (stochastic rounding), far from fp32's small update per weight.
+    assert rows["bf16 weights"]["weight_change_error"] > rows["bf16"]["weight_change_error"]
+    assert "largest loss difference" in result.stdout
+
+
 def test_table_marks_out_of_memory_and_divides_by_the_reference(bench):
     args = bench.parse_args(["--model", "tiny", "--resolution", "32"])  # FLOP counts cached by the test above
     fits, too_big = bench.Row(2, True), bench.Row(8, False)
     results = [
-        bench.PathResult(fits, "reference (plain)", 0.5, 0.05, 3.0, 4.0),
-        bench.PathResult(fits, "trainer", 0.55, None, 2.5, 3.0),  # fp16: every timed step skipped on overflow
-        bench.PathResult(too_big, "reference (plain)", None, None, 70.0, 79.0),
-        bench.PathResult(too_big, "trainer", 0.9, 0.2, 60.0, 70.0),
+        bench.PathResult(fits, "reference (plain)", 0.5, 20.0, 0.05, 3.0, 4.0),
+        bench.PathResult(fits, "trainer", 0.55, 21.0, None, 2.5, 3.0),  # fp16: every timed step skipped on overflow
+        bench.PathResult(too_big, "reference (plain)", None, None, None, 70.0, 79.0),
+        bench.PathResult(too_big, "trainer", 0.9, 30.0, 0.2, 60.0, 70.0),
     ]
     rows = table_rows(bench.table(results, peak_flops=1e12, args=args))
     assert float(rows[1]["step time / reference"]) == pytest.approx(1.1)
