@@ -79,6 +79,12 @@ class TrainConfig:
         help="times each --cached_dataset_dirs entry's items are trained per epoch, one number per entry in the same order: 3 = three "
         "copies, each with its own noise and caption draws; 0.5 = a seeded half of the items, another half every epoch; None = 1 for all",
     )
+    dataset_loss_weights: list[float] | None = option(
+        None,
+        help="a weight for each --cached_dataset_dirs entry's training loss, one number per entry in the same order (kohya's prior_loss_weight, "
+        "OneTrainer's concept loss_weight): each sample's loss is multiplied by its cache's weight before the batch mean, so 0.5 halves "
+        "that cache's pull on the weights; the validation loss stays unweighted; None = 1 for all",
+    )
     pretrained_model_name_or_path: str | None = option(
         None,
         help="SDXL model to fine-tune: hub id, local diffusers folder, or single-file .safetensors; must be the one the caches were made with; "
@@ -323,6 +329,12 @@ class TrainConfig:
             problems.append(f"--dataset_repeats needs one number per --cached_dataset_dirs entry ({len(self.cached_dataset_dirs)}), got {len(self.dataset_repeats)}")
         if any(not 0 < repeat < math.inf for repeat in self.dataset_repeats or ()):
             problems.append(f"--dataset_repeats must be > 0 and finite (leave a cache out instead of 0), got {self.dataset_repeats}")
+        if self.dataset_loss_weights is not None and len(self.dataset_loss_weights) != len(self.cached_dataset_dirs):
+            problems.append(
+                f"--dataset_loss_weights needs one number per --cached_dataset_dirs entry ({len(self.cached_dataset_dirs)}), got {len(self.dataset_loss_weights)}"
+            )
+        if any(not 0 < weight < math.inf for weight in self.dataset_loss_weights or ()):
+            problems.append(f"--dataset_loss_weights must be > 0 and finite (leave a cache out instead of 0), got {self.dataset_loss_weights}")
         if self.validation_source_dirs is not None and len(self.validation_source_dirs) != len(self.cached_dataset_dirs):
             problems.append("--validation_source_dirs needs one image folder per --cached_dataset_dirs entry, in the same order")
         if not self.sample_prompts.is_file():
@@ -896,7 +908,7 @@ def train(config: TrainConfig, world: World) -> int:
     torch.manual_seed(seed + world.rank)
 
     # ---- data ------------------------------------------------------------------------------------
-    dataset = CachedDataset(config.cached_dataset_dirs)
+    dataset = CachedDataset(config.cached_dataset_dirs, config.dataset_loss_weights)
     global_batch_size = config.train_batch_size * world.world_size
     bucket_ids = dataset.bucket_ids()
     # Held-out items are chosen once per run (the same on every rank), saved, and never trained on.

@@ -42,10 +42,12 @@ REPEATS_STREAM = 11  # seed-sequence entry of the fractional-repeat draws, apart
 
 
 class CachedDataset(Dataset):
-    """All items of the given caches. Item i's tensors are read from its shard on access."""
+    """All items of the given caches. Item i's tensors are read from its shard on access. With
+    `loss_weights` (one per cache, --dataset_loss_weights) each item also carries its cache's "loss_weight"."""
 
-    def __init__(self, cache_dirs: list[Path]):
+    def __init__(self, cache_dirs: list[Path], loss_weights: list[float] | None = None):
         self.cache_dirs = list(cache_dirs)
+        self.loss_weights = None if loss_weights is None else [float(weight) for weight in loss_weights]
         tables = []
         for cache_index, cache_dir in enumerate(self.cache_dirs):
             table = load_manifest(cache_dir)
@@ -93,6 +95,8 @@ class CachedDataset(Dataset):
         tensors = self._reader(int(self.cache_index[index])).read(self.shard[index], int(self.index_in_shard[index]))
         tensors["time_ids"] = torch.from_numpy(self.time_ids[index])
         tensors["sample_index"] = torch.tensor(sample, dtype=torch.int64)
+        if self.loss_weights is not None:
+            tensors["loss_weight"] = torch.tensor(self.loss_weights[int(self.cache_index[index])], dtype=torch.float32)
         return tensors
 
 

@@ -261,8 +261,12 @@ def training_loss(
     run_seed: int,
     epoch: int,
     settings: NoiseSettings,
+    sample_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean loss of one microbatch against the scheduler's target (fp32; see sample_losses)."""
+    """Mean loss of one microbatch against the scheduler's target (fp32; see sample_losses). sample_weights
+    (B,): each sample's loss is multiplied by its weight before the mean (--dataset_loss_weights), as kohya's
+    per-sample loss weights (prior_loss_weight) and OneTrainer's concept loss_weight do: not renormalised, so
+    a weight below 1 lowers that dataset's share of the gradient and the loss's scale alike."""
     latents = batch["latents"].float()
     randomness = draw_sample_randomness(latents, batch["sample_index"], run_seed, epoch, settings)
     prompt_embeds, pooled = condition_on_captions(batch, randomness.drop_caption, empty_prompt)
@@ -280,4 +284,7 @@ def training_loss(
         target = noise_scheduler.get_velocity(latents, randomness.noise, randomness.timesteps)
     else:
         target = randomness.noise
-    return sample_losses(prediction, target, randomness.timesteps, noise_scheduler, settings).mean()
+    losses = sample_losses(prediction, target, randomness.timesteps, noise_scheduler, settings)
+    if sample_weights is not None:
+        losses = losses * sample_weights.to(losses.device, torch.float32)
+    return losses.mean()

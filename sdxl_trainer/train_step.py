@@ -104,7 +104,9 @@ class TrainStep:
             if self.caption_encoder is not None:
                 batch, trained_empty_prompt = self.caption_encoder(batch, epoch)
                 empty_prompt = trained_empty_prompt or empty_prompt
-            loss = training_loss(self.unet, batch, self.noise_scheduler, empty_prompt, self.run_seed, epoch, self.noise_settings)
+            loss = training_loss(
+                self.unet, batch, self.noise_scheduler, empty_prompt, self.run_seed, epoch, self.noise_settings, batch.get("loss_weight")
+            )
             loss = loss / len(microbatches)  # the mean over the update's samples, normalised once
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()

@@ -7,6 +7,7 @@ sample's generator; validation loss untouched by them; and the configuration che
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -384,6 +385,60 @@ def test_every_draw_is_reproducible_per_seed_epoch_and_sample_and_options_leave_
     assert torch.equal(without.input_noise, without.noise)
 
 
+# --- per-dataset loss weights (--dataset_loss_weights) --------------------------------------------------
+
+
+class ScaleUNet(torch.nn.Module):
+    """Predicts the noisy input times one weight, so a sample's loss and gradient are easy to compare."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(0.7))
+        # The widths objective_batch's caption embeddings have (the empty prompt is made to match them).
+        self.config = SimpleNamespace(cross_attention_dim=32, projection_class_embeddings_input_dim=32 + 6 * 8, addition_time_embed_dim=8)
+
+    def forward(self, sample, timestep, encoder_hidden_states, added_cond_kwargs):
+        return type("Output", (), {"sample": sample * self.scale})
+
+
+def test_dataset_loss_weights_weight_each_samples_loss_and_gradient_in_the_update(world, tiny_pipeline_dir):
+    """Two samples from caches weighted 1 and 0.25: the update's loss is (l0 + 0.25 l1) / 2 and its gradient
+    (g0 + 0.25 g1) / 2, where l_i and g_i are each sample's own, from an update of it alone (its noise and
+    timestep come from its own generator, so they are the same in both)."""
+    from unet_batches import make_train_step
+
+    unet = ScaleUNet()
+    step = make_train_step(unet, torch.optim.SGD(unet.parameters(), lr=0.0), tiny_pipeline_dir, max_grad_norm=0.0)
+    batch = objective_batch(2)
+    alone = [step([{key: value[i : i + 1] for key, value in batch.items()}], epoch=0) for i in range(2)]
+    gradients = []
+    for result in alone:
+        assert result.stepped
+    for i in range(2):  # the gradient's sign, which the update's norm drops: recomputed with autograd
+        loss = training_loss(unet, {key: value[i : i + 1] for key, value in batch.items()}, step.noise_scheduler, step.empty_prompt, step.run_seed, 0, step.noise_settings)
+        gradients.append(torch.autograd.grad(loss, unet.scale)[0].item())
+    assert [abs(gradient) for gradient in gradients] == pytest.approx([result.grad_norm for result in alone], rel=1e-5)
+
+    weighted = step([{**batch, "loss_weight": torch.tensor([1.0, 0.25])}], epoch=0)
+    assert weighted.loss == pytest.approx((alone[0].loss + 0.25 * alone[1].loss) / 2, rel=1e-5)
+    assert weighted.grad_norm == pytest.approx(abs(gradients[0] + 0.25 * gradients[1]) / 2, rel=1e-5)
+    unweighted = step([batch], epoch=0)
+    assert unweighted.loss == pytest.approx((alone[0].loss + alone[1].loss) / 2, rel=1e-5)
+    assert weighted.loss < unweighted.loss
+
+
+def test_each_cache_hands_its_loss_weight_to_its_items(sample_cache_dir):
+    from sdxl_trainer.data import CachedDataset, collate
+
+    plain = CachedDataset([sample_cache_dir, sample_cache_dir])
+    assert "loss_weight" not in plain[0]
+    weighted = CachedDataset([sample_cache_dir, sample_cache_dir], loss_weights=[1.0, 0.25])
+    half = len(weighted) // 2
+    assert [weighted[i]["loss_weight"].item() for i in (0, half - 1, half, len(weighted) - 1)] == [1.0, 1.0, 0.25, 0.25]
+    assert collate([weighted[0], weighted[half]])["loss_weight"].tolist() == [1.0, 0.25]
+    assert weighted[half + 2 * len(weighted)]["loss_weight"].item() == 0.25  # a repeat's copy keeps its cache's weight
+
+
 # --- configuration --------------------------------------------------------------------------------------
 
 
@@ -416,6 +471,8 @@ def train_config(*flags: str):
         (["--ip_noise_gamma", "-0.1"], "--ip_noise_gamma must be >= 0"),
         (["--ip_noise_gamma_random_strength"], "--ip_noise_gamma_random_strength has no effect without --ip_noise_gamma"),
         (["--noise_offset_random_strength"], "--noise_offset_random_strength has no effect without --noise_offset"),
+        (["--dataset_loss_weights", "1", "2"], "--dataset_loss_weights needs one number per --cached_dataset_dirs entry (1), got 2"),
+        (["--dataset_loss_weights", "0"], "--dataset_loss_weights must be > 0 and finite (leave a cache out instead of 0), got [0.0]"),
     ],
 )
 def test_config_rejects_timestep_options_that_contradict_or_do_nothing(flags, message, capsys):
