@@ -821,7 +821,7 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
             resolution=config.max_resolution or 1024, compute_dtype=compute_dtype, optimizer=config.optimizer,  # no cache read: SDXL's own size
             gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
             reduce_every_microbatch=reduce_every_microbatch, cpu_offload=config.cpu_offload, use_ema=config.use_ema, ema_on_cpu=config.ema_on_cpu,
-            weights_dtype=WEIGHTS_DTYPES[config.weights_dtype],
+            weights_dtype=WEIGHTS_DTYPES[config.weights_dtype], train_text_encoder=config.train_text_encoder,
         )  # fmt: skip
         for reduce_every_microbatch in sorted(reductions, reverse=True)
     ]
@@ -845,8 +845,6 @@ def print_memory_estimate(config: TrainConfig) -> int:
             cards = "Cards under 40 GB" if every else "Cards of 40 GB and more"
             print(f"{cards} reduce gradients {'every microbatch' if every else 'once per update'} (--gradient_reduction auto):")
         print(estimate.report() + f"\n  (estimated in {time.perf_counter() - started:.0f} s)")
-    if config.train_text_encoder:
-        print("Not included: the trained text encoders (818 M parameters: 10 bytes each with adamw8bit, shared over the GPUs, and their activations).")
     return 0
 
 

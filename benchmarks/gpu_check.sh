@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The GPU battery: what only a GPU can show, in one command of about 9 minutes on one H100/H200.
+# The GPU battery: what only a GPU can show, in one command of at most 10 minutes on one H100/H200.
 #   bash benchmarks/gpu_check.sh [OUTPUT_DIR]     (default benchmarks/results/DATE-GPU)
 # Writes OUTPUT_DIR/gpu_check.log (everything printed) and OUTPUT_DIR/gpu_check.json (every part's figures):
 #   1. throughput of the trainer's step on the full-size UNet at 1024 px: batch 1, 4, 8 with gradient
 #      checkpointing on and off (img/s, MFU, peak memory, the first update's seconds: compilation)
 #   2. each shipped config's per-GPU load run for real, capped at its card's size, next to --estimate_memory's
-#      figure (gpu_memory_check.py; the estimates come from benchmarks/results/memory_estimates.json if present)
-#   3. batch 4: the trainer's step next to a plain PyTorch loop; torchao's own AdamW8bit instead of ours;
-#      --weights_dtype bf16; --cpu_offload
-#   4. bf16 and fp16 training against fp32 over a few updates (gpu_numerics.py)
+#      figure (gpu_memory_check.py; the estimates come from benchmarks/results/memory_estimates.json if
+#      present), with the time of a whole update: this covers --weights_dtype bf16 and --cpu_offload
+#   3. batch 4: the trainer's step next to a plain PyTorch loop, and torchao's own AdamW8bit instead of ours
+#   4. bf16, fp16 and bf16 weights against fp32 training over a few updates (gpu_numerics.py)
 # Each part has its own time limit: one that fails or runs out of time is logged and the next one runs.
 #   PYTHON   the interpreter (default: venv/bin/python, else python3)
 set -uo pipefail
@@ -29,12 +29,20 @@ export PYTHONUNBUFFERED=1
 # One compile cache for every part: a kernel compiled by one (our 8-bit AdamW step) is reused by the next.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$parts/inductor}
 
-part() {  # part SECONDS NAME PYTHON-ARGS...
+part() {  # part SECONDS NAME PYTHON-ARGS...: the part's JSON goes to $parts/NAME.json
     local seconds=$1 name=$2 started=$SECONDS
     shift 2
     echo "=== $name (at most $seconds s): $PYTHON $*" | tee -a "$log"
     timeout --kill-after=15 "$seconds" "$PYTHON" "$@" 2>&1 | grep -v -E "Warning|warnings.warn|^ *$" | tee -a "$log"
     echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - started)) s" | tee -a "$log"
+    # Every finished part's JSON in one file, keyed by part name (a part that failed is absent), rewritten
+    # after each part so that what ran is kept if the battery is cut short.
+    "$PYTHON" -c "
+import json, sys
+from pathlib import Path
+parts = {path.stem: json.loads(path.read_text()) for path in sorted(Path(sys.argv[1]).glob('*.json'))}
+Path(sys.argv[2]).write_text(json.dumps(parts, indent=1) + '\\n')
+" "$parts" "$OUTPUT_DIR/gpu_check.json"
 }
 
 {
@@ -44,22 +52,12 @@ part() {  # part SECONDS NAME PYTHON-ARGS...
 } | tee "$log"
 
 throughput="benchmarks/train_throughput.py --warmup_steps 2 --measured_steps 4"
-part 130 sweep $throughput --sweep --reference none --json "$parts/sweep.json"
+part 120 sweep $throughput --sweep --reference none --json "$parts/sweep.json"
 estimates=()
 [ -f benchmarks/results/memory_estimates.json ] && estimates=(--estimates benchmarks/results/memory_estimates.json)
-part 150 memory benchmarks/gpu_memory_check.py --measure "${estimates[@]}" --output "$parts/memory.json"
+part 230 memory benchmarks/gpu_memory_check.py --measure "${estimates[@]}" --output "$parts/memory.json"
 part 60 plain_reference $throughput --batch_size 4 --reference plain --json "$parts/plain_reference.json"
-part 50 torchao_adamw8bit $throughput --batch_size 4 --reference none --optimizer torchao_adamw8bit --json "$parts/torchao_adamw8bit.json"
-part 45 bf16_weights $throughput --batch_size 4 --weights_dtype bf16 --json "$parts/bf16_weights.json"
-part 70 numerics benchmarks/gpu_numerics.py --output "$parts/numerics.json"
-part 90 cpu_offload benchmarks/train_throughput.py --warmup_steps 1 --measured_steps 2 --batch_size 4 --cpu_offload --json "$parts/cpu_offload.json"
-
-# Every part's JSON in one file, keyed by part name (a part that failed is absent).
-"$PYTHON" - "$parts" "$OUTPUT_DIR/gpu_check.json" <<'EOF'
-import json, sys
-from pathlib import Path
-parts = {path.stem: json.loads(path.read_text()) for path in sorted(Path(sys.argv[1]).glob("*.json"))}
-Path(sys.argv[2]).write_text(json.dumps(parts, indent=1) + "\n")
-print(f"{len(parts)} part(s) in {sys.argv[2]}: {', '.join(parts)}")
-EOF
+part 90 torchao_adamw8bit $throughput --batch_size 4 --reference none --optimizer torchao_adamw8bit --json "$parts/torchao_adamw8bit.json"
+part 75 numerics benchmarks/gpu_numerics.py --output "$parts/numerics.json"
+echo "Written: $log and $OUTPUT_DIR/gpu_check.json"
 rm -rf "$parts"

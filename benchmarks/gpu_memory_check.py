@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from sdxl_FSDP_train import TrainConfig, memory_settings  # noqa: E402
 from sdxl_trainer.config import parse_config  # noqa: E402
 from sdxl_trainer.memory_estimate import GIB, EstimateSettings, estimate_memory, measure_memory  # noqa: E402
+from sdxl_trainer.parallel import use_expandable_segments, use_rank_own_compile_cache  # noqa: E402
 
 CONFIGS = sorted((REPO_ROOT / "configs").glob("*.toml"))
 LARGE_CARD_GIB = 40  # --gradient_reduction auto: cards from this size reduce once per update
@@ -103,11 +104,12 @@ def measure_all(estimates: dict[str, dict]) -> list[dict]:
             measured_reserved_gib=measured.peak_reserved / GIB,
             measured_out_of_memory=measured.out_of_memory,
             measured_update_stepped=measured.stepped,
+            measured_update_seconds=measured.update_seconds,
             measured_seconds=time.perf_counter() - started,
         )
         if "estimated_tracked_gib" in row:
             row["measured_over_estimated"] = row["measured_allocated_gib"] / row["estimated_tracked_gib"]
-        fit = "OUT OF MEMORY" if measured.out_of_memory else "fits"
+        fit = "OUT OF MEMORY" if measured.out_of_memory else f"fits, a whole update (accumulation {min(settings.gradient_accumulation_steps, 2)}) took {measured.update_seconds:.2f} s"
         print(
             f"{config_path.name} capped at {card} GiB: {fit}; peak allocated {row['measured_allocated_gib']:.2f} GiB, reserved "
             f"{row['measured_reserved_gib']:.2f} GiB; estimated {row.get('estimated_tracked_gib', float('nan')):.2f} tracked, "
@@ -130,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure:
         if not torch.cuda.is_available():
             raise SystemExit("--measure needs a GPU: run --estimate on a machine without one")
+        # As the trainer runs one process: expandable segments (set before CUDA's allocator starts), and its compile cache.
+        use_expandable_segments()
+        use_rank_own_compile_cache(rank=0, world_size=1)
         estimates = {row["config"]: row for row in json.loads(args.estimates.read_text())["rows"]} if args.estimates else {}
         rows = measure_all(estimates)
         device = torch.cuda.get_device_name(0)

@@ -164,14 +164,21 @@ def load_text_encoders(
         if not trains:
             prepared.append(_frozen(encoder, device, dtype))
             continue
-        encoder = encoder.to(device, trained_dtype).requires_grad_(True).train()
-        if checkpointed:
-            encoder.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint per layer
-        if isinstance(encoder, CLIPTextModel):
-            encoder.encoder.layers[-1].requires_grad_(False)
-            encoder.final_layer_norm.requires_grad_(False)
-        prepared.append(encoder)
+        prepared.append(trainable_text_encoder(encoder.to(device, trained_dtype), checkpointed))
     return tokenizers, tuple(prepared)  # type: ignore[return-value]
+
+
+def trainable_text_encoder(encoder: CLIPTextModel | CLIPTextModelWithProjection, checkpointed: bool) -> torch.nn.Module:
+    """The encoder in train mode with gradients (load_text_encoders' trained ones; the memory estimate's), in
+    place, each CLIP layer's activations recomputed in backward with checkpointed=True. CLIP-L's last layer
+    and final norm stay frozen (see load_text_encoders)."""
+    encoder.requires_grad_(True).train()
+    if checkpointed:
+        encoder.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint per layer
+    if isinstance(encoder, CLIPTextModel):
+        encoder.encoder.layers[-1].requires_grad_(False)
+        encoder.final_layer_norm.requires_grad_(False)
+    return encoder
 
 
 def load_encoders(

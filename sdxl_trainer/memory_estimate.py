@@ -2,7 +2,9 @@
 
 The trainer's own code builds the full-size UNet and trains it (prepare_unet with its sharding, mixed
 precision, gradient checkpointing and CPU offload; build_optimizer; TrainStep with its microbatches and
-gradient reduction; ShardedEMA) for two updates, the first of which only creates the optimizer's state, on
+gradient reduction; ShardedEMA; with --train_text_encoder both full-size text encoders, prepared as the
+trainer prepares them and encoding 75-token captions each step through StepCaptionEncoder) for two
+updates, the first of which only creates the optimizer's state, on
 fake tensors (FakeTensorMode: shapes, dtypes and strides, no storage) over a fake process group of the
 requested size (collectives that move nothing). torch's FSDPMemTracker (MemTracker for one process's
 plain module) counts every tensor that would be alive, by category, and the estimate keeps the peak. What
@@ -27,8 +29,9 @@ How the fake run is made to stand for a GPU run:
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,12 +48,15 @@ try:
 except ImportError:  # torch before 2.12 (the lent GPUs' image has 2.11): importing its fake process group registers it
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from .captions import CaptionVariation, StepCaptionEncoder
 from .diffusion import NoiseSettings
+from .encoding import trainable_text_encoder
 from .ema import ShardedEMA
 from .lr_schedule import LearningRateSchedule
 from .optimizers import build_optimizer, local_optimizer_state_bytes
-from .parallel import World, local_parameter_bytes, prepare_unet
-from .tiny_model import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, TEXT_MAX_LENGTH
+from .parallel import World, local_parameter_bytes, prepare_text_encoder, prepare_unet
+from .tiny_model import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, TEXT_MAX_LENGTH, build_full_size_text_encoders, sdxl_tokenizers
+from .trained_models import TEXT_ENCODER_NAMES, TrainedModels
 from .train_step import TrainStep
 
 GIB = 2**30
@@ -94,6 +100,7 @@ class EstimateSettings:
     use_ema: bool
     ema_on_cpu: bool
     weights_dtype: torch.dtype = torch.float32  # of the trained weights and their gradients (--weights_dtype)
+    train_text_encoder: bool = False  # both text encoders trained too, captions encoded each step (caption mode)
 
 
 @dataclass
@@ -102,6 +109,7 @@ class MemoryEstimate:
     gpu_peak_by_category: dict[str, int]  # bytes at the GPU's peak, by CATEGORIES
     host_bytes: int  # host memory the run keeps for the whole run: offloaded state (pinned), an EMA on the CPU
     unet_parameters: int
+    trained_parameters: int  # the UNet's, and the trained text encoders' (without CLIP-L's frozen last layer)
 
     @property
     def gpu_peak(self) -> int:
@@ -119,7 +127,9 @@ class MemoryEstimate:
     def report(self) -> str:
         settings = self.settings
         lines = [
-            f"Estimated memory per GPU: full-size SDXL UNet ({self.unet_parameters / 1e9:.2f} B parameters), {settings.world_size} "
+            f"Estimated memory per GPU: full-size SDXL UNet ({self.unet_parameters / 1e9:.2f} B parameters)"
+            + (f" and both text encoders ({(self.trained_parameters - self.unet_parameters) / 1e9:.2f} B trained)" if settings.train_text_encoder else "")
+            + f", {settings.world_size} "
             f"GPU{'s' if settings.world_size > 1 else ''}, batch {settings.train_batch_size} x {settings.gradient_accumulation_steps} "
             f"accumulation at {settings.resolution}x{settings.resolution} px, {settings.optimizer}, "
             f"compute {str(settings.compute_dtype).removeprefix('torch.')}"
@@ -170,13 +180,20 @@ class _PeakOfCounted:
 
 
 class _FSDPPeakTracker(_PeakOfCounted, FSDPMemTracker):
+    def __init__(self, run: _Run):
+        super().__init__(run.unet, run.optimizer)
+        # Every FSDP module the run trains is instrumented (torch's tracker takes one FSDP root; the trained
+        # text encoders are FSDP modules beside the UNet under TrainedModels).
+        self._root_mod = run.trained
+        self.microbatch_start = run.microbatch_start
+
     def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
         tracked_pre_forward = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
 
         def pre_forward(*args, **kwargs):
-            # Each microbatch is a new iteration to the tracker, which refuses a second forward of the root
+            # Each microbatch is a new iteration to the tracker, which refuses a second forward of a module
             # while its per-module statistics of the last one are kept.
-            if fsdp_mod is self._root_mod and not self._mod_tracker.is_bw:
+            if fsdp_mod is self.microbatch_start and not self._mod_tracker.is_bw:
                 self.reset_mod_stats()
             return tracked_pre_forward(*args, **kwargs)
 
@@ -184,12 +201,20 @@ class _FSDPPeakTracker(_PeakOfCounted, FSDPMemTracker):
 
 
 class _PlainPeakTracker(_PeakOfCounted, MemTracker):
-    def __init__(self, root: torch.nn.Module):
+    def __init__(self, run: _Run):
         super().__init__()
-        self.root = root
+        self.microbatch_start = run.microbatch_start
+        self.track_external(run.trained, run.optimizer)
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        # torch's tracker hooks every parameter of a module for its gradient, and a frozen one (CLIP-L's last
+        # layer, with trained text encoders) cannot take a hook: a module holding any frozen parameter installs
+        # none, and its trainable parameters get theirs from the submodules that hold them.
+        frozen = any(not parameter.requires_grad for parameter in module.parameters())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks and not frozen)
 
     def _pre_fw_hook(self, module, inputs) -> None:
-        if module is self.root and not self._mod_tracker.is_bw:  # as _FSDPPeakTracker's pre_forward
+        if module is self.microbatch_start and not self._mod_tracker.is_bw:  # as _FSDPPeakTracker's pre_forward
             self.reset_mod_stats()
         super()._pre_fw_hook(module, inputs)
 
@@ -221,18 +246,32 @@ def _synthetic_microbatch(unet: UNet2DConditionModel, batch_size: int, resolutio
         }
 
 
+# A caption of 74 words: with its start and end tokens it fills the 77 tokens that one text-encoder pass reads.
+ESTIMATE_CAPTION = " ".join(["photo"] * 74)
+
+
 @dataclass
 class _Run:
     """One configuration built by the trainer's code, ready for _train_two_updates."""
 
     unet: torch.nn.Module
+    trained: torch.nn.Module  # the UNet, or TrainedModels with the trained text encoders
     optimizer: torch.optim.Optimizer
     ema: ShardedEMA | None
     train_step: TrainStep
     microbatches: list[dict[str, torch.Tensor]]
 
+    @property
+    def microbatch_start(self) -> torch.nn.Module:
+        """The first module a microbatch runs (the first of text encoder 1's FSDP modules, or the encoder itself
+        when plain, in caption mode; else the UNet): where the trackers start a new iteration."""
+        if self.trained is self.unet:
+            return self.unet
+        first_encoder = getattr(self.trained, TEXT_ENCODER_NAMES[0])
+        return next((module for module in first_encoder.modules() if isinstance(module, FSDPModule)), first_encoder)
 
-def _build_run(settings: EstimateSettings, world: World, unet_config: dict) -> _Run:
+
+def _build_run(settings: EstimateSettings, world: World, unet_config: dict, text_encoder_builder: Callable[[], tuple] | None) -> _Run:
     with _default_dtype(settings.weights_dtype), world.device:  # Module.to() cannot swap fake parameters for others
         unet = UNet2DConditionModel(**unet_config)
     if settings.gradient_checkpointing:
@@ -240,52 +279,80 @@ def _build_run(settings: EstimateSettings, world: World, unet_config: dict) -> _
     unet.train()
     param_dtype = None if settings.compute_dtype == torch.float32 else settings.compute_dtype
     prepare_unet(unet, world, param_dtype, settings.reshard_after_forward, cpu_offload=settings.cpu_offload)
-    optimizer = build_optimizer(settings.optimizer, unet.parameters(), 1e-5, 1e-2, (0.9, None), 1e-8)
+    trained, caption_encoder = unet, None
+    if settings.train_text_encoder:
+        # As the trainer's caption mode with --train_text_encoder: both encoders trained at the UNet's rate.
+        with _default_dtype(settings.weights_dtype), world.device:
+            encoders = (text_encoder_builder or build_full_size_text_encoders)()
+        for encoder in encoders:
+            trainable_text_encoder(encoder, settings.gradient_checkpointing)
+            prepare_text_encoder(encoder, world, param_dtype, settings.reshard_after_forward, cpu_offload=settings.cpu_offload)
+        trained = TrainedModels(unet, dict(zip(TEXT_ENCODER_NAMES, encoders)))
+        caption_encoder = StepCaptionEncoder((sdxl_tokenizers(), encoders), [ESTIMATE_CAPTION], CaptionVariation(), 0, 1, world.device, trains=True)
+    groups = trained.parameter_groups(1e-5, dict.fromkeys(TEXT_ENCODER_NAMES, 1e-5)) if trained is not unet else unet.parameters()
+    optimizer = build_optimizer(settings.optimizer, groups, 1e-5, 1e-2, (0.9, None), 1e-8)
     ema = ShardedEMA(unet, 0.9999, on_cpu=settings.ema_on_cpu) if settings.use_ema else None
     empty_prompt = (torch.zeros(TEXT_MAX_LENGTH, unet.config.cross_attention_dim), torch.zeros(_pooled_width(unet)))
     train_step = TrainStep(
         unet, optimizer, LearningRateSchedule("constant", 1e-5, 0, 1), _training_scheduler(),
         NoiseSettings(conditional_dropout_percent=0.1), tuple(tensor.to(world.device) for tensor in empty_prompt), run_seed=0,
-        max_grad_norm=1.0, ema=ema, reduce_every_microbatch=settings.reduce_every_microbatch,
+        max_grad_norm=1.0, ema=ema, reduce_every_microbatch=settings.reduce_every_microbatch, caption_encoder=caption_encoder,
     )  # fmt: skip
     # A microbatch past the second adds nothing new: its gradients land where the second's did.
     microbatches = [
         _synthetic_microbatch(unet, settings.train_batch_size, settings.resolution, world.device)
         for _ in range(min(settings.gradient_accumulation_steps, 2))
     ]
-    return _Run(unet, optimizer, ema, train_step, microbatches)
+    return _Run(unet, trained, optimizer, ema, train_step, microbatches)
 
 
-def _train_two_updates(run: _Run) -> bool:
-    """The first update only steps the optimizer, on zero gradients laid out as backward leaves them: it
-    creates the optimizer's state as a first update does (its forward and backward, without that state, need
-    less than the second's, and cost as much time on fake tensors as a whole update). The second is a whole
-    update. Returns whether the second stepped (a non-finite loss or gradient norm skips the step)."""
-    for parameter in run.unet.parameters():
-        parameter.grad = torch.zeros_like(parameter)
+def _zero_gradients(run: _Run) -> None:
+    """Gradients as backward leaves them, for _train_two_updates' first update. Made before a tracker starts,
+    which then counts them as gradients (on the host under CPU offload, where FSDP2 keeps them); made under
+    it, they would count as activations on the GPU."""
+    for parameter in run.trained.parameters():
+        if parameter.requires_grad:
+            parameter.grad = torch.zeros_like(parameter)
+
+
+def _train_two_updates(run: _Run, device: torch.device) -> tuple[bool, float]:
+    """The first update only steps the optimizer, on the zero gradients of _zero_gradients: it creates the
+    optimizer's state as a first update does (its forward and backward, without that state, need less than
+    the second's, and cost as much time on fake tensors as a whole update). The second is a whole update.
+    Returns whether the second stepped (a non-finite loss or gradient norm skips the step), and its seconds."""
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
+    _synchronize(device)
+    started = time.perf_counter()
     result = run.train_step(run.microbatches, epoch=0)
-    return result.stepped
+    _synchronize(device)
+    return result.stepped, time.perf_counter() - started
 
 
-def estimate_memory(settings: EstimateSettings, unet_config: dict | None = None, fake: bool = True) -> MemoryEstimate:
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def estimate_memory(
+    settings: EstimateSettings, unet_config: dict | None = None, fake: bool = True, text_encoder_builder: Callable[[], tuple] | None = None
+) -> MemoryEstimate:
     """Train `settings` on fake tensors (see the module docstring) and return the per-GPU peak by category.
-    unet_config: the UNet to build (default SDXL's). fake=False runs the same on real tensors, where the
-    truth is known (the tests compare both on the tiny UNet)."""
+    unet_config / text_encoder_builder: the UNet and (with settings.train_text_encoder) text encoders to build
+    (default SDXL's). fake=False runs the same on real tensors, where the truth is known (the tests compare
+    both on the tiny model)."""
     unet_config = unet_config or SDXL_UNET_CONFIG
     tensors = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with _fake_world(settings.world_size, torch.device("cpu")) as world, tensors, tracing(TracingContext(FakeTensorMode())):
-        run = _build_run(settings, world, unet_config)
+        run = _build_run(settings, world, unet_config, text_encoder_builder)
         unet, optimizer, ema = run.unet, run.optimizer, run.ema
         sharded = isinstance(unet, FSDPModule)
-        tracker = _FSDPPeakTracker(unet, optimizer) if sharded else _PlainPeakTracker(unet)
+        _zero_gradients(run)
+        tracker = _FSDPPeakTracker(run) if sharded else _PlainPeakTracker(run)
         categories = _FSDP_CATEGORIES if sharded else _PLAIN_CATEGORIES
         tracker.counted = tuple(category for category in categories if not (settings.cpu_offload and category in _OFFLOADED))
-        if not sharded:
-            tracker.track_external(unet, optimizer)
         with tracker:
-            _train_two_updates(run)
+            _train_two_updates(run, world.device)
         by_category = dict.fromkeys(CATEGORIES, 0)
         for category, size in tracker.gpu_peak_snapshot.items():
             if category in tracker.counted:
@@ -301,8 +368,9 @@ def estimate_memory(settings: EstimateSettings, unet_config: dict | None = None,
         by_category["EMA"] = 0 if ema_on_host else ema_bytes  # made before tracking, alive throughout
         host_bytes = ema_bytes if ema_on_host else 0
         if settings.cpu_offload:
-            host_bytes += 2 * local_parameter_bytes(unet) + state_bytes  # weights and gradients (in the weights' dtype), the optimizer's state
-        return MemoryEstimate(settings, by_category, host_bytes, sum(parameter.numel() for parameter in unet.parameters()))
+            host_bytes += 2 * local_parameter_bytes(run.trained) + state_bytes  # weights and gradients (in the weights' dtype), the optimizer's state
+        return MemoryEstimate(settings, by_category, host_bytes, sum(parameter.numel() for parameter in unet.parameters()),
+                              sum(parameter.numel() for parameter in run.trained.parameters() if parameter.requires_grad))  # fmt: skip
 
 
 @dataclass
@@ -313,6 +381,7 @@ class MeasuredMemory:
     peak_reserved: int  # bytes: the caching allocator's peak, fragmentation included
     stepped: bool  # False: the second update was skipped (non-finite), so its step's temporaries are missing
     out_of_memory: bool  # the run did not fit under cap_gib
+    update_seconds: float | None  # the second (whole) update, compiled already by the first; None: out of memory
 
 
 def measure_memory(settings: EstimateSettings, device: torch.device, cap_gib: float | None = None, unet_config: dict | None = None) -> MeasuredMemory:
@@ -322,21 +391,22 @@ def measure_memory(settings: EstimateSettings, device: torch.device, cap_gib: fl
     is built and prepared, as the estimate's does; cap_gib limits what the process may allocate
     (torch.cuda.set_per_process_memory_fraction), as on a card of that size."""
     with _fake_world(settings.world_size, device) as world:
-        run = _build_run(settings, world, unet_config or SDXL_UNET_CONFIG)
+        run = _build_run(settings, world, unet_config or SDXL_UNET_CONFIG, None)
+        _zero_gradients(run)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         if cap_gib is not None:
             torch.cuda.set_per_process_memory_fraction(min(cap_gib * GIB / torch.cuda.get_device_properties(device).total_memory, 1.0), device)
-        stepped, out_of_memory = False, False
+        stepped, update_seconds = False, None
         try:
-            stepped = _train_two_updates(run)
-            torch.cuda.synchronize(device)
+            stepped, update_seconds = _train_two_updates(run, device)
         except torch.OutOfMemoryError:
-            out_of_memory = True
+            pass
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-        measured = MeasuredMemory(torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device), stepped, out_of_memory)
+        peaks = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+        measured = MeasuredMemory(*peaks, stepped, out_of_memory=update_seconds is None, update_seconds=update_seconds)
         del run
         torch.cuda.empty_cache()
         return measured

@@ -132,14 +132,32 @@ def clip_bpe_vocabulary() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return {token: index for index, token in enumerate(tokens)}, merges
 
 
+def sdxl_tokenizers() -> tuple[CLIPTokenizer, CLIPTokenizer]:
+    """SDXL's two tokenizers (CLIP's vocabulary) made locally: tokenizer 1 pads with <|endoftext|>,
+    tokenizer 2 (OpenCLIP bigG's) with "!"."""
+    vocab, merges = clip_bpe_vocabulary()
+    first, second = (CLIPTokenizer(vocab=vocab, merges=merges, pad_token=pad_token, model_max_length=TEXT_MAX_LENGTH) for pad_token in ("<|endoftext|>", "!"))
+    return first, second
+
+
 def build_tiny_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
     torch.manual_seed(seed)
-    vocab, merges = clip_bpe_vocabulary()
-    # SDXL pads tokenizer 1 with <|endoftext|> and tokenizer 2 (OpenCLIP bigG's) with "!".
-    tokenizer, tokenizer_2 = (
-        CLIPTokenizer(vocab=vocab, merges=merges, pad_token=pad_token, model_max_length=TEXT_MAX_LENGTH)
-        for pad_token in ("<|endoftext|>", "!")
+    tokenizer, tokenizer_2 = sdxl_tokenizers()
+    text_encoder, text_encoder_2 = build_tiny_text_encoders(tokenizer)
+    return StableDiffusionXLPipeline(
+        vae=AutoencoderKL(**TINY_VAE_CONFIG),
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2,
+        unet=UNet2DConditionModel(**TINY_UNET_CONFIG),
+        scheduler=EulerDiscreteScheduler(**SDXL_SCHEDULER_CONFIG),
     )
+
+
+def build_tiny_text_encoders(tokenizer: CLIPTokenizer | None = None) -> tuple[CLIPTextModel, CLIPTextModelWithProjection]:
+    """The tiny pipeline's two text encoders (random weights), sized for `tokenizer`'s vocabulary."""
+    tokenizer = tokenizer or sdxl_tokenizers()[0]
     text_configs = [
         CLIPTextConfig(
             vocab_size=len(tokenizer),
@@ -156,17 +174,7 @@ def build_tiny_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
         )
         for width, activation in zip(TINY_TEXT_WIDTHS, ("quick_gelu", "gelu"))
     ]
-    text_encoder = CLIPTextModel(text_configs[0])
-    text_encoder_2 = CLIPTextModelWithProjection(text_configs[1])
-    return StableDiffusionXLPipeline(
-        vae=AutoencoderKL(**TINY_VAE_CONFIG),
-        text_encoder=text_encoder,
-        text_encoder_2=text_encoder_2,
-        tokenizer=tokenizer,
-        tokenizer_2=tokenizer_2,
-        unet=UNet2DConditionModel(**TINY_UNET_CONFIG),
-        scheduler=EulerDiscreteScheduler(**SDXL_SCHEDULER_CONFIG),
-    )
+    return CLIPTextModel(text_configs[0]), CLIPTextModelWithProjection(text_configs[1])
 
 
 def save_tiny_pipeline(output_dir: Path, seed: int = 0) -> Path:
