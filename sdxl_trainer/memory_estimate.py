@@ -380,8 +380,12 @@ class MeasuredMemory:
     peak_allocated: int  # bytes: torch.cuda.max_memory_allocated over both updates
     peak_reserved: int  # bytes: the caching allocator's peak, fragmentation included
     stepped: bool  # False: the second update was skipped (non-finite), so its step's temporaries are missing
-    out_of_memory: bool  # the run did not fit under cap_gib
     update_seconds: float | None  # the second (whole) update, compiled already by the first; None: out of memory
+
+    @property
+    def out_of_memory(self) -> bool:
+        """The run did not fit under the cap."""
+        return self.update_seconds is None
 
 
 def measure_memory(settings: EstimateSettings, device: torch.device, cap_gib: float | None = None, unet_config: dict | None = None) -> MeasuredMemory:
@@ -406,7 +410,7 @@ def measure_memory(settings: EstimateSettings, device: torch.device, cap_gib: fl
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
         peaks = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-        measured = MeasuredMemory(*peaks, stepped, out_of_memory=update_seconds is None, update_seconds=update_seconds)
+        measured = MeasuredMemory(*peaks, stepped, update_seconds)
         del run
         torch.cuda.empty_cache()
         return measured
