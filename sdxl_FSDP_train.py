@@ -325,16 +325,12 @@ class TrainConfig:
         unknown_metrics = set(self.validation_metrics or ()) - set(METRICS)
         if unknown_metrics:
             problems.append(f"--validation_metrics: unknown {sorted(unknown_metrics)}; choose from {METRICS}")
-        if self.dataset_repeats is not None and len(self.dataset_repeats) != len(self.cached_dataset_dirs):
-            problems.append(f"--dataset_repeats needs one number per --cached_dataset_dirs entry ({len(self.cached_dataset_dirs)}), got {len(self.dataset_repeats)}")
-        if any(not 0 < repeat < math.inf for repeat in self.dataset_repeats or ()):
-            problems.append(f"--dataset_repeats must be > 0 and finite (leave a cache out instead of 0), got {self.dataset_repeats}")
-        if self.dataset_loss_weights is not None and len(self.dataset_loss_weights) != len(self.cached_dataset_dirs):
-            problems.append(
-                f"--dataset_loss_weights needs one number per --cached_dataset_dirs entry ({len(self.cached_dataset_dirs)}), got {len(self.dataset_loss_weights)}"
-            )
-        if any(not 0 < weight < math.inf for weight in self.dataset_loss_weights or ()):
-            problems.append(f"--dataset_loss_weights must be > 0 and finite (leave a cache out instead of 0), got {self.dataset_loss_weights}")
+        for name in ("dataset_repeats", "dataset_loss_weights"):  # one positive number per cache
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.cached_dataset_dirs):
+                problems.append(f"--{name} needs one number per --cached_dataset_dirs entry ({len(self.cached_dataset_dirs)}), got {len(values)}")
+            if any(not 0 < value < math.inf for value in values or ()):
+                problems.append(f"--{name} must be > 0 and finite (leave a cache out instead of 0), got {values}")
         if self.validation_source_dirs is not None and len(self.validation_source_dirs) != len(self.cached_dataset_dirs):
             problems.append("--validation_source_dirs needs one image folder per --cached_dataset_dirs entry, in the same order")
         if not self.sample_prompts.is_file():
