@@ -8,9 +8,12 @@
 #      figure (gpu_memory_check.py; the estimates come from benchmarks/results/memory_estimates.json if
 #      present), with the time of a whole update: this covers --weights_dtype bf16 and --cpu_offload
 #   3. batch 4: the trainer's step next to a plain PyTorch loop, and torchao's own AdamW8bit instead of ours
-#   4. bf16, fp16 and bf16 weights against fp32 training over a few updates (gpu_numerics.py)
+#   4. batch 4 with --compile_unet (regional torch.compile): is the step still waiting for the CPU?
+#   5. bf16, fp16 and bf16 weights against fp32 training over a few updates (gpu_numerics.py)
 # Each part has its own time limit: one that fails or runs out of time is logged and the next one runs.
-#   PYTHON   the interpreter (default: venv/bin/python, else python3)
+#   PYTHON           the interpreter (default: venv/bin/python, else python3)
+#   GPU_CHECK_PARTS  the parts to run, by name (default: all of sweep memory plain_reference torchao_adamw8bit
+#                    compile_unet numerics; together about 11 minutes, so one 10-minute loan takes a choice)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-venv/bin/python}
@@ -29,9 +32,12 @@ export PYTHONUNBUFFERED=1
 # One compile cache for every part: a kernel compiled by one (our 8-bit AdamW step) is reused by the next.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$parts/inductor}
 
+GPU_CHECK_PARTS=${GPU_CHECK_PARTS:-sweep memory plain_reference torchao_adamw8bit compile_unet numerics}
+
 part() {  # part SECONDS NAME PYTHON-ARGS...: the part's JSON goes to $parts/NAME.json
     local seconds=$1 name=$2 started=$SECONDS
     shift 2
+    [[ " $GPU_CHECK_PARTS " == *" $name "* ]] || { echo "=== $name: not in GPU_CHECK_PARTS, skipped" | tee -a "$log"; return; }
     echo "=== $name (at most $seconds s): $PYTHON $*" | tee -a "$log"
     timeout --kill-after=15 "$seconds" "$PYTHON" "$@" 2>&1 | grep -v -E "Warning|warnings.warn|^ *$" | tee -a "$log"
     echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - started)) s" | tee -a "$log"
@@ -58,6 +64,7 @@ estimates=()
 part 230 memory benchmarks/gpu_memory_check.py --measure "${estimates[@]}" --output "$parts/memory.json"
 part 60 plain_reference $throughput --batch_size 4 --reference plain --json "$parts/plain_reference.json"
 part 90 torchao_adamw8bit $throughput --batch_size 4 --reference none --optimizer torchao_adamw8bit --json "$parts/torchao_adamw8bit.json"
+part 150 compile_unet $throughput --batch_size 4 --reference none --compile --json "$parts/compile_unet.json"
 part 75 numerics benchmarks/gpu_numerics.py --output "$parts/numerics.json"
 echo "Written: $log and $OUTPUT_DIR/gpu_check.json"
 rm -rf "$parts"

@@ -158,13 +158,23 @@ def prepare_unet(
 
 def compile_repeated_blocks(unet: nn.Module) -> None:
     """Regional torch.compile of each transformer block and each ResNet block (as torchtitan does): the
-    blocks repeat, so each kind compiles once per shape, and FSDP's hooks stay outside the compiled graphs."""
+    blocks repeat, so each kind compiles once per shape, and FSDP's hooks stay outside the compiled graphs.
+
+    Dynamo keeps at most `recompile_limit` graphs per forward function (8 by default) and runs every shape past
+    that eagerly, with a warning. SDXL's ResNet blocks come in 12 parameter shapes, each compiled once with
+    static sizes and once more with dynamic sizes when a second bucket arrives, so the limit is raised to that
+    count (on an H200 the update was already 1.8x faster with 8 of the 12 compiled than with none)."""
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
 
+    shapes_per_kind: dict[type, set[tuple]] = {}
     for module in unet.modules():
         if isinstance(module, (BasicTransformerBlock, ResnetBlock2D)):
             module.compile()
+            shapes = tuple(tuple(parameter.shape) for parameter in module.parameters())
+            shapes_per_kind.setdefault(type(module), set()).add(shapes)
+    graphs_per_forward = 2 * max((len(shapes) for shapes in shapes_per_kind.values()), default=0)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs_per_forward)
 
 
 def compute_under_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:

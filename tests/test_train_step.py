@@ -26,7 +26,8 @@ from sdxl_trainer.diffusion import (
 )
 from sdxl_trainer.ema import ShardedEMA
 from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer
-from sdxl_trainer.parallel import compute_under_autocast, prepare_unet, shard_unet
+from sdxl_trainer.parallel import compile_repeated_blocks, compute_under_autocast, prepare_unet, shard_unet
+from sdxl_trainer.tiny_model import build_full_size_unet
 from unet_batches import empty_prompt_for, make_train_step, synthetic_batch
 
 def sharded_unet(pipeline_dir, world, compile_blocks: bool = False, param_dtype: torch.dtype | None = None, cpu_offload: bool = False):
@@ -327,6 +328,15 @@ def test_regional_compile_gives_the_eager_loss(world, tiny_pipeline_dir):
         losses.append([step([batch], epoch=0).loss for _ in range(2)])
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     assert losses[0][1] != losses[0][0]  # the second update saw the first one's weights
+
+
+def test_regional_compile_keeps_a_graph_for_every_sdxl_resnet_shape(monkeypatch):
+    """Dynamo's default of 8 graphs per forward left 4 of SDXL's 12 ResNet block shapes running eagerly."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    with torch.device("meta"):
+        unet = build_full_size_unet()
+    compile_repeated_blocks(unet)
+    assert torch._dynamo.config.recompile_limit == 2 * 12  # a static and a dynamic-size graph per shape
 
 
 # --- configuration --------------------------------------------------------------------------------------
