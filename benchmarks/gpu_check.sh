@@ -13,7 +13,7 @@
 # Each part has its own time limit: one that fails or runs out of time is logged and the next one runs.
 #   PYTHON           the interpreter (default: venv/bin/python, else python3)
 #   GPU_CHECK_PARTS  the parts to run, by name (default: all of sweep memory plain_reference torchao_adamw8bit
-#                    compile_unet numerics; together about 11 minutes, so one 10-minute loan takes a choice)
+#                    compile_unet numerics; together about 12 minutes, so one 10-minute loan takes a choice)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-venv/bin/python}
@@ -64,7 +64,7 @@ estimates=()
 part 230 memory benchmarks/gpu_memory_check.py --measure "${estimates[@]}" --output "$parts/memory.json"
 part 60 plain_reference $throughput --batch_size 4 --reference plain --json "$parts/plain_reference.json"
 part 90 torchao_adamw8bit $throughput --batch_size 4 --reference none --optimizer torchao_adamw8bit --json "$parts/torchao_adamw8bit.json"
-part 150 compile_unet $throughput --batch_size 4 --reference none --compile --json "$parts/compile_unet.json"
+part 200 compile_unet $throughput --batch_size 4 --reference none --compile --json "$parts/compile_unet.json"
 part 75 numerics benchmarks/gpu_numerics.py --output "$parts/numerics.json"
 echo "Written: $log and $OUTPUT_DIR/gpu_check.json"
 rm -rf "$parts"
