@@ -977,6 +977,7 @@ def train(config: TrainConfig, world: World) -> int:
             caption_chunks(config),
             world.device,
             trains=config.train_text_encoder,
+            framing=dataset.framed,
         )
     models = TrainedModels(unet, trained_text_encoders)
     optimizer = build_optimizer(

@@ -145,6 +145,8 @@ class CacheConfig:
         help="caption tokens encoded: 75 (SDXL's usual, one CLIP window), 150 or 225 (chunks of 75 encoded separately and "
         "concatenated, as A1111 and ComfyUI prompt); longer captions are cut and named in the cache log",
     )
+    caption_prefix: str = option("", help='text put before every caption of this cache, e.g. a trigger word ("ohwx,"): in the cached embeddings, and kept first by the trainer\'s caption mode (never shuffled or dropped)')
+    caption_suffix: str = option("", help="text put after every caption of this cache, likewise")
     batch_size: int = option(8, help="images per VAE / text-encoder call")
     items_per_shard: int = option(256, help="items per shard file; a shard is the unit that a killed run redoes")
     num_shards: int = option(1, help="number of workers splitting the dataset (all GPUs of all machines)")
@@ -317,9 +319,12 @@ def truncation_advice(max_token_length: int) -> str:
     return f"raise --max_token_length ({' or '.join(map(str, longer))}) or shorten the caption" if longer else "shorten the caption"
 
 
-def encode_chunk(encoders: Encoders, prepared: list[PreparedItem], batch_size: int, caption_chunks: int) -> tuple[list[CachedItem], dict[str, int]]:
-    """Encode images grouped by bucket (one VAE call needs one size) and each item's first caption, in
-    batches. Also returns the items whose caption was cut (relative path -> its token count)."""
+def encode_chunk(
+    encoders: Encoders, prepared: list[PreparedItem], batch_size: int, caption_chunks: int, framing: CacheSettings
+) -> tuple[list[CachedItem], dict[str, int]]:
+    """Encode images grouped by bucket (one VAE call needs one size) and each item's first caption (framed by
+    the cache's caption prefix and suffix), in batches. Also returns the items whose caption was cut (relative
+    path -> its token count)."""
     by_bucket: dict[tuple[int, int], list[PreparedItem]] = defaultdict(list)
     for item in prepared:
         by_bucket[(item.plan.bucket.width, item.plan.bucket.height)].append(item)
@@ -329,7 +334,7 @@ def encode_chunk(encoders: Encoders, prepared: list[PreparedItem], batch_size: i
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
             latents = encoders.encode_images(torch.stack([item.pixels for item in batch]))
-            captions = encoders.encode_captions([captions_in(item.caption)[0] for item in batch], caption_chunks)
+            captions = encoders.encode_captions([framing.framed(captions_in(item.caption)[0]) for item in batch], caption_chunks)
             for index, item in enumerate(batch):
                 cached.append(CachedItem(latents[index], captions.prompt_embeds[index], captions.pooled_prompt_embeds[index], item.manifest_row()))
                 if captions.token_counts[index] > caption_chunks * TOKENS_PER_CHUNK:
@@ -519,6 +524,8 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
         upscale_to_resolution=config.upscale_to_resolution or None,
         upscaler_sha256=sha256_file(config.upscaler_weights) if config.upscale_to_resolution else None,
         face_restorer_sha256=sha256_file(config.gfpgan_weights) if config.upscale_to_resolution and config.upscale_use_GFPGAN else None,
+        caption_prefix=config.caption_prefix,
+        caption_suffix=config.caption_suffix,
     )
     try:
         write_cache_info(config.cache_dir, settings)
@@ -562,7 +569,7 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
             return skipped
 
     def commit(items: list[PreparedItem]) -> None:
-        encoded, truncated = encode_chunk(encoders, items, config.batch_size, caption_chunks)
+        encoded, truncated = encode_chunk(encoders, items, config.batch_size, caption_chunks, settings)
         try:
             writer.write(encoded)
             for item in items:

@@ -92,7 +92,20 @@ class CacheSettings:
     upscale_to_resolution: int | None = None
     upscaler_sha256: str | None = None
     face_restorer_sha256: str | None = None
+    # Text around every caption of this cache (--caption_prefix/--caption_suffix, e.g. a trigger word): in the
+    # cached embeddings, and added by the trainer's caption mode after tag shuffling and dropout.
+    caption_prefix: str = ""
+    caption_suffix: str = ""
     format_version: int = CACHE_FORMAT_VERSION
+
+    def framed(self, caption: str) -> str:
+        return framed_caption(caption, self.caption_prefix, self.caption_suffix)
+
+
+def framed_caption(caption: str, prefix: str, suffix: str) -> str:
+    """kohya's caption_prefix/caption_suffix: "prefix caption suffix", joined by single spaces (an empty part
+    adds none)."""
+    return " ".join(part for part in (prefix, caption, suffix) if part)
 
 
 def captions_in(text: str) -> list[str]:

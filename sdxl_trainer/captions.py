@@ -6,6 +6,8 @@ A cache keeps every item's caption text (its manifest), one caption per line of 
   2. its comma-separated tags: the first --keep_tokens stay in place (a trigger word, a character name),
      each other tag is dropped with --caption_tag_dropout_rate, and the others are shuffled
      (--shuffle_caption);
+  3. its cache's caption prefix and suffix (sdxl_process_data_dir.py --caption_prefix/--caption_suffix)
+     around it, so a trigger word is never moved or dropped (kohya's caption_prefix/caption_suffix);
 then both text encoders (frozen) encode it by the cache's chunk rule (encoding.encode_prompts). Every
 draw comes from a generator seeded by (seed, epoch, sample) and a stream of its own, so the same run gives
 the same captions on any number of processes, a resumed run continues exactly, and the noise, timestep and
@@ -19,6 +21,7 @@ adamw8bit), so they are sharded like the UNet (parallel.prepare_text_encoder).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,9 +79,12 @@ class StepCaptionEncoder:
     the encoders' "" as the exported pipeline will encode it."""
 
     def __init__(self, text_side: TextSide, captions: list[str], variation: CaptionVariation, run_seed: int, chunks: int, device: torch.device,
-                 trains: bool = False):
+                 trains: bool = False, framing: Callable[[int, str], str] | None = None):
         self.tokenizers, self.text_encoders = text_side
         self.captions = captions  # manifest text of every dataset item
+        # (item index, caption) -> the caption with its cache's prefix and suffix (CachedDataset.framed), added after
+        # the variation so that a trigger word is never shuffled or dropped (as kohya's caption_prefix)
+        self.framing = framing or (lambda _item, caption: caption)
         self.variation = variation
         self.run_seed = run_seed
         self.chunks = chunks
@@ -87,9 +93,10 @@ class StepCaptionEncoder:
 
     def captions_for(self, sample_indices: list[int], epoch: int) -> list[str]:
         """This epoch's caption of each sample (of item sample % dataset size, data.CachedDataset)."""
+        items = [sample % len(self.captions) for sample in sample_indices]
         return [
-            vary_caption(self.captions[sample % len(self.captions)], caption_generator(self.run_seed, epoch, sample), self.variation)
-            for sample in sample_indices
+            self.framing(item, vary_caption(self.captions[item], caption_generator(self.run_seed, epoch, sample), self.variation))
+            for item, sample in zip(items, sample_indices)
         ]
 
     def __call__(self, batch: dict[str, torch.Tensor], epoch: int) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
@@ -108,6 +115,7 @@ class StepCaptionEncoder:
     def first_captions(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch with its items' first captions as the encoders encode them now, unvaried (validation
         loss with trained encoders: the caption the cached embeddings hold, through the current weights)."""
-        captions = [captions_in(self.captions[sample % len(self.captions)])[0] for sample in batch["sample_index"].tolist()]
+        items = [sample % len(self.captions) for sample in batch["sample_index"].tolist()]
+        captions = [self.framing(item, captions_in(self.captions[item])[0]) for item in items]
         encoded = encode_prompts(self.tokenizers, self.text_encoders, captions, self.chunks, self.device)
         return {**batch, "prompt_embeds": encoded.prompt_embeds, "pooled_prompt_embeds": encoded.pooled_prompt_embeds}

@@ -32,7 +32,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .cache import CacheReader, captions_in, load_manifest
+from .cache import CacheReader, captions_in, load_manifest, read_cache_info
 from .checkpoint import DataPosition
 from .stop_request import ignore_stop_signals
 
@@ -48,6 +48,7 @@ class CachedDataset(Dataset):
     def __init__(self, cache_dirs: list[Path], loss_weights: list[float] | None = None):
         self.cache_dirs = list(cache_dirs)
         self.loss_weights = None if loss_weights is None else [float(weight) for weight in loss_weights]
+        self.cache_settings = [read_cache_info(cache_dir) for cache_dir in self.cache_dirs]  # each cache's caption prefix and suffix
         tables = []
         for cache_index, cache_dir in enumerate(self.cache_dirs):
             table = load_manifest(cache_dir)
@@ -76,8 +77,12 @@ class CachedDataset(Dataset):
         return self.num_items
 
     def caption(self, index: int) -> str:
-        """Item `index`'s first caption: the one its cached embeddings encode."""
-        return captions_in(self.caption_texts[index])[0]
+        """Item `index`'s first caption with its cache's prefix and suffix: what its cached embeddings encode."""
+        return self.framed(index, captions_in(self.caption_texts[index])[0])
+
+    def framed(self, index: int, caption: str) -> str:
+        """`caption` (one of item `index`'s, as written or varied) with the item's cache's prefix and suffix."""
+        return self.cache_settings[int(self.cache_index[index])].framed(caption)
 
     def bucket_ids(self) -> np.ndarray:
         """One integer per item naming its bucket (equal sizes = equal id)."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
+from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, run_processes, scalars, trainer_flags
 from sdxl_trainer.cache import LOG_DIR, load_manifest
 from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder, caption_generator, vary_caption
 from sdxl_trainer.data import CachedDataset, collate
@@ -81,6 +81,43 @@ def test_encoding_in_the_step_gives_the_cached_embeddings(sample_cache_dir, tiny
         cached = batch[key].float()
         assert torch.allclose(encoded[key], cached, atol=2e-3 * cached.abs().max().item()), key
     assert torch.equal(encoded["latents"], batch["latents"])
+
+
+def test_a_caches_caption_prefix_is_in_its_embeddings_and_around_every_varied_caption_of_it_only(tmp_path, tag_cache, tiny_pipeline_dir, capsys):
+    """--caption_prefix/--caption_suffix at caching (a trigger word): the cached embeddings encode the framed
+    caption, caption mode frames each varied caption of that cache (never of another) after shuffling and
+    dropout, so the trigger word is always first, and the cache refuses to go on with another prefix."""
+    import sdxl_process_data_dir
+
+    prefixed = tmp_path / "prefixed"
+    flags = ["--data_dir", str(SAMPLE_DATASET), "--cache_dir", str(prefixed), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+             "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION)]
+    assert sdxl_process_data_dir.main([*flags, "--caption_prefix", "ohwx,", "--caption_suffix", "by someone"]) == 0
+    dataset = CachedDataset([tag_cache, prefixed])
+    from_prefixed = dataset.cache_index == 1
+
+    variation = CaptionVariation(shuffle_tags=True, tag_dropout=0.5)
+    varied = StepCaptionEncoder((None, None), dataset.caption_texts, variation, 5, 1, torch.device("cpu"), framing=dataset.framed)
+    for epoch in range(20):
+        for item, caption in enumerate(varied.captions_for(list(range(len(dataset))), epoch)):
+            framed = caption.startswith("ohwx, ") and caption.endswith(" by someone")
+            assert framed == bool(from_prefixed[item]) and caption.count("ohwx") == framed, caption
+
+    bucket_ids = dataset.bucket_ids()
+    first_bucket = bucket_ids[from_prefixed][0]
+    items = np.flatnonzero(from_prefixed & (bucket_ids == first_bucket))[:3]
+    batch = collate([dataset[int(item)] for item in items])
+    text_side = load_text_encoders(str(tiny_pipeline_dir), torch.device("cpu"), torch.float32)
+    framed_now = StepCaptionEncoder(text_side, dataset.caption_texts, CaptionVariation(), 5, 1, torch.device("cpu"), framing=dataset.framed)
+    bare_now = StepCaptionEncoder(text_side, dataset.caption_texts, CaptionVariation(), 5, 1, torch.device("cpu"))
+    cached = batch["pooled_prompt_embeds"].float()
+    tolerance = 2e-3 * cached.abs().max().item()
+    assert torch.allclose(framed_now.first_captions(batch)["pooled_prompt_embeds"], cached, atol=tolerance)
+    assert not torch.allclose(bare_now.first_captions(batch)["pooled_prompt_embeds"], cached, atol=tolerance)
+
+    capsys.readouterr()
+    assert sdxl_process_data_dir.main([*flags, "--caption_prefix", "sks,"]) == 2
+    assert "caption_prefix: cache 'ohwx,', now 'sks,'" in capsys.readouterr().out
 
 
 # ---- a tag dataset with several captions per image (conftest's tag_cache), trained on 2 processes -----

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from sdxl_trainer.cache import CachedItem, ShardWriter
+from sdxl_trainer.cache import CachedItem, CacheSettings, ShardWriter, write_cache_info
 from sdxl_trainer.checkpoint import DataPosition
 from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, collate, rank_slice, small_buckets
 
@@ -232,9 +232,13 @@ def test_cached_dataset_time_ids_and_bucket_ids(tmp_path):
     first = [item("a.png", 96, 64, (300, 200), (0, 16), 0), item("b.png", 64, 96, (200, 300), (16, 0), 1)]
     ShardWriter(tmp_path / "c1", "w0").write(first)
     ShardWriter(tmp_path / "c2", "w0").write([item("c.png", 96, 64, (960, 640), (0, 0), 2)])
+    for name, prefix in (("c1", ""), ("c2", "ohwx,")):
+        settings = CacheSettings("model", "model", "fingerprint", 256, 512, 1, 0.13025, 77, caption_prefix=prefix, caption_suffix="")
+        write_cache_info(tmp_path / name, settings)
 
     dataset = CachedDataset([tmp_path / "c1", tmp_path / "c2"])
     assert len(dataset) == 3
+    assert [dataset.caption(index) for index in range(3)] == ["caption of a.png", "caption of b.png", "ohwx, caption of c.png"]
     assert dataset.image_paths == ["a.png", "b.png", "c.png"]
     # add_time_ids order: original (h, w), crop (top, left), target (h, w).
     assert dataset.time_ids.tolist() == [[200, 300, 0, 16, 64, 96], [300, 200, 16, 0, 96, 64], [640, 960, 0, 0, 64, 96]]
