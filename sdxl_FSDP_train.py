@@ -237,6 +237,12 @@ class TrainConfig:
         "can then train the full UNet, at the cost of host-device copies and an optimizer step on the CPU",
     )
     reshard_after_forward: bool = option(True, help="FSDP FULL_SHARD (True, least memory) or SHARD_GRAD_OP (False, faster, more memory); unused where the UNet is not sharded")
+    replicate_groups: int = option(
+        1,
+        help="HSDP: split the processes into this many groups of consecutive ranks (give the number of machines); models are sharded "
+        "within a group and replicated across groups, so weights are all-gathered over each machine's NVLink instead of the network. "
+        "Each GPU then holds 1/(GPUs per group) of the weights and optimizer state instead of 1/(all GPUs); 1 = shard over every GPU",
+    )
     compile_unet: bool = option(False, help="torch.compile each transformer and ResNet block (regional): faster steps after a compile of minutes")
     allow_tf32: bool = option(True, help="TF32 matmuls and convolutions for fp32 work on Ampere and newer GPUs")
     set_seed: int | None = option(None, help="seed for data order, noise and dropout; None = a random seed, recorded in the run's config.json")
@@ -349,6 +355,10 @@ class TrainConfig:
                 problems.append(f"--{name} must be >= 0 (0 turns it off)")
         if self.estimate_gpus < 0:
             problems.append("--estimate_gpus must be >= 0 (0 = this machine's GPUs)")
+        if self.replicate_groups < 1:
+            problems.append("--replicate_groups must be >= 1 (1 = shard over every GPU)")
+        elif self.estimate_memory and self.estimate_gpus % self.replicate_groups:
+            problems.append(f"--estimate_gpus {self.estimate_gpus} does not split into --replicate_groups {self.replicate_groups} equal groups")
         if self.max_train_updates < 0:
             problems.append("--max_train_updates must be >= 0 (0 = --num_train_epochs decides)")
         if self.max_grad_norm < 0:
@@ -803,7 +813,11 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
     microbatch and larger ones once per update (reduce_every_microbatch): both loads, every microbatch first."""
     from sdxl_trainer.memory_estimate import EstimateSettings  # torch's memory trackers: only here
 
-    gpus = config.estimate_gpus or max(torch.cuda.device_count(), 1)
+    machine_gpus = max(torch.cuda.device_count(), 1)
+    gpus = config.estimate_gpus or machine_gpus
+    # Under HSDP a GPU holds what full sharding over its group would give it; without --estimate_gpus this
+    # machine is one group.
+    shard_group = config.estimate_gpus // config.replicate_groups if config.estimate_gpus else machine_gpus
     # auto is bf16 on every GPU since Ampere; fp16 has the same sizes.
     compute_dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.mixed_precision]
     if config.weights_dtype == "bf16":
@@ -813,7 +827,7 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
         reductions = {True, False} if config.gradient_accumulation_steps > 1 else {False}
     return [
         EstimateSettings(
-            world_size=gpus, train_batch_size=config.train_batch_size, gradient_accumulation_steps=config.gradient_accumulation_steps,
+            world_size=shard_group if config.replicate_groups > 1 else gpus, train_batch_size=config.train_batch_size, gradient_accumulation_steps=config.gradient_accumulation_steps,
             resolution=config.max_resolution or 1024, compute_dtype=compute_dtype, optimizer=config.optimizer,  # no cache read: SDXL's own size
             gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
             reduce_every_microbatch=reduce_every_microbatch, cpu_offload=config.cpu_offload, use_ema=config.use_ema, ema_on_cpu=config.ema_on_cpu,
@@ -850,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.estimate_memory:
         return print_memory_estimate(config)
     hide_library_progress_bars()
-    world = init_distributed()
+    world = init_distributed(config.replicate_groups)
     # Any error on any rank ends every process of the job (see watchdog.py).
     # Rank 0's console also goes to train.log in the run folder (the watchdog's last words included).
     run_dir = config.output_dir / config.project_name
@@ -1033,7 +1047,9 @@ def train(config: TrainConfig, world: World) -> int:
             f"compute {str(compute_dtype).removeprefix('torch.')}, "
             + ("bf16 weights (stochastic rounding), " if config.weights_dtype == "bf16" else "")
             + (
-                "UNet sharded with FSDP2" + (", gradients reduced after every microbatch." if train_step.reduce_every_microbatch else ".")
+                "UNet sharded with FSDP2"
+                + (f" within {config.replicate_groups} replicated groups of {world.world_size // config.replicate_groups} (HSDP)" if config.replicate_groups > 1 else "")
+                + (", gradients reduced after every microbatch." if train_step.reduce_every_microbatch else ".")
                 if uses_sharding(world.world_size, config.cpu_offload)
                 else "one process: UNet not sharded" + (" (autocast)." if compute_dtype != torch.float32 else ".")
             )

@@ -44,8 +44,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def init_distributed() -> World:
-    """Join (or create) the process group: nccl on CUDA, gloo on CPU."""
+def init_distributed(replicate_groups: int = 1) -> World:
+    """Join (or create) the process group: nccl on CUDA, gloo on CPU; the mesh as device_mesh says."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, world_size, local_rank = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
@@ -60,8 +60,23 @@ def init_distributed() -> World:
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
-    mesh = init_device_mesh(device.type, (world_size,))
-    return World(rank, world_size, local_rank, device, mesh)
+    return World(rank, world_size, local_rank, device, device_mesh(device.type, world_size, replicate_groups))
+
+
+def device_mesh(device_type: str, world_size: int, replicate_groups: int = 1) -> DeviceMesh:
+    """The processes' mesh: 1-D (full sharding over every GPU), or with `replicate_groups` > 1 a 2-D mesh of
+    that many groups of consecutive ranks (a machine's GPUs under torchrun), on which FSDP2 shards each model
+    within a group and replicates it across groups (HSDP): the parameters' all-gathers and the gradients'
+    reduce-scatters stay inside a group, over NVLink, and only the all-reduce of each gradient shard between
+    the groups' matching ranks crosses the network."""
+    if replicate_groups < 1 or world_size % replicate_groups:
+        raise SystemExit(
+            f"--replicate_groups {replicate_groups} does not divide the {world_size} processes into equal groups: give the number "
+            "of machines (or another divisor of the process count), or 1 for full sharding"
+        )
+    if replicate_groups == 1:
+        return init_device_mesh(device_type, (world_size,))
+    return init_device_mesh(device_type, (replicate_groups, world_size // replicate_groups), mesh_dim_names=("replicate", "shard"))
 
 
 def use_rank_own_compile_cache(rank: int, world_size: int) -> None:

@@ -1,0 +1,87 @@
+"""Run under torchrun (4 CPU processes) by test_hsdp.py. The tiny UNet trains 2 updates on the same global
+batches with full sharding over the 4 ranks and with HSDP (2 replicated groups of 2, --replicate_groups 2),
+per optimizer; HSDP saves its state after the first update, and that state is resumed both as HSDP and as
+full sharding. Writes rank{N}.json with, per optimizer: the largest weight differences (HSDP against full
+sharding; HSDP resumed against HSDP straight; resumed across layouts against HSDP straight), this rank's
+local parameter bytes under each layout, and a checksum of its local shards (equal within a replica pair)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from diffusers import UNet2DConditionModel
+from torch.distributed.tensor import DTensor
+
+from sdxl_trainer.checkpoint import load_training_state, save_training_state
+from sdxl_trainer.optimizers import build_optimizer
+from sdxl_trainer.parallel import device_mesh, init_distributed, local_parameter_bytes, shard_unet, shutdown_distributed
+from unet_batches import make_train_step, saved_state_of, synthetic_batch
+
+GROUPS = 2
+OPTIMIZER_NAMES = ("adamw", "adamw8bit")
+
+
+def fresh(pipeline_dir: Path, mesh, optimizer_name: str):
+    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
+    shard_unet(unet, mesh, param_dtype=None)
+    optimizer = build_optimizer(optimizer_name, unet.parameters(), 1e-3, 1e-2, (0.9, 0.99), 1e-8)
+    return unet, optimizer, make_train_step(unet, optimizer, pipeline_dir)
+
+
+def rank_batches(unet, rank: int, update: int) -> list[dict[str, torch.Tensor]]:
+    # 2 items per rank per update, different on each rank and each update: the same global batch in every layout
+    return [synthetic_batch(unet, [100 * update + 2 * rank, 100 * update + 2 * rank + 1], seed=update)]
+
+
+def full_weights(unet) -> dict[str, torch.Tensor]:
+    return {name: (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach()).clone() for name, parameter in unet.named_parameters()}
+
+
+def largest_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
+    return max((first[key] - second[key]).abs().max().item() for key in first)
+
+
+def local_checksum(unet) -> float:
+    return float(sum(parameter.to_local().double().sum().item() * (index + 1) for index, parameter in enumerate(unet.parameters())))
+
+
+def main(pipeline_dir: str, output_dir: str) -> None:
+    world = init_distributed()
+    pipeline, output = Path(pipeline_dir), Path(output_dir)
+    meshes = {"full": device_mesh(world.device.type, world.world_size), "hsdp": device_mesh(world.device.type, world.world_size, GROUPS)}
+    report: dict = {}
+    for name in OPTIMIZER_NAMES:
+        unet, _, step = fresh(pipeline, meshes["full"], name)
+        for update in range(2):
+            step(rank_batches(unet, world.rank, update), epoch=0)
+        full = full_weights(unet)
+        full_local_bytes = local_parameter_bytes(unet)
+
+        checkpoint = output / f"hsdp_{name}"
+        unet, optimizer, step = fresh(pipeline, meshes["hsdp"], name)
+        step(rank_batches(unet, world.rank, 0), epoch=0)
+        save_training_state(checkpoint, unet, optimizer, None, *saved_state_of(step, name, world.world_size))
+        step(rank_batches(unet, world.rank, 1), epoch=0)
+        hsdp = full_weights(unet)
+        result = {
+            "hsdp_vs_full": largest_difference(hsdp, full),
+            "local_bytes": {"full": full_local_bytes, "hsdp": local_parameter_bytes(unet)},
+            "local_checksum": local_checksum(unet),
+            "placements": [str(placement) for placement in next(unet.parameters()).placements],
+        }
+        for layout in ("hsdp", "full"):
+            unet, optimizer, step = fresh(pipeline, meshes[layout], name)
+            load_training_state(checkpoint, unet, optimizer, None)
+            step(rank_batches(unet, world.rank, 1), epoch=0)
+            result[f"resumed_as_{layout}_vs_hsdp"] = largest_difference(full_weights(unet), hsdp)
+        report[name] = result
+    (output / f"rank{world.rank}.json").write_text(json.dumps(report))
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(*sys.argv[1:])
