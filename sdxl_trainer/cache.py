@@ -103,7 +103,7 @@ class CacheSettings:
 
 
 def framed_caption(caption: str, prefix: str, suffix: str) -> str:
-    """kohya's caption_prefix/caption_suffix: "prefix caption suffix", joined by single spaces (an empty part
+    """"prefix caption suffix", joined by single spaces as kohya's caption_prefix/caption_suffix (an empty part
     adds none)."""
     return " ".join(part for part in (prefix, caption, suffix) if part)
 

@@ -7,7 +7,8 @@ A cache keeps every item's caption text (its manifest), one caption per line of 
      each other tag is dropped with --caption_tag_dropout_rate, and the others are shuffled
      (--shuffle_caption);
   3. its cache's caption prefix and suffix (sdxl_process_data_dir.py --caption_prefix/--caption_suffix)
-     around it, so a trigger word is never moved or dropped (kohya's caption_prefix/caption_suffix);
+     around it, so a trigger word is never moved or dropped (as SimpleTuner prepends its instance prompt
+     after shuffling; kohya adds its caption_prefix before, where --keep_tokens must cover it);
 then both text encoders (frozen) encode it by the cache's chunk rule (encoding.encode_prompts). Every
 draw comes from a generator seeded by (seed, epoch, sample) and a stream of its own, so the same run gives
 the same captions on any number of processes, a resumed run continues exactly, and the noise, timestep and
@@ -83,7 +84,7 @@ class StepCaptionEncoder:
         self.tokenizers, self.text_encoders = text_side
         self.captions = captions  # manifest text of every dataset item
         # (item index, caption) -> the caption with its cache's prefix and suffix (CachedDataset.framed), added after
-        # the variation so that a trigger word is never shuffled or dropped (as kohya's caption_prefix)
+        # the variation so that a trigger word is never shuffled or dropped
         self.framing = framing or (lambda _item, caption: caption)
         self.variation = variation
         self.run_seed = run_seed
