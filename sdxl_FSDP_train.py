@@ -141,6 +141,11 @@ class TrainConfig:
     use_ema: bool = option(False, help="keep an exponential moving average of the UNet weights; the export then holds the EMA weights")
     ema_decay: float = option(0.9999, help="EMA decay per update (warmed up as min(decay, (1+n)/(10+n)))")
     ema_on_cpu: bool = option(False, help="keep each rank's EMA shard in CPU memory instead of GPU memory")
+    flip_aug: bool = option(
+        False,
+        help="train each sample's horizontal mirror half the time (drawn per sample and epoch from the seed), from latents the cache "
+        "holds (sdxl_process_data_dir.py --flip_aug), with SDXL's crop offset of the mirrored crop; for subjects without a handedness",
+    )
     conditional_dropout_percent: float = option(0.1, help="share (0-1) of samples trained with the empty caption, for classifier-free guidance")
     encode_captions_each_step: bool = option(
         False,
@@ -537,6 +542,12 @@ def check_caches(config: TrainConfig) -> list[str]:
         differences = settings_differences(info, dataclasses.replace(info, **wanted), tuple(wanted))
         if differences:
             problems.append(f"{cache_dir} was made with other settings ({'; '.join(differences)}): re-cache it with this model")
+    unflipped = [str(cache_dir) for cache_dir, info in infos.items() if not info.flip_aug]
+    if config.flip_aug and unflipped:
+        problems.append(
+            f"--flip_aug trains the mirrored latents, which {', '.join(unflipped)} lack: re-cache with sdxl_process_data_dir.py --flip_aug "
+            "(the cache goes on where it stands only with the settings it was made with, so into a new --cache_dir), or drop --flip_aug"
+        )
     if len(vaes) > 1:
         names = sorted(vae or "the model's own" for vae in vaes)
         problems.append(f"the caches were encoded with different VAEs ({', '.join(names)}): re-cache them with one")
@@ -916,7 +927,7 @@ def train(config: TrainConfig, world: World) -> int:
     torch.manual_seed(seed + world.rank)
 
     # ---- data ------------------------------------------------------------------------------------
-    dataset = CachedDataset(config.cached_dataset_dirs, config.dataset_loss_weights)
+    dataset = CachedDataset(config.cached_dataset_dirs, config.dataset_loss_weights, flip_aug=config.flip_aug)
     global_batch_size = config.train_batch_size * world.world_size
     bucket_ids = dataset.bucket_ids()
     # Held-out items are chosen once per run (the same on every rank), saved, and never trained on.

@@ -147,6 +147,11 @@ class CacheConfig:
     )
     caption_prefix: str = option("", help='text put before every caption of this cache, e.g. a trigger word ("ohwx,"): in the cached embeddings, and kept first by the trainer\'s caption mode (never shuffled or dropped)')
     caption_suffix: str = option("", help="text put after every caption of this cache, likewise")
+    flip_aug: bool = option(
+        False,
+        help="also encode each image's horizontal mirror (its crop flipped), so the trainer's --flip_aug can train either "
+        "view; doubles the VAE work and the latents on disk",
+    )
     batch_size: int = option(8, help="images per VAE / text-encoder call")
     items_per_shard: int = option(256, help="items per shard file; a shard is the unit that a killed run redoes")
     num_shards: int = option(1, help="number of workers splitting the dataset (all GPUs of all machines)")
@@ -320,11 +325,11 @@ def truncation_advice(max_token_length: int) -> str:
 
 
 def encode_chunk(
-    encoders: Encoders, prepared: list[PreparedItem], batch_size: int, caption_chunks: int, framing: CacheSettings
+    encoders: Encoders, prepared: list[PreparedItem], batch_size: int, caption_chunks: int, settings: CacheSettings
 ) -> tuple[list[CachedItem], dict[str, int]]:
-    """Encode images grouped by bucket (one VAE call needs one size) and each item's first caption (framed by
-    the cache's caption prefix and suffix), in batches. Also returns the items whose caption was cut (relative
-    path -> its token count)."""
+    """Encode images grouped by bucket (one VAE call needs one size), with --flip_aug their mirrors too, and each
+    item's first caption (framed by the cache's caption prefix and suffix), in batches. Also returns the items
+    whose caption was cut (relative path -> its token count)."""
     by_bucket: dict[tuple[int, int], list[PreparedItem]] = defaultdict(list)
     for item in prepared:
         by_bucket[(item.plan.bucket.width, item.plan.bucket.height)].append(item)
@@ -333,10 +338,17 @@ def encode_chunk(
     for items in by_bucket.values():
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
-            latents = encoders.encode_images(torch.stack([item.pixels for item in batch]))
-            captions = encoders.encode_captions([framing.framed(captions_in(item.caption)[0]) for item in batch], caption_chunks)
+            pixels = torch.stack([item.pixels for item in batch])
+            latents = encoders.encode_images(pixels)
+            flipped = encoders.encode_images(torch.flip(pixels, dims=[-1])) if settings.flip_aug else None
+            captions = encoders.encode_captions([settings.framed(captions_in(item.caption)[0]) for item in batch], caption_chunks)
             for index, item in enumerate(batch):
-                cached.append(CachedItem(latents[index], captions.prompt_embeds[index], captions.pooled_prompt_embeds[index], item.manifest_row()))
+                cached.append(
+                    CachedItem(
+                        latents[index], captions.prompt_embeds[index], captions.pooled_prompt_embeds[index], item.manifest_row(),
+                        None if flipped is None else flipped[index],
+                    )
+                )
                 if captions.token_counts[index] > caption_chunks * TOKENS_PER_CHUNK:
                     truncated[item.source.relative_path] = captions.token_counts[index]
     return cached, truncated
@@ -526,6 +538,7 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
         face_restorer_sha256=sha256_file(config.gfpgan_weights) if config.upscale_to_resolution and config.upscale_use_GFPGAN else None,
         caption_prefix=config.caption_prefix,
         caption_suffix=config.caption_suffix,
+        flip_aug=config.flip_aug,
     )
     try:
         write_cache_info(config.cache_dir, settings)

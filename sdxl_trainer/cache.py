@@ -52,6 +52,7 @@ DAMAGED_DIR = "damaged"
 LOCK_DIR = "locks"
 STALE_TMP_S = 60.0  # a temporary file older than this was left by a killed worker
 TENSOR_KEYS = ("latents", "prompt_embeds", "pooled_prompt_embeds")
+FLIPPED_KEY = "latents_flipped"  # in caches made with --flip_aug
 LATENT_DOWNSCALE = 8  # VAE: latent side = image side / 8
 VERIFY_COMMAND = "python sdxl_process_data_dir.py --verify --cache_dir {cache_dir}"
 # Stored precision of latents and embeddings: half the disk of fp32, and what the UNet consumes anyway.
@@ -68,6 +69,9 @@ MANIFEST_SCHEMA = pa.schema(
         ("original_height", pa.int32()),
         ("crop_top", pa.int32()),  # crop offset in resized-image pixels (SDXL micro-conditioning)
         ("crop_left", pa.int32()),
+        # The mirrored crop's left offset in the mirrored resized image (resized width - bucket width - crop_left):
+        # the flipped latents' micro-conditioning. Null in parts written before it existed.
+        ("crop_left_flipped", pa.int32()),
         ("upscaled", pa.bool_()),
         ("shard", pa.string()),  # file name inside shards/
         ("index_in_shard", pa.int32()),
@@ -96,6 +100,8 @@ class CacheSettings:
     # cached embeddings, and added by the trainer's caption mode after tag shuffling and dropout.
     caption_prefix: str = ""
     caption_suffix: str = ""
+    # --flip_aug: each item's mirrored crop is encoded too (latents_flipped), for the trainer's --flip_aug.
+    flip_aug: bool = False
     format_version: int = CACHE_FORMAT_VERSION
 
     def framed(self, caption: str) -> str:
@@ -238,6 +244,7 @@ class CachedItem:
     prompt_embeds: torch.Tensor  # (77, 2048): penultimate hidden states of both text encoders
     pooled_prompt_embeds: torch.Tensor  # (1280,): pooled output of text encoder 2
     row: dict  # manifest fields except shard and index_in_shard
+    latents_flipped: torch.Tensor | None = None  # the mirrored crop's latents, with --flip_aug
 
 
 class WorkerLock(ProcessLock):
@@ -292,6 +299,8 @@ class ShardWriter:
         for index, item in enumerate(items):
             for key in TENSOR_KEYS:
                 tensors[f"{index}/{key}"] = getattr(item, key).to(STORAGE_DTYPE).contiguous()
+            if item.latents_flipped is not None:
+                tensors[f"{index}/{FLIPPED_KEY}"] = item.latents_flipped.to(STORAGE_DTYPE).contiguous()
         tmp = _tmp_name(shard_path)
         try:
             save_file(tensors, tmp)
@@ -340,7 +349,9 @@ def _read_part(path: Path) -> tuple[ManifestPart, pa.Table]:
     metadata = handle.schema_arrow.metadata or {}
     table = handle.read(use_threads=False)  # parts are small: the parallelism is across parts
     if not table.schema.equals(MANIFEST_SCHEMA):
-        table = table.cast(MANIFEST_SCHEMA)
+        if "crop_left_flipped" not in table.column_names:  # a part from before flipped latents
+            table = table.append_column("crop_left_flipped", pa.nulls(len(table), pa.int32()))
+        table = table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
     part = ManifestPart(
         path=path,
         shard=metadata[b"shard"].decode(),
@@ -434,20 +445,23 @@ def expected_shapes(row: dict, text_max_length: int) -> dict[str, tuple[int, ...
     }
 
 
-def row_problems(shard, rows: list[dict], text_max_length: int) -> list[str]:
-    """Manifest rows checked against the open shard: every tensor present, latents matching the bucket."""
+def row_problems(shard, rows: list[dict], text_max_length: int, flip_aug: bool = False) -> list[str]:
+    """Manifest rows checked against the open shard: every tensor present (the flipped latents too in a
+    --flip_aug cache), latents matching the bucket."""
     problems = []
     present = set(shard.keys())
+    keys = (*TENSOR_KEYS, FLIPPED_KEY) if flip_aug else TENSOR_KEYS
     for row in rows:
         label = f"item {row['index_in_shard']} ({row['image_path']})"
-        missing = [key for key in TENSOR_KEYS if f"{row['index_in_shard']}/{key}" not in present]
+        missing = [key for key in keys if f"{row['index_in_shard']}/{key}" not in present]
         if missing:
             problems.append(f"{label}: tensors {missing} missing")
             continue
         shapes = expected_shapes(row, text_max_length)
-        latents = tuple(shard.get_slice(f"{row['index_in_shard']}/latents").get_shape())
-        if latents[1:] != shapes["latents"]:
-            problems.append(f"{label}: latents {latents} do not match bucket {row['bucket_width']}x{row['bucket_height']}")
+        for key in ("latents", FLIPPED_KEY) if flip_aug else ("latents",):
+            latents = tuple(shard.get_slice(f"{row['index_in_shard']}/{key}").get_shape())
+            if latents[1:] != shapes["latents"]:
+                problems.append(f"{label}: {key} {latents} do not match bucket {row['bucket_width']}x{row['bucket_height']}")
         embeds = tuple(shard.get_slice(f"{row['index_in_shard']}/prompt_embeds").get_shape())
         if embeds[:1] != shapes["prompt_embeds"]:
             problems.append(f"{label}: prompt_embeds {embeds} are not {text_max_length} tokens long")
@@ -531,7 +545,7 @@ def verify_cache(cache_dir: Path) -> tuple[int, dict[str, list[str]], dict[str, 
             continue
         try:
             with safe_open(str(cache_dir / name), framework="pt") as shard:
-                found = row_problems(shard, table.to_pylist(), settings.text_max_length)
+                found = row_problems(shard, table.to_pylist(), settings.text_max_length, settings.flip_aug)
         except Exception as error:  # safetensors raises its own error types for bad headers
             found = [f"unreadable ({error})"]
         if found:
@@ -594,10 +608,10 @@ class CacheReader:
             self._open_shards.move_to_end(shard_name)
         return handle
 
-    def read(self, shard_name: str, index_in_shard: int) -> dict[str, torch.Tensor]:
+    def read(self, shard_name: str, index_in_shard: int, keys: tuple[str, ...] = TENSOR_KEYS) -> dict[str, torch.Tensor]:
         shard = self._shard(shard_name)
         try:
-            return {key: shard.get_tensor(f"{index_in_shard}/{key}") for key in TENSOR_KEYS}
+            return {key: shard.get_tensor(f"{index_in_shard}/{key}") for key in keys}
         except Exception as error:
             raise CacheError(
                 f"item {index_in_shard} of cache shard {self.cache_dir / SHARD_DIR / shard_name} is unreadable ({error}). "

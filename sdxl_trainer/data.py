@@ -29,23 +29,27 @@ from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .cache import CacheReader, captions_in, load_manifest, read_cache_info
+from .cache import FLIPPED_KEY, TENSOR_KEYS, CacheReader, captions_in, load_manifest, read_cache_info
 from .checkpoint import DataPosition
 from .stop_request import ignore_stop_signals
 
 # A global batch: sample indices (item sample % len(dataset), see Repeats above); an epoch plan holds them as rows.
 GlobalBatch = np.ndarray
 REPEATS_STREAM = 11  # seed-sequence entry of the fractional-repeat draws, apart from the plan's (seed, epoch)
+FLIP_STREAM = 13  # seed-sequence entry of the --flip_aug draws, apart from the noise and caption draws
 
 
 class CachedDataset(Dataset):
     """All items of the given caches. Item i's tensors are read from its shard on access. With
-    `loss_weights` (one per cache, --dataset_loss_weights) each item also carries its cache's "loss_weight"."""
+    `loss_weights` (one per cache, --dataset_loss_weights) each item also carries its cache's "loss_weight"; with
+    `flip_aug` (caches made with --flip_aug) its mirrored view too, for choose_views."""
 
-    def __init__(self, cache_dirs: list[Path], loss_weights: list[float] | None = None):
+    def __init__(self, cache_dirs: list[Path], loss_weights: list[float] | None = None, flip_aug: bool = False):
+        self.flip_aug = flip_aug
         self.cache_dirs = list(cache_dirs)
         self.loss_weights = None if loss_weights is None else [float(weight) for weight in loss_weights]
         self.cache_settings = [read_cache_info(cache_dir) for cache_dir in self.cache_dirs]  # each cache's caption prefix and suffix
@@ -71,6 +75,8 @@ class CachedDataset(Dataset):
             [column(name) for name in ("original_height", "original_width", "crop_top", "crop_left", "bucket_height", "bucket_width")],
             axis=1,
         ).astype(np.float32)
+        if flip_aug:
+            self.crop_left_flipped = pc.coalesce(table.column("crop_left_flipped"), table.column("crop_left")).to_numpy().astype(np.float32)
         self._readers: dict[int, CacheReader] = {}
 
     def __len__(self) -> int:
@@ -97,8 +103,13 @@ class CachedDataset(Dataset):
     def __getitem__(self, sample: int) -> dict[str, torch.Tensor]:
         """Sample `sample` of a plan: the tensors of item sample % len(self), and the sample index itself."""
         index = sample % self.num_items
-        tensors = self._reader(int(self.cache_index[index])).read(self.shard[index], int(self.index_in_shard[index]))
+        keys = (*TENSOR_KEYS, FLIPPED_KEY) if self.flip_aug else TENSOR_KEYS
+        tensors = self._reader(int(self.cache_index[index])).read(self.shard[index], int(self.index_in_shard[index]), keys)
         tensors["time_ids"] = torch.from_numpy(self.time_ids[index])
+        if self.flip_aug:
+            mirrored = self.time_ids[index].copy()
+            mirrored[3] = self.crop_left_flipped[index]  # add_time_ids' crop left (see choose_views)
+            tensors["time_ids_flipped"] = torch.from_numpy(mirrored)
         tensors["sample_index"] = torch.tensor(sample, dtype=torch.int64)
         if self.loss_weights is not None:
             tensors["loss_weight"] = torch.tensor(self.loss_weights[int(self.cache_index[index])], dtype=torch.float32)
@@ -268,6 +279,32 @@ def rank_slice(batch: GlobalBatch, rank: int, per_rank_batch: int) -> list[int]:
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
+
+
+def flip_draws(run_seed: int, epoch: int, sample_indices: list[int]) -> np.ndarray:
+    """Whether each sample trains mirrored this epoch: a fair coin from the sample's own generator (a stream
+    apart from its noise and caption draws, so turning --flip_aug on moves none of those)."""
+    return np.array(
+        [np.random.Generator(np.random.PCG64(np.random.SeedSequence([run_seed, epoch, sample, FLIP_STREAM]))).random() < 0.5 for sample in sample_indices],
+        dtype=bool,
+    )
+
+
+def choose_views(batch: dict[str, torch.Tensor], run_seed: int, epoch: int) -> dict[str, torch.Tensor]:
+    """--flip_aug: each sample's latents and micro-conditioning, or with probability 1/2 (flip_draws) its mirror's.
+
+    SDXL conditions on the crop's top-left offset in the resized image. Mirroring the crop mirrors the resized
+    image too, so the mirrored crop starts at resized width - bucket width - crop left from the left edge (the
+    cache records it: a centre crop's two offsets differ by the parity of the excess width); top, original and
+    target sizes stay. kohya's flip_aug does the same (its width - crop right). A batch without mirrored views
+    passes unchanged."""
+    if FLIPPED_KEY not in batch:
+        return batch
+    flipped = torch.from_numpy(flip_draws(run_seed, epoch, batch["sample_index"].tolist()))
+    chosen = {key: value for key, value in batch.items() if key not in (FLIPPED_KEY, "time_ids_flipped")}
+    chosen["latents"] = torch.where(flipped.to(batch["latents"].device)[:, None, None, None], batch[FLIPPED_KEY], batch["latents"])
+    chosen["time_ids"] = torch.where(flipped.to(batch["time_ids"].device)[:, None], batch["time_ids_flipped"], batch["time_ids"])
+    return chosen
 
 
 @dataclass

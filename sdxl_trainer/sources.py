@@ -56,6 +56,7 @@ class PreparedItem:
             "original_height": time_ids[0],
             "crop_top": time_ids[2],
             "crop_left": time_ids[3],
+            "crop_left_flipped": self.plan.resized_width - self.plan.bucket.width - self.plan.crop_left,
             "upscaled": self.upscaled,
         }
 

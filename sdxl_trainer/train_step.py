@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from .captions import StepCaptionEncoder
+from .data import choose_views
 from .diffusion import NoiseSettings, training_loss
 from .ema import ShardedEMA
 from .lr_schedule import LearningRateSchedule, set_learning_rate
@@ -101,6 +102,7 @@ class TrainStep:
                 # FSDP2 reduce-scatters gradients only when this is True; before that they accumulate unsharded.
                 module.set_requires_gradient_sync(self.reduce_every_microbatch or index == len(microbatches) - 1, recurse=False)
             empty_prompt = self.empty_prompt
+            batch = choose_views(batch, self.run_seed, epoch)
             if self.caption_encoder is not None:
                 batch, trained_empty_prompt = self.caption_encoder(batch, epoch)
                 empty_prompt = trained_empty_prompt or empty_prompt
