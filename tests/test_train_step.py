@@ -330,13 +330,13 @@ def test_regional_compile_gives_the_eager_loss(world, tiny_pipeline_dir):
     assert losses[0][1] != losses[0][0]  # the second update saw the first one's weights
 
 
-def test_regional_compile_keeps_a_graph_for_every_sdxl_resnet_shape(monkeypatch):
+def test_regional_compile_keeps_a_graph_for_every_sdxl_resnet_shape():
     """Dynamo's default of 8 graphs per forward left 4 of SDXL's 12 ResNet block shapes running eagerly."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     with torch.device("meta"):
         unet = build_full_size_unet()
-    compile_repeated_blocks(unet)
-    assert torch._dynamo.config.recompile_limit == 2 * 12  # a static and a dynamic-size graph per shape
+    with torch._dynamo.config.patch(recompile_limit=8):  # restored afterwards (pytest's monkeypatch would delete it)
+        compile_repeated_blocks(unet)
+        assert torch._dynamo.config.recompile_limit == 2 * 12  # a static and a dynamic-size graph per shape
 
 
 # --- configuration --------------------------------------------------------------------------------------
