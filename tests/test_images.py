@@ -443,6 +443,9 @@ def test_prepare_item_and_manifest_row(tmp_path):
         "original_height": original_h,
         "crop_top": crop_top,
         "crop_left": crop_left,
+        # 900x600 is resized to 864x576 for the 832x576 bucket and cropped from x = 16; mirrored, the crop
+        # starts 864 - 832 - 16 = 16 from the mirrored image's left edge
+        "crop_left_flipped": 16,
         "upscaled": False,
     }
     assert (row["original_width"], row["original_height"]) == (900, 600)
