@@ -826,8 +826,8 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
 
     machine_gpus = max(torch.cuda.device_count(), 1)
     gpus = config.estimate_gpus or machine_gpus
-    # Under HSDP a GPU holds what full sharding over its group would give it; without --estimate_gpus this
-    # machine is one group.
+    # A GPU holds what full sharding over its group gives it (one group of all GPUs without --replicate_groups);
+    # under HSDP without --estimate_gpus this machine is one group.
     shard_group = config.estimate_gpus // config.replicate_groups if config.estimate_gpus else machine_gpus
     # auto is bf16 on every GPU since Ampere; fp16 has the same sizes.
     compute_dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.mixed_precision]
@@ -838,7 +838,7 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
         reductions = {True, False} if config.gradient_accumulation_steps > 1 else {False}
     return [
         EstimateSettings(
-            world_size=shard_group if config.replicate_groups > 1 else gpus, train_batch_size=config.train_batch_size, gradient_accumulation_steps=config.gradient_accumulation_steps,
+            world_size=shard_group, train_batch_size=config.train_batch_size, gradient_accumulation_steps=config.gradient_accumulation_steps,
             resolution=config.max_resolution or 1024, compute_dtype=compute_dtype, optimizer=config.optimizer,  # no cache read: SDXL's own size
             gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
             reduce_every_microbatch=reduce_every_microbatch, cpu_offload=config.cpu_offload, use_ema=config.use_ema, ema_on_cpu=config.ema_on_cpu,

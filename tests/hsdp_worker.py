@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 from diffusers import UNet2DConditionModel
-from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.checkpoint import load_training_state, save_training_state
 from sdxl_trainer.optimizers import build_optimizer
 from sdxl_trainer.parallel import device_mesh, init_distributed, local_parameter_bytes, shard_unet, shutdown_distributed
-from unet_batches import make_train_step, saved_state_of, synthetic_batch
+from train_step_worker import full_weights, rank_batch  # the same global batch in every layout
+from unet_batches import make_train_step, saved_state_of
 
 GROUPS = 2
 OPTIMIZER_NAMES = ("adamw", "adamw8bit")
@@ -29,15 +29,6 @@ def fresh(pipeline_dir: Path, mesh, optimizer_name: str):
     shard_unet(unet, mesh, param_dtype=None)
     optimizer = build_optimizer(optimizer_name, unet.parameters(), 1e-3, 1e-2, (0.9, 0.99), 1e-8)
     return unet, optimizer, make_train_step(unet, optimizer, pipeline_dir)
-
-
-def rank_batches(unet, rank: int, update: int) -> list[dict[str, torch.Tensor]]:
-    # 2 items per rank per update, different on each rank and each update: the same global batch in every layout
-    return [synthetic_batch(unet, [100 * update + 2 * rank, 100 * update + 2 * rank + 1], seed=update)]
-
-
-def full_weights(unet) -> dict[str, torch.Tensor]:
-    return {name: (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach()).clone() for name, parameter in unet.named_parameters()}
 
 
 def largest_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
@@ -56,15 +47,15 @@ def main(pipeline_dir: str, output_dir: str) -> None:
     for name in OPTIMIZER_NAMES:
         unet, _, step = fresh(pipeline, meshes["full"], name)
         for update in range(2):
-            step(rank_batches(unet, world.rank, update), epoch=0)
+            step(rank_batch(unet, world, update), epoch=0)
         full = full_weights(unet)
         full_local_bytes = local_parameter_bytes(unet)
 
         checkpoint = output / f"hsdp_{name}"
         unet, optimizer, step = fresh(pipeline, meshes["hsdp"], name)
-        step(rank_batches(unet, world.rank, 0), epoch=0)
+        step(rank_batch(unet, world, 0), epoch=0)
         save_training_state(checkpoint, unet, optimizer, None, *saved_state_of(step, name, world.world_size))
-        step(rank_batches(unet, world.rank, 1), epoch=0)
+        step(rank_batch(unet, world, 1), epoch=0)
         hsdp = full_weights(unet)
         result = {
             "hsdp_vs_full": largest_difference(hsdp, full),
@@ -75,7 +66,7 @@ def main(pipeline_dir: str, output_dir: str) -> None:
         for layout in ("hsdp", "full"):
             unet, optimizer, step = fresh(pipeline, meshes[layout], name)
             load_training_state(checkpoint, unet, optimizer, None)
-            step(rank_batches(unet, world.rank, 1), epoch=0)
+            step(rank_batch(unet, world, 1), epoch=0)
             result[f"resumed_as_{layout}_vs_hsdp"] = largest_difference(full_weights(unet), hsdp)
         report[name] = result
     (output / f"rank{world.rank}.json").write_text(json.dumps(report))
