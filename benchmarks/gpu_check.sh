@@ -63,7 +63,7 @@ estimates=()
 [ -f benchmarks/results/memory_estimates.json ] && estimates=(--estimates benchmarks/results/memory_estimates.json)
 part 230 memory benchmarks/gpu_memory_check.py --measure "${estimates[@]}" --output "$parts/memory.json"
 part 60 plain_reference $throughput --batch_size 4 --reference plain --json "$parts/plain_reference.json"
-part 90 torchao_adamw8bit $throughput --batch_size 4 --reference none --optimizer torchao_adamw8bit --json "$parts/torchao_adamw8bit.json"
+part 170 torchao_adamw8bit $throughput --batch_size 4 --reference none --optimizer torchao_adamw8bit --json "$parts/torchao_adamw8bit.json"
 part 200 compile_unet $throughput --batch_size 4 --reference none --compile --json "$parts/compile_unet.json"
 part 75 numerics benchmarks/gpu_numerics.py --output "$parts/numerics.json"
 echo "Written: $log and $OUTPUT_DIR/gpu_check.json"

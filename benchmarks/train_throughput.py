@@ -135,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(trainer path only: --reference none)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="regional torch.compile of each transformer and ResNet block (compile_repeated_blocks), in both paths")
+    parser.add_argument("--recompile_limit", type=int, default=None,
+                        help="with --compile: Dynamo's graphs per compiled forward, set after compile_repeated_blocks raised it "
+                        "(8 = Dynamo's default: SDXL's last 4 ResNet shapes then run eagerly), to measure what the raise buys")
     parser.add_argument("--attention", choices=tuple(ATTENTION_BACKENDS), default="sdpa",
                         help="sdpa = PyTorch picks the kernel; flash, efficient, cudnn or math restrict SDPA to that kernel "
                         "(efficient and cudnn need a GPU)")
@@ -279,6 +282,8 @@ def trainer_path(args: argparse.Namespace, row: Row, world: World, compute_dtype
 def build_trainer(args: argparse.Namespace, row: Row, world: World, compute_dtype: torch.dtype) -> tuple[torch.nn.Module, Callable[[int], object]]:
     """The UNet as the trainer prepares it, and one update of TrainStep over the synthetic batch (update number -> result)."""
     unet = prepare_unet(new_unet(args, row, world.device), world, param_dtype(compute_dtype), compile_blocks=args.compile, cpu_offload=args.cpu_offload)
+    if args.recompile_limit is not None:
+        torch._dynamo.config.recompile_limit = args.recompile_limit
     optimizer = make_optimizer(args.optimizer, unet.parameters())
     step = TrainStep(
         unet,
