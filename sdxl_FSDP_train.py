@@ -224,6 +224,16 @@ class TrainConfig:
         help="weight each sample's loss by 1/sqrt(SNR) (epsilon) or 1/(SNR + 1) (v-prediction), SNR capped at 1000: kohya's "
         "--debiased_estimation_loss (Yu et al. 2023), which evens out how much each timestep is learned; after Min-SNR if both are on",
     )
+    masked_loss: bool = option(
+        False,
+        help="weight each latent pixel's loss by the item's loss mask (cached with sdxl_process_data_dir.py --mask_files or --alpha_mask: "
+        "black = not learned), to train a subject without its background; items without a mask train everywhere (kohya's --masked_loss)",
+    )
+    masked_loss_normalize_area: bool = option(
+        False,
+        help="with --masked_loss: a sample's loss is its mean over the mask's area instead of over the whole latent, so a small "
+        "subject is learned as strongly as a large one (OneTrainer's normalize_masked_area_loss; kohya does not)",
+    )
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
         "auto", help="UNet compute precision over fp32 master weights (FSDP2's param dtype; torch.autocast on one process): auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, about 5x slower)"
     )
@@ -458,6 +468,7 @@ class TrainConfig:
             "timestep_bias_end": ("--timestep_bias_strategy range", strategy == "range"),
             "huber_schedule": ("--loss_type huber or smooth_l1", self.loss_type in ("huber", "smooth_l1")),
             "huber_c": ("--loss_type huber or smooth_l1", self.loss_type in ("huber", "smooth_l1")),
+            "masked_loss_normalize_area": ("--masked_loss", self.masked_loss),
         }
         for name, (needed, on) in needs.items():
             if not on and getattr(self, name) != defaults[name]:
@@ -547,6 +558,11 @@ def check_caches(config: TrainConfig) -> list[str]:
         problems.append(
             f"--flip_aug trains the mirrored latents, which {', '.join(unflipped)} lack: re-cache with sdxl_process_data_dir.py --flip_aug "
             "(the cache goes on where it stands only with the settings it was made with, so into a new --cache_dir), or drop --flip_aug"
+        )
+    if config.masked_loss and not any(info.mask_files or info.alpha_mask for info in infos.values()):
+        problems.append(
+            "--masked_loss trains with the caches' loss masks, and none of the caches holds any: re-cache with sdxl_process_data_dir.py "
+            "--mask_files (name.mask.png beside each image) or --alpha_mask (into a new --cache_dir), or drop --masked_loss"
         )
     if len(vaes) > 1:
         names = sorted(vae or "the model's own" for vae in vaes)
@@ -927,7 +943,7 @@ def train(config: TrainConfig, world: World) -> int:
     torch.manual_seed(seed + world.rank)
 
     # ---- data ------------------------------------------------------------------------------------
-    dataset = CachedDataset(config.cached_dataset_dirs, config.dataset_loss_weights, flip_aug=config.flip_aug)
+    dataset = CachedDataset(config.cached_dataset_dirs, config.dataset_loss_weights, flip_aug=config.flip_aug, loss_masks=config.masked_loss)
     global_batch_size = config.train_batch_size * world.world_size
     bucket_ids = dataset.bucket_ids()
     # Held-out items are chosen once per run (the same on every rank), saved, and never trained on.

@@ -152,6 +152,16 @@ class CacheConfig:
         help="also encode each image's horizontal mirror (its crop flipped), so the trainer's --flip_aug can train either "
         "view; doubles the VAE work and the latents on disk",
     )
+    mask_files: bool = option(
+        False,
+        help="cache a loss mask for each image that has a mask file beside it (photo.mask.png for photo.jpg: white = trained, "
+        "black = not trained, gray in between), for the trainer's --masked_loss; images without one train everywhere",
+    )
+    alpha_mask: bool = option(
+        False,
+        help="cache the alpha channel of each image with transparency as its loss mask (transparent = not trained; kohya's "
+        "alpha_mask); a mask file (--mask_files) takes precedence",
+    )
     batch_size: int = option(8, help="images per VAE / text-encoder call")
     items_per_shard: int = option(256, help="items per shard file; a shard is the unit that a killed run redoes")
     num_shards: int = option(1, help="number of workers splitting the dataset (all GPUs of all machines)")
@@ -346,7 +356,7 @@ def encode_chunk(
                 cached.append(
                     CachedItem(
                         latents[index], captions.prompt_embeds[index], captions.pooled_prompt_embeds[index], item.manifest_row(),
-                        None if flipped is None else flipped[index],
+                        None if flipped is None else flipped[index], item.loss_mask,
                     )
                 )
                 if captions.token_counts[index] > caption_chunks * TOKENS_PER_CHUNK:
@@ -518,6 +528,9 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
 
     already_cached = valid_cached_items(config.cache_dir, {s.relative_path for s in sources}, config.num_io_threads, worker_name)
     print(f"[{worker_name}] {len(sources)} images to check in {config.data_dir}; {len(already_cached)} of them already in {config.cache_dir}")
+    unused_masks = sum(source.mask_path is not None for source in sources) if not config.mask_files else 0
+    if unused_masks:
+        print(f"[{worker_name}] {unused_masks} images have a mask file (name.mask.png) that is not cached: pass --mask_files to train with them")
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.encode_dtype, device)
@@ -539,6 +552,8 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
         caption_prefix=config.caption_prefix,
         caption_suffix=config.caption_suffix,
         flip_aug=config.flip_aug,
+        mask_files=config.mask_files,
+        alpha_mask=config.alpha_mask,
     )
     try:
         write_cache_info(config.cache_dir, settings)
@@ -576,7 +591,8 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
             if already_cached.get(source.relative_path) == (image_sha256, caption):
                 return None
             return prepare_item(
-                source, data, image_sha256, caption, config.min_resolution, config.max_resolution, config.upscale_to_resolution, upscaler, samples
+                source, data, image_sha256, caption, config.min_resolution, config.max_resolution, config.upscale_to_resolution, upscaler, samples,
+                mask_files=config.mask_files, alpha_mask=config.alpha_mask,
             )
         except SkippedItem as skipped:
             return skipped
@@ -603,6 +619,8 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
             raise WriteFailed(error) from error
         counts["cached"] += len(items)
         counts["upscaled"] += sum(item.upscaled for item in items)
+        if config.mask_files or config.alpha_mask:
+            counts["with a loss mask"] += sum(item.loss_mask is not None for item in items)
 
     progress = tqdm(
         total=len(sources), desc=f"caching [{worker_name}]", unit="img", position=int(os.environ.get("LOCAL_RANK", 0)), dynamic_ncols=True, mininterval=1.0

@@ -19,6 +19,7 @@ from functools import lru_cache
 
 BUCKET_TABLE_VERSION = 1
 SIDE_MULTIPLE = 64
+LATENT_DOWNSCALE = 8  # VAE: latent side = image side / 8
 MIN_CATEGORY = 256
 MAX_CATEGORY = 2048
 MAX_ASPECT = 2.0  # width / height between 1 / MAX_ASPECT and MAX_ASPECT

@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .buckets import LATENT_DOWNSCALE
 from .files import LockHeld, ProcessLock, make_shareable
 
 CACHE_FORMAT_VERSION = 1
@@ -53,7 +54,7 @@ LOCK_DIR = "locks"
 STALE_TMP_S = 60.0  # a temporary file older than this was left by a killed worker
 TENSOR_KEYS = ("latents", "prompt_embeds", "pooled_prompt_embeds")
 FLIPPED_KEY = "latents_flipped"  # in caches made with --flip_aug
-LATENT_DOWNSCALE = 8  # VAE: latent side = image side / 8
+LOSS_MASK_KEY = "loss_mask"  # (1, h, w) at latent size, for the items whose manifest row says has_loss_mask
 VERIFY_COMMAND = "python sdxl_process_data_dir.py --verify --cache_dir {cache_dir}"
 # Stored precision of latents and embeddings: half the disk of fp32, and what the UNet consumes anyway.
 STORAGE_DTYPE = torch.float16
@@ -73,6 +74,7 @@ MANIFEST_SCHEMA = pa.schema(
         # the flipped latents' micro-conditioning. Null in parts written before it existed.
         ("crop_left_flipped", pa.int32()),
         ("upscaled", pa.bool_()),
+        ("has_loss_mask", pa.bool_()),  # a loss mask is cached (LOSS_MASK_KEY); null in parts written before masks
         ("shard", pa.string()),  # file name inside shards/
         ("index_in_shard", pa.int32()),
     ]
@@ -102,6 +104,9 @@ class CacheSettings:
     caption_suffix: str = ""
     # --flip_aug: each item's mirrored crop is encoded too (latents_flipped), for the trainer's --flip_aug.
     flip_aug: bool = False
+    # Where loss masks came from (--mask_files: name.mask.png beside the image; --alpha_mask: its transparency).
+    mask_files: bool = False
+    alpha_mask: bool = False
     format_version: int = CACHE_FORMAT_VERSION
 
     def framed(self, caption: str) -> str:
@@ -245,6 +250,7 @@ class CachedItem:
     pooled_prompt_embeds: torch.Tensor  # (1280,): pooled output of text encoder 2
     row: dict  # manifest fields except shard and index_in_shard
     latents_flipped: torch.Tensor | None = None  # the mirrored crop's latents, with --flip_aug
+    loss_mask: torch.Tensor | None = None  # (1, h, w) in [0, 1] at latent size, for an item with a mask
 
 
 class WorkerLock(ProcessLock):
@@ -301,6 +307,8 @@ class ShardWriter:
                 tensors[f"{index}/{key}"] = getattr(item, key).to(STORAGE_DTYPE).contiguous()
             if item.latents_flipped is not None:
                 tensors[f"{index}/{FLIPPED_KEY}"] = item.latents_flipped.to(STORAGE_DTYPE).contiguous()
+            if item.loss_mask is not None:
+                tensors[f"{index}/{LOSS_MASK_KEY}"] = item.loss_mask.to(STORAGE_DTYPE).contiguous()
         tmp = _tmp_name(shard_path)
         try:
             save_file(tensors, tmp)
@@ -349,8 +357,9 @@ def _read_part(path: Path) -> tuple[ManifestPart, pa.Table]:
     metadata = handle.schema_arrow.metadata or {}
     table = handle.read(use_threads=False)  # parts are small: the parallelism is across parts
     if not table.schema.equals(MANIFEST_SCHEMA):
-        if "crop_left_flipped" not in table.column_names:  # a part from before flipped latents
-            table = table.append_column("crop_left_flipped", pa.nulls(len(table), pa.int32()))
+        for name in ("crop_left_flipped", "has_loss_mask"):  # a part from before flipped latents or masks
+            if name not in table.column_names:
+                table = table.append_column(name, pa.nulls(len(table), MANIFEST_SCHEMA.field(name).type))
         table = table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
     part = ManifestPart(
         path=path,
@@ -447,18 +456,19 @@ def expected_shapes(row: dict, text_max_length: int) -> dict[str, tuple[int, ...
 
 def row_problems(shard, rows: list[dict], text_max_length: int, flip_aug: bool = False) -> list[str]:
     """Manifest rows checked against the open shard: every tensor present (the flipped latents too in a
-    --flip_aug cache), latents matching the bucket."""
+    --flip_aug cache, the loss mask of a row with has_loss_mask), latents and mask matching the bucket."""
     problems = []
     present = set(shard.keys())
-    keys = (*TENSOR_KEYS, FLIPPED_KEY) if flip_aug else TENSOR_KEYS
     for row in rows:
         label = f"item {row['index_in_shard']} ({row['image_path']})"
-        missing = [key for key in keys if f"{row['index_in_shard']}/{key}" not in present]
+        latent_keys = ("latents", FLIPPED_KEY) if flip_aug else ("latents",)
+        spatial_keys = (*latent_keys, LOSS_MASK_KEY) if row.get("has_loss_mask") else latent_keys
+        missing = [key for key in dict.fromkeys((*TENSOR_KEYS, *spatial_keys)) if f"{row['index_in_shard']}/{key}" not in present]
         if missing:
             problems.append(f"{label}: tensors {missing} missing")
             continue
         shapes = expected_shapes(row, text_max_length)
-        for key in ("latents", FLIPPED_KEY) if flip_aug else ("latents",):
+        for key in spatial_keys:
             latents = tuple(shard.get_slice(f"{row['index_in_shard']}/{key}").get_shape())
             if latents[1:] != shapes["latents"]:
                 problems.append(f"{label}: {key} {latents} do not match bucket {row['bucket_width']}x{row['bucket_height']}")

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .cache import FLIPPED_KEY, TENSOR_KEYS, CacheReader, captions_in, load_manifest, read_cache_info
+from .cache import FLIPPED_KEY, LOSS_MASK_KEY, TENSOR_KEYS, CacheReader, captions_in, load_manifest, read_cache_info
 from .checkpoint import DataPosition
 from .stop_request import ignore_stop_signals
 
@@ -46,10 +46,12 @@ FLIP_STREAM = 13  # seed-sequence entry of the --flip_aug draws, apart from the 
 class CachedDataset(Dataset):
     """All items of the given caches. Item i's tensors are read from its shard on access. With
     `loss_weights` (one per cache, --dataset_loss_weights) each item also carries its cache's "loss_weight"; with
-    `flip_aug` (caches made with --flip_aug) its mirrored view too, for choose_views."""
+    `flip_aug` (caches made with --flip_aug) its mirrored view too, for choose_views; with `loss_masks`
+    (--masked_loss) its "loss_mask" at latent size: the cached one, or ones (trained everywhere) for an item without."""
 
-    def __init__(self, cache_dirs: list[Path], loss_weights: list[float] | None = None, flip_aug: bool = False):
+    def __init__(self, cache_dirs: list[Path], loss_weights: list[float] | None = None, flip_aug: bool = False, loss_masks: bool = False):
         self.flip_aug = flip_aug
+        self.loss_masks = loss_masks
         self.cache_dirs = list(cache_dirs)
         self.loss_weights = None if loss_weights is None else [float(weight) for weight in loss_weights]
         self.cache_settings = [read_cache_info(cache_dir) for cache_dir in self.cache_dirs]  # each cache's caption prefix and suffix
@@ -75,6 +77,7 @@ class CachedDataset(Dataset):
             [column(name) for name in ("original_height", "original_width", "crop_top", "crop_left", "bucket_height", "bucket_width")],
             axis=1,
         ).astype(np.float32)
+        self.has_loss_mask = pc.fill_null(table.column("has_loss_mask"), False).to_numpy(zero_copy_only=False)
         if flip_aug:
             self.crop_left_flipped = pc.coalesce(table.column("crop_left_flipped"), table.column("crop_left")).to_numpy().astype(np.float32)
         self._readers: dict[int, CacheReader] = {}
@@ -104,7 +107,10 @@ class CachedDataset(Dataset):
         """Sample `sample` of a plan: the tensors of item sample % len(self), and the sample index itself."""
         index = sample % self.num_items
         keys = (*TENSOR_KEYS, FLIPPED_KEY) if self.flip_aug else TENSOR_KEYS
-        tensors = self._reader(int(self.cache_index[index])).read(self.shard[index], int(self.index_in_shard[index]), keys)
+        cached_mask = self.loss_masks and bool(self.has_loss_mask[index])
+        tensors = self._reader(int(self.cache_index[index])).read(self.shard[index], int(self.index_in_shard[index]), (*keys, LOSS_MASK_KEY) if cached_mask else keys)
+        if self.loss_masks and not cached_mask:
+            tensors[LOSS_MASK_KEY] = torch.ones(1, *tensors["latents"].shape[1:], dtype=tensors["latents"].dtype)
         tensors["time_ids"] = torch.from_numpy(self.time_ids[index])
         if self.flip_aug:
             mirrored = self.time_ids[index].copy()
@@ -297,13 +303,16 @@ def choose_views(batch: dict[str, torch.Tensor], run_seed: int, epoch: int) -> d
     image too, so the mirrored crop starts at resized width - bucket width - crop left from the left edge (the
     cache records it: a centre crop's two offsets differ by the parity of the excess width); top, original and
     target sizes stay. kohya's flip_aug does the same (its width - crop right). A batch without mirrored views
-    passes unchanged."""
+    passes unchanged. A mirrored sample's loss mask is mirrored too (the mask of the mirrored crop: bucket widths are
+    multiples of 8, so each latent pixel's block mirrors onto a block)."""
     if FLIPPED_KEY not in batch:
         return batch
-    flipped = torch.from_numpy(flip_draws(run_seed, epoch, batch["sample_index"].tolist()))
+    flipped = torch.from_numpy(flip_draws(run_seed, epoch, batch["sample_index"].tolist())).to(batch["latents"].device)
     chosen = {key: value for key, value in batch.items() if key not in (FLIPPED_KEY, "time_ids_flipped")}
-    chosen["latents"] = torch.where(flipped.to(batch["latents"].device)[:, None, None, None], batch[FLIPPED_KEY], batch["latents"])
-    chosen["time_ids"] = torch.where(flipped.to(batch["time_ids"].device)[:, None], batch["time_ids_flipped"], batch["time_ids"])
+    chosen["latents"] = torch.where(flipped[:, None, None, None], batch[FLIPPED_KEY], batch["latents"])
+    chosen["time_ids"] = torch.where(flipped[:, None], batch["time_ids_flipped"], batch["time_ids"])
+    if LOSS_MASK_KEY in batch:
+        chosen[LOSS_MASK_KEY] = torch.where(flipped[:, None, None, None], batch[LOSS_MASK_KEY].flip(-1), batch[LOSS_MASK_KEY])
     return chosen
 
 

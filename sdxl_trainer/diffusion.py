@@ -24,8 +24,8 @@ random strengths once per batch; here each sample draws its own, so they too fol
 
 Loss. Each sample's loss is an elementwise loss of prediction minus target (--loss_type: l2 = squared
 error, l1, or kohya's pseudo-Huber "huber" and "smooth_l1" with a threshold per timestep, see
-huber_thresholds) averaged over the latent, then weighted per sample: Min-SNR, then debiased
-estimation; the microbatch's loss is the mean over its samples.
+huber_thresholds), times the sample's loss mask if it has one (--masked_loss), averaged over the latent,
+then weighted per sample: Min-SNR, then debiased estimation; the microbatch's loss is the mean over its samples.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from typing import Literal
 import numpy as np
 import torch
 from diffusers import DDPMScheduler
+
+from .cache import LOSS_MASK_KEY
 
 PredictionType = Literal["epsilon", "v_prediction"]
 TimestepSampling = Literal["uniform", "logit_normal"]
@@ -68,6 +70,7 @@ class NoiseSettings:
     huber_schedule: HuberSchedule = "snr"  # how huber / smooth_l1's threshold follows the timestep
     huber_c: float = 0.1
     debiased_estimation_loss: bool = False  # weight each sample's loss by 1/sqrt(SNR) (epsilon) or 1/(SNR+1) (v)
+    masked_loss_normalize_area: bool = False  # a masked sample's loss is its mean over the mask, not over the latent
 
 
 def build_noise_scheduler(base_model: str, prediction_type: PredictionType, zero_terminal_snr: bool) -> DDPMScheduler:
@@ -227,13 +230,27 @@ def elementwise_loss(difference: torch.Tensor, loss_type: LossType, thresholds: 
 
 
 def sample_losses(
-    prediction: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor, noise_scheduler: DDPMScheduler, settings: NoiseSettings
+    prediction: torch.Tensor,
+    target: torch.Tensor,
+    timesteps: torch.Tensor,
+    noise_scheduler: DDPMScheduler,
+    settings: NoiseSettings,
+    loss_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each sample's weighted loss (B,), fp32: --loss_type's elementwise loss averaged over the latent,
-    times its Min-SNR weight, times its debiased-estimation weight (kohya applies them in this order to
-    the same per-sample means)."""
+    """Each sample's weighted loss (B,), fp32: --loss_type's elementwise loss, times its loss mask (B, 1, h, w)
+    if given, averaged over the latent (as kohya's masked loss; with masked_loss_normalize_area divided by the
+    mask's mean, so it is the mean over the masked area, as OneTrainer's option), times its Min-SNR weight,
+    times its debiased-estimation weight (kohya applies them in this order to the same per-sample means)."""
     thresholds = huber_thresholds(noise_scheduler, timesteps, settings) if settings.loss_type in ("huber", "smooth_l1") else None
-    losses = elementwise_loss(prediction.float() - target, settings.loss_type, thresholds).mean(dim=(1, 2, 3))
+    elementwise = elementwise_loss(prediction.float() - target, settings.loss_type, thresholds)
+    if loss_mask is None:
+        losses = elementwise.mean(dim=(1, 2, 3))
+    else:
+        mask = loss_mask.float()
+        losses = (elementwise * mask).mean(dim=(1, 2, 3))
+        if settings.masked_loss_normalize_area:
+            # An all-black mask trains nothing (0 / tiny = 0) rather than dividing by zero.
+            losses = losses / mask.mean(dim=(1, 2, 3)).clamp(min=1e-6)
     prediction_type = noise_scheduler.config.prediction_type
     if settings.min_snr_gamma:
         losses = losses * min_snr_weights(signal_to_noise(noise_scheduler, timesteps), settings.min_snr_gamma, prediction_type)
@@ -284,7 +301,7 @@ def training_loss(
         target = noise_scheduler.get_velocity(latents, randomness.noise, randomness.timesteps)
     else:
         target = randomness.noise
-    losses = sample_losses(prediction, target, randomness.timesteps, noise_scheduler, settings)
+    losses = sample_losses(prediction, target, randomness.timesteps, noise_scheduler, settings, batch.get(LOSS_MASK_KEY))
     if sample_weights is not None:
         losses = losses * sample_weights.to(losses.device, torch.float32)
     return losses.mean()

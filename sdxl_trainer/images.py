@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .buckets import CropPlan
+from .buckets import LATENT_DOWNSCALE, CropPlan
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 # Pillow refuses images above twice this many pixels; we refuse above it (and never warn about it).
@@ -47,6 +47,12 @@ def decode_image(data: bytes) -> Image.Image:
     EXIF orientation is applied (phone photos are often stored sideways). Palette and grayscale images
     with transparency keep it; 16-bit and CMYK images are converted. Animated images use the first frame.
     """
+    return decode_image_and_alpha(data)[0]
+
+
+def decode_image_and_alpha(data: bytes) -> tuple[Image.Image, Image.Image | None]:
+    """decode_image's RGB image, and its upright alpha channel ("L": 0 transparent, 255 opaque; None when the
+    image has no transparency), which --alpha_mask caches as the item's loss mask."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -72,12 +78,20 @@ def decode_image(data: bytes) -> Image.Image:
     if has_alpha:
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
+        return Image.alpha_composite(white, rgba).convert("RGB"), rgba.getchannel("A")
+    return image.convert("RGB"), None
+
+
+def decode_mask(data: bytes) -> Image.Image:
+    """A mask file's bytes -> its upright grayscale image ("L": white 255 = trained, black 0 = not trained);
+    a colour mask counts by its luminance."""
+    image, _ = decode_image_and_alpha(data)
+    return image.convert("L")
 
 
 def resize_and_crop(image: Image.Image, plan: CropPlan) -> Image.Image:
-    """Resize `image` to cover the bucket (Lanczos, downscale only) and cut out the centred crop."""
+    """Resize `image` to cover the bucket (Lanczos, downscale only) and cut out the centred crop. A mask
+    ("L") goes through the same resize and crop as its image."""
     resized = image.resize((plan.resized_width, plan.resized_height), Image.Resampling.LANCZOS)
     box = (
         plan.crop_left,
@@ -92,6 +106,13 @@ def to_model_input(image: Image.Image) -> torch.Tensor:
     """RGB PIL image -> float tensor (3, H, W) in [-1, 1], the VAE's input range."""
     array = np.array(image, dtype=np.uint8)  # a writable copy: torch shares its memory
     return torch.from_numpy(array).permute(2, 0, 1).float().div(127.5).sub(1.0)
+
+
+def to_latent_mask(mask: Image.Image) -> torch.Tensor:
+    """A bucket-sized mask ("L") -> (1, H / 8, W / 8) float in [0, 1]: the mean of each 8 x 8 block, the latent
+    pixel it becomes (kohya's area interpolation of the mask to the loss's size)."""
+    pixels = torch.from_numpy(np.array(mask, dtype=np.float32) / 255.0)
+    return torch.nn.functional.avg_pool2d(pixels[None, None], LATENT_DOWNSCALE)[0]
 
 
 def to_pil(images: torch.Tensor) -> list[Image.Image]:

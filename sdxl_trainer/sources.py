@@ -14,7 +14,11 @@ from PIL import Image
 
 from .buckets import Bucket, CropPlan, crop_into, micro_conditioning, plan_crop, upscale_target
 from .cache import sha256_bytes
-from .images import IMAGE_EXTENSIONS, UnreadableImage, decode_image, resize_and_crop, to_model_input
+from .images import IMAGE_EXTENSIONS, UnreadableImage, decode_image_and_alpha, decode_mask, resize_and_crop, to_latent_mask, to_model_input
+
+MASK_SUFFIX = ".mask"  # photo.mask.png beside photo.jpg: photo's loss mask (--mask_files), never an image of its own
+# A mask whose aspect ratio is within this share of its image's is stretched to the image's size.
+MASK_ASPECT_TOLERANCE = 0.01
 
 # (image, factor) -> the image enlarged by at least factor, e.g. sdxl_trainer.upscale.Upscaler
 UpscaleFunction = Callable[[Image.Image, float], Image.Image]
@@ -27,6 +31,7 @@ class SourcePair:
     caption_path: Path | None = None  # found by the scan (any case of .txt); None = the image's name with .txt
     caption_text: str | None = None  # from a metadata table (metadata.py): used instead of a caption file
     table_size: tuple[int, int] | None = None  # (width, height) upright, as a metadata table states it: --dry_run trusts it
+    mask_path: Path | None = None  # the image's loss mask file (name.mask.png), found by the scan
 
     @property
     def expected_caption(self) -> Path:
@@ -43,6 +48,7 @@ class PreparedItem:
     original_height: int
     pixels: torch.Tensor  # (3, bucket height, bucket width) in [-1, 1]
     upscaled: bool = False
+    loss_mask: torch.Tensor | None = None  # (1, bucket height / 8, bucket width / 8) in [0, 1] (to_latent_mask)
 
     def manifest_row(self) -> dict:
         time_ids = micro_conditioning(self.original_width, self.original_height, self.plan)
@@ -58,6 +64,7 @@ class PreparedItem:
             "crop_left": time_ids[3],
             "crop_left_flipped": self.plan.resized_width - self.plan.bucket.width - self.plan.crop_left,
             "upscaled": self.upscaled,
+            "has_loss_mask": self.loss_mask is not None,
         }
 
 
@@ -95,7 +102,8 @@ def scan_images(data_dir: Path) -> DataScan:
     caption: the .txt file of the same name, in any case (photo.JPG + photo.TXT). What looks like data but
     cannot be used is listed, not dropped: dangling or looping symlinks, FIFOs and other non-files named like
     images, folders named like images, folders that cannot be listed, and images that share one name
-    (a.jpg + a.png + a.txt: the first extension of IMAGE_EXTENSIONS gets the caption)."""
+    (a.jpg + a.png + a.txt: the first extension of IMAGE_EXTENSIONS gets the caption). An image named
+    name.mask.<image extension> is the loss mask of image `name` (used with --mask_files), not an image."""
     pairs: list[SourcePair] = []
     problems: list[ScanProblem] = []
     visited: set[Path] = set()
@@ -113,6 +121,7 @@ def scan_images(data_dir: Path) -> DataScan:
             problems.append(ScanProblem((relative_folder.as_posix() or "."), f"cannot list this folder ({error.strerror}): its images are not cached; fix its permissions", "unreadable folder"))
             continue
         images: dict[str, list[str]] = {}
+        masks: dict[str, list[str]] = {}
         captions: dict[str, str] = {}
         for entry in entries:
             if entry.name.startswith("."):
@@ -132,20 +141,30 @@ def scan_images(data_dir: Path) -> DataScan:
                 if looks_like_image:
                     problems.append(ScanProblem(relative, "not a regular file (a FIFO, socket or device)", "not a file"))
             elif looks_like_image:
-                images.setdefault(Path(entry.name).stem, []).append(entry.name)
+                stem = Path(entry.name).stem
+                if Path(stem).suffix.lower() == MASK_SUFFIX:
+                    masks.setdefault(Path(stem).stem, []).append(entry.name)
+                else:
+                    images.setdefault(stem, []).append(entry.name)
             elif Path(entry.name).suffix.lower() == ".txt":
                 stem = Path(entry.name).stem
                 captions[stem] = min(captions.get(stem, entry.name), entry.name, key=lambda name: (name != f"{stem}.txt", name))
         for stem, names in images.items():
             chosen, *others = sorted(names, key=_image_rank)
             caption = captions.get(stem)
-            pairs.append(SourcePair(folder / chosen, (relative_folder / chosen).as_posix(), folder / caption if caption else None))
+            mask = min(masks.pop(stem, []), key=_image_rank, default=None)
+            pairs.append(
+                SourcePair(folder / chosen, (relative_folder / chosen).as_posix(), folder / caption if caption else None, mask_path=folder / mask if mask else None)
+            )
             for other in others:
                 problems.append(ScanProblem(
                     (relative_folder / other).as_posix(),
                     f"another image has the same name ({chosen}) and takes its caption: rename this one and give it its own caption",
                     "duplicate name",
                 ))
+        for names in masks.values():  # masks left over: no image of their name
+            for name in names:
+                problems.append(ScanProblem((relative_folder / name).as_posix(), "a mask file without an image of its name: rename it after its image (photo.jpg -> photo.mask.png)", "mask without image"))
     pairs.sort(key=lambda pair: pair.relative_path)
     problems.sort(key=lambda problem: problem.relative_path)
     return DataScan(pairs, problems)
@@ -221,13 +240,18 @@ def prepare_item(
     upscale_to_resolution: int = 0,
     upscale: UpscaleFunction | None = None,
     on_upscaled: Callable[[SourcePair, Image.Image, Image.Image], None] | None = None,
+    mask_files: bool = False,
+    alpha_mask: bool = False,
 ) -> PreparedItem:
-    """Decode, choose the bucket, upscale if the bucket needs it, resize and crop. Raises SkippedItem with the reason."""
+    """Decode, choose the bucket, upscale if the bucket needs it, resize and crop; with mask_files / alpha_mask
+    the item's loss mask too (read_mask), through the same resize and crop. Raises SkippedItem with the reason."""
     try:
-        image = decode_image(data)
+        image, alpha = decode_image_and_alpha(data)
     except UnreadableImage as error:
         raise SkippedItem(source, str(error), "unreadable image") from error
     width, height = image.size
+    alpha = alpha if alpha_mask else None
+    mask = read_mask(source, image.size, alpha) if mask_files else alpha
     plan, upscale_bucket = choose_bucket(source, width, height, min_resolution, max_resolution, upscale_to_resolution)
     if upscale_bucket is not None:
         enlarged = upscale(image, max(upscale_bucket.width / width, upscale_bucket.height / height))
@@ -235,5 +259,30 @@ def prepare_item(
             on_upscaled(source, image, enlarged)
         image = enlarged
         plan = crop_into(image.width, image.height, upscale_bucket, upscale_to_resolution)
+        if mask is not None:
+            mask = mask.resize(image.size, Image.Resampling.BILINEAR)
     pixels = to_model_input(resize_and_crop(image, plan))
-    return PreparedItem(source, image_sha256, caption, plan, width, height, pixels, upscaled=upscale_bucket is not None)
+    loss_mask = None if mask is None else to_latent_mask(resize_and_crop(mask, plan))
+    return PreparedItem(source, image_sha256, caption, plan, width, height, pixels, upscaled=upscale_bucket is not None, loss_mask=loss_mask)
+
+
+def read_mask(source: SourcePair, image_size: tuple[int, int], alpha: Image.Image | None) -> Image.Image | None:
+    """The item's mask at its image's size: its mask file (source.mask_path), else `alpha`, else None (the item
+    trains everywhere). A mask file of the image's aspect ratio but another size is stretched to it."""
+    if source.mask_path is None:
+        return alpha
+    name = source.mask_path.name
+    try:
+        mask = decode_mask(source.mask_path.read_bytes())
+    except OSError as error:
+        raise SkippedItem(source, f"cannot read its mask file {name} ({error.strerror or error}): fix its permissions", "unreadable mask") from error
+    except UnreadableImage as error:
+        raise SkippedItem(source, f"its mask file {name} is unreadable ({error}): save it again as a grayscale PNG", "unreadable mask") from error
+    if mask.size != image_size:
+        (mask_width, mask_height), (width, height) = mask.size, image_size
+        if abs(mask_width * height / (mask_height * width) - 1) > MASK_ASPECT_TOLERANCE:
+            raise SkippedItem(
+                source, f"its mask file {name} is {mask_width}x{mask_height} px, the image {width}x{height} px: draw the mask at the image's size", "mask size"
+            )
+        mask = mask.resize(image_size, Image.Resampling.BILINEAR)
+    return mask

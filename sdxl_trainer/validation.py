@@ -32,7 +32,7 @@ import torch.distributed as dist
 from diffusers import DDPMScheduler, StableDiffusionXLPipeline
 
 from .buckets import Bucket, crop_into
-from .cache import sha256_bytes
+from .cache import LOSS_MASK_KEY, sha256_bytes
 from .data import CachedDataset, collate
 from .diffusion import NoiseSettings, sample_seed, training_loss
 from .encoding import CaptionEmbeddings
@@ -91,7 +91,8 @@ def validation_loss(
     unet.eval()
     for call in range(calls):
         range_index, batch_items = mine[call] if call < len(mine) else batches[0]
-        batch = {key: value.to(device) for key, value in collate([dataset[int(i)] for i in batch_items]).items()}
+        # Unmasked, as it is unweighted: one measure that runs with other loss options compare on.
+        batch = {key: value.to(device) for key, value in collate([dataset[int(i)] for i in batch_items]).items() if key != LOSS_MASK_KEY}
         if encode_batch is not None:
             batch = encode_batch(batch)
         low, high = ranges[range_index]

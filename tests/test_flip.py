@@ -1,6 +1,7 @@
 """--flip_aug: the cache holds each crop's mirror (its exact VAE encoding) and the mirrored crop's offset; the
 trainer trains the mirror with probability 1/2 per sample and epoch, drawn from the seed apart from every other
-draw, with the mirrored micro-conditioning; a run resumes bitwise with it; caches without mirrors are refused."""
+draw, with the mirrored micro-conditioning; caches without mirrors are refused. A 2-process run with flips (and
+masks, pseudo-Huber loss, logit-normal timesteps and two weighted caches) resumes bitwise: test_masked_loss.py."""
 
 from __future__ import annotations
 
@@ -12,13 +13,12 @@ import pytest
 import torch
 
 import sdxl_process_data_dir
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, run_processes, scalars, trainer_flags
+from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, run_processes, trainer_flags
 from sdxl_trainer.buckets import plan_crop
 from sdxl_trainer.cache import FLIPPED_KEY, MANIFEST_DIR, CacheReader, load_manifest
 from sdxl_trainer.data import CachedDataset, choose_views, collate, flip_draws
 from sdxl_trainer.encoding import load_encoders
 from sdxl_trainer.sources import SourcePair, prepare_item
-from test_resume_schedules import RESUME_AT, exported_unet, resumed_copy, train
 
 
 @pytest.fixture(scope="module")
@@ -82,17 +82,6 @@ def test_a_flipped_sample_trains_the_mirrored_latents_and_crop_offset(flip_cache
             assert chosen["time_ids"][row][3].item() == crop_left
     unflipped = collate([CachedDataset([flip_cache])[int(item)] for item in items])
     assert choose_views(unflipped, 5, 0) is unflipped  # without --flip_aug nothing is drawn or changed
-
-
-def test_a_run_with_flips_resumes_bitwise_and_trains_otherwise_than_without(tmp_path, flip_cache, tiny_pipeline_dir):
-    straight = train(tmp_path / "straight", flip_cache, tiny_pipeline_dir, "constant", "--flip_aug")
-    resumed_copy(straight, tmp_path / "resumed")
-    resumed = train(tmp_path / "resumed", flip_cache, tiny_pipeline_dir, "constant", "--flip_aug", "--load_saved_state", "latest")
-    assert scalars(resumed, "train/loss") == scalars(straight, "train/loss")[RESUME_AT:]
-    expected, got = exported_unet(straight), exported_unet(resumed)
-    assert all(torch.equal(expected[key], got[key]) for key in expected)
-    unflipped = train(tmp_path / "unflipped", flip_cache, tiny_pipeline_dir, "constant")
-    assert scalars(unflipped, "train/loss") != scalars(straight, "train/loss")
 
 
 def test_caches_without_mirrors_are_refused_naming_them(tmp_path, sample_cache_dir, tiny_pipeline_dir):

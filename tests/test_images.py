@@ -447,6 +447,7 @@ def test_prepare_item_and_manifest_row(tmp_path):
         # starts 864 - 832 - 16 = 16 from the mirrored image's left edge
         "crop_left_flipped": 16,
         "upscaled": False,
+        "has_loss_mask": False,  # no mask file, no --alpha_mask
     }
     assert (row["original_width"], row["original_height"]) == (900, 600)
     assert (row["bucket_width"], row["bucket_height"]) == (item.plan.bucket.width, item.plan.bucket.height)

@@ -471,6 +471,7 @@ def train_config(*flags: str):
         (["--ip_noise_gamma", "-0.1"], "--ip_noise_gamma must be >= 0"),
         (["--ip_noise_gamma_random_strength"], "--ip_noise_gamma_random_strength has no effect without --ip_noise_gamma"),
         (["--noise_offset_random_strength"], "--noise_offset_random_strength has no effect without --noise_offset"),
+        (["--masked_loss_normalize_area"], "--masked_loss_normalize_area has no effect without --masked_loss"),
         (["--dataset_loss_weights", "1", "2"], "--dataset_loss_weights needs one number per --cached_dataset_dirs entry (1), got 2"),
         (["--dataset_loss_weights", "0"], "--dataset_loss_weights must be > 0 and finite (leave a cache out instead of 0), got [0.0]"),
     ],
