@@ -1,8 +1,9 @@
 """Cache a folder of image + caption pairs for SDXL training: VAE latents, both text embeddings, buckets.
 
-For every image under --data_dir with a caption file of the same name (photo.jpg + photo.txt), or every row
+For every image under --data_dir with a caption file of the same name (photo.jpg + photo.txt), every row
 of a --metadata_table (JSONL or Parquet: path, caption or tags, score, under other names with
---table_columns; see sdxl_trainer/metadata.py):
+--table_columns; see sdxl_trainer/metadata.py), or every sample of the .tar files under --data_dir with
+--tar_shards (WebDataset layout, read without unpacking; see sdxl_trainer/tar_sources.py):
   1. read it upright (EXIF rotation), RGB, with transparency composited on white;
   2. skip it if it is smaller than the smallest bucket of --min_resolution;
   3. pick its aspect-ratio bucket (the largest resolution category up to --max_resolution that fits); with
@@ -18,7 +19,7 @@ image bytes and caption, re-encodes new or changed ones and those of shards foun
 refuses a cache made with other settings. Skipped items are listed, one line each with the reason, in
 <cache_dir>/logs/. --verify checks a cache without changing it; --dry_run prints the bucket histogram
 without loading any model. Several workers (one per GPU or machine) split the data with --num_shards and
---shard_index; sdxl_process_data_dir.sh starts them.
+--shard_index (by a hash of each item's path; tar shards whole, by tar); sdxl_process_data_dir.sh starts them.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ from sdxl_trainer.metadata import (
 from sdxl_trainer.sources import (
     PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_caption, read_source, scan_images, worker_of,
 )
+from sdxl_trainer.tar_sources import TAR_SUFFIX, find_tars, scan_tar_shards
 from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
 from sdxl_trainer.upscale import Upscaler, load_upscaler, weights_problems
 
@@ -88,6 +90,11 @@ class CacheConfig:
         None,
         help="a .jsonl or .parquet table listing the images instead of caption files: columns path (relative to --data_dir), "
         "caption or tags, and score for --min_score; read in batches, so millions of rows need no scan of the folder",
+    )
+    tar_shards: bool = option(
+        False,
+        help="--data_dir holds .tar shards in the WebDataset layout (key.jpg + key.txt or key.json with a caption field, consecutive "
+        "members; searched recursively) instead of loose files; read without unpacking; workers split them by tar",
     )
     table_columns: list[str] | None = option(
         None,
@@ -235,6 +242,10 @@ class CacheConfig:
                 if folder is not None and folder.resolve().is_relative_to(self.data_dir.resolve()):
                     problems.append(f"{flag} {folder} is inside --data_dir: choose a folder outside the dataset")
         problems += self._table_problems()
+        if self.tar_shards and self.metadata_table is not None:
+            problems.append("--tar_shards and --metadata_table are two ways to list the images: give one")
+        elif self.tar_shards and self.data_dir is not None and self.data_dir.is_dir() and not find_tars(self.data_dir):
+            problems.append(f"--tar_shards: --data_dir {self.data_dir} holds no {TAR_SUFFIX} file (searched recursively)")
         if self.upscale_to_resolution and category_range and self.upscale_to_resolution not in category_range[1:]:
             problems.append(
                 f"--upscale_to_resolution {self.upscale_to_resolution} must be a category above --min_resolution {self.min_resolution} "
@@ -484,10 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     hide_library_progress_bars()
     worker_name = f"w{config.shard_index:04d}of{config.num_shards:04d}"
     started = time.perf_counter()
-    def mine(relative_path: str) -> bool:
-        return worker_of(relative_path, config.num_shards) == config.shard_index
+    def mine(relative_path: str) -> bool:  # tar shards are split whole, by scan_tar_shards
+        return config.tar_shards or worker_of(relative_path, config.num_shards) == config.shard_index
 
-    if config.metadata_table:
+    if config.tar_shards:
+        scan = scan_tar_shards(config.data_dir, config.num_shards, config.shard_index)
+    elif config.metadata_table:
         try:
             scan = scan_table(config.metadata_table, config.data_dir, config.table_filters(), mine, parse_column_names(config.table_columns or []))
         except TableError as error:

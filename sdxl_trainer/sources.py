@@ -7,7 +7,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from PIL import Image
@@ -19,6 +19,9 @@ from .images import IMAGE_EXTENSIONS, UnreadableImage, decode_image_and_alpha, d
 MASK_SUFFIX = ".mask"  # photo.mask.png beside photo.jpg: photo's loss mask (--mask_files), never an image of its own
 # A mask whose aspect ratio is within this share of its image's is stretched to the image's size.
 MASK_ASPECT_TOLERANCE = 0.01
+
+if TYPE_CHECKING:
+    from .tar_sources import TarMember
 
 # (image, factor) -> the image enlarged by at least factor, e.g. sdxl_trainer.upscale.Upscaler
 UpscaleFunction = Callable[[Image.Image, float], Image.Image]
@@ -32,6 +35,7 @@ class SourcePair:
     caption_text: str | None = None  # from a metadata table (metadata.py): used instead of a caption file
     table_size: tuple[int, int] | None = None  # (width, height) upright, as a metadata table states it: --dry_run trusts it
     mask_path: Path | None = None  # the image's loss mask file (name.mask.png), found by the scan
+    tar_member: TarMember | None = None  # in a tar shard (tar_sources.py): the image's bytes are read from there, not image_path
 
     @property
     def expected_caption(self) -> Path:
@@ -208,7 +212,7 @@ def read_source(source: SourcePair) -> tuple[bytes, str, str]:
     """(image bytes, their SHA-256, caption): what decides whether a cached item is still valid."""
     caption = read_caption(source)
     try:
-        data = source.image_path.read_bytes()
+        data = source.tar_member.read_bytes() if source.tar_member else source.image_path.read_bytes()
     except OSError as error:
         raise SkippedItem(source, f"cannot read the file ({error})", "unreadable image") from error
     if not data:
