@@ -156,6 +156,15 @@ class TrainConfig:
     shuffle_caption: bool = option(False, help="caption mode: shuffle the comma-separated tags of each caption at every step (seeded per sample)")
     keep_tokens: int = option(0, help="caption mode: leading comma-separated tags (as kohya counts them) never shuffled or dropped, e.g. a trigger word")
     caption_tag_dropout_rate: float = option(0.0, help="caption mode: chance (0-1) of dropping each tag after the --keep_tokens ones, at every step")
+    dataset_shuffle_caption: list[bool] | None = option(
+        None,
+        help="--shuffle_caption for each --cached_dataset_dirs entry, in the same order (true/false), e.g. shuffle a tag dataset's "
+        "captions and keep a prose dataset's as written; None = --shuffle_caption for all",
+    )
+    dataset_keep_tokens: list[int] | None = option(None, help="--keep_tokens for each --cached_dataset_dirs entry, in the same order; None = --keep_tokens for all")
+    dataset_caption_tag_dropout_rate: list[float] | None = option(
+        None, help="--caption_tag_dropout_rate for each --cached_dataset_dirs entry, in the same order; None = --caption_tag_dropout_rate for all"
+    )
     train_text_encoder: bool = option(
         False,
         help="caption mode: train both text encoders with the UNet (fp32 weights sharded like the UNet's: about 8 GB more over all "
@@ -388,17 +397,26 @@ class TrainConfig:
             problems.append(f"need 0 <= --min_timestep < --max_timestep <= 1000, got {self.min_timestep} and {self.max_timestep}")
         if not self.encode_captions_each_step:
             varied = [flag for flag, on in (("--shuffle_caption", self.shuffle_caption), ("--keep_tokens", self.keep_tokens),
-                                             ("--caption_tag_dropout_rate", self.caption_tag_dropout_rate)) if on]
+                                             ("--caption_tag_dropout_rate", self.caption_tag_dropout_rate),
+                                             ("--dataset_shuffle_caption", self.dataset_shuffle_caption), ("--dataset_keep_tokens", self.dataset_keep_tokens),
+                                             ("--dataset_caption_tag_dropout_rate", self.dataset_caption_tag_dropout_rate)) if on]
             if varied:
                 problems.append(f"{', '.join(varied)} vary captions at every step, which needs --encode_captions_each_step (cached embeddings are fixed)")
             if self.train_text_encoder:
                 problems.append("--train_text_encoder needs --encode_captions_each_step: cached embeddings cannot carry gradients to the encoders")
         if not self.train_text_encoder and (self.learning_rate_te1 is not None or self.learning_rate_te2 is not None):
             problems.append("--learning_rate_te1 / --learning_rate_te2 apply to trained text encoders: add --train_text_encoder")
-        if self.keep_tokens < 0:
-            problems.append(f"--keep_tokens must be >= 0, got {self.keep_tokens}")
-        if not 0 <= self.caption_tag_dropout_rate <= 1:
-            problems.append(f"--caption_tag_dropout_rate is a share between 0 and 1, got {self.caption_tag_dropout_rate}")
+        for name in ("dataset_shuffle_caption", "dataset_keep_tokens", "dataset_caption_tag_dropout_rate"):  # one value per cache
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.cached_dataset_dirs):
+                problems.append(f"--{name} needs one value per --cached_dataset_dirs entry ({len(self.cached_dataset_dirs)}), got {len(values)}")
+        if any(keep < 0 for keep in [self.keep_tokens, *(self.dataset_keep_tokens or ())]):
+            problems.append(f"--keep_tokens and --dataset_keep_tokens must be >= 0, got {self.keep_tokens} and {self.dataset_keep_tokens}")
+        if not all(0 <= rate <= 1 for rate in [self.caption_tag_dropout_rate, *(self.dataset_caption_tag_dropout_rate or ())]):
+            problems.append(
+                "--caption_tag_dropout_rate and --dataset_caption_tag_dropout_rate are shares between 0 and 1, "
+                f"got {self.caption_tag_dropout_rate} and {self.dataset_caption_tag_dropout_rate}"
+            )
         if self.zero_terminal_snr and self.prediction_type != "v_prediction":
             problems.append("--zero_terminal_snr needs --prediction_type v_prediction (epsilon cannot be predicted at zero SNR)")
         problems += self._number_problems()
@@ -422,6 +440,20 @@ class TrainConfig:
         """The text encoder kept frozen by a rate of 0 while the other trains ("" if none)."""
         rates = self.text_encoder_rates()
         return next((name for name in TEXT_ENCODER_NAMES if name not in rates), "") if rates else ""
+
+    def caption_variations(self) -> list[CaptionVariation]:
+        """Caption mode's tag variation for each cache: its --dataset_* entry where given, else the run-wide flag."""
+        def per_cache(values: list | None, default):
+            return values if values is not None else [default] * len(self.cached_dataset_dirs)
+
+        return [
+            CaptionVariation(shuffle, keep, dropout)
+            for shuffle, keep, dropout in zip(
+                per_cache(self.dataset_shuffle_caption, self.shuffle_caption),
+                per_cache(self.dataset_keep_tokens, self.keep_tokens),
+                per_cache(self.dataset_caption_tag_dropout_rate, self.caption_tag_dropout_rate),
+            )
+        ]
 
     def noise_settings(self) -> NoiseSettings:
         """The denoising objective's settings: NoiseSettings' fields are named as these options."""
@@ -1010,10 +1042,11 @@ def train(config: TrainConfig, world: World) -> int:
         trained_text_encoders = {name: encoder for name, encoder in zip(TEXT_ENCODER_NAMES, text_encoders) if name in text_encoder_rates}
         for encoder in trained_text_encoders.values():
             prepare_text_encoder(encoder, world, param_dtype, config.reshard_after_forward, cpu_offload=config.cpu_offload)
+        variations = config.caption_variations()
         caption_encoder = StepCaptionEncoder(
             (tokenizers, text_encoders),
             dataset.caption_texts,
-            CaptionVariation(config.shuffle_caption, config.keep_tokens, config.caption_tag_dropout_rate),
+            lambda item: variations[dataset.cache_index[item]],
             seed,
             caption_chunks(config),
             world.device,
@@ -1082,7 +1115,11 @@ def train(config: TrainConfig, world: World) -> int:
             )
         )
         if caption_encoder is not None:
-            print(f"Caption mode: both text encoders encode every step's captions: {caption_encoder.variation.describe()}.")
+            described = (
+                variations[0].describe() if len(set(variations)) == 1
+                else "; ".join(f"{cache_dir}: {variation.describe()}" for cache_dir, variation in zip(config.cached_dataset_dirs, variations))
+            )
+            print(f"Caption mode: both text encoders encode every step's captions: {described}.")
         if config.train_text_encoder:
             trained = [f"{text_encoder_label(name)} at {rate:g}" for name, rate in text_encoder_rates.items()]
             frozen = f"; {text_encoder_label(config.frozen_text_encoder())} stays frozen (rate 0)" if config.frozen_text_encoder() else ""

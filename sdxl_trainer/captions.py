@@ -79,14 +79,15 @@ class StepCaptionEncoder:
     and the empty caption (caption dropout's) is encoded in the same forward, so dropped samples train
     the encoders' "" as the exported pipeline will encode it."""
 
-    def __init__(self, text_side: TextSide, captions: list[str], variation: CaptionVariation, run_seed: int, chunks: int, device: torch.device,
-                 trains: bool = False, framing: Callable[[int, str], str] | None = None):
+    def __init__(self, text_side: TextSide, captions: list[str], variation: CaptionVariation | Callable[[int], CaptionVariation], run_seed: int,
+                 chunks: int, device: torch.device, trains: bool = False, framing: Callable[[int, str], str] | None = None):
         self.tokenizers, self.text_encoders = text_side
         self.captions = captions  # manifest text of every dataset item
         # (item index, caption) -> the caption with its cache's prefix and suffix (CachedDataset.framed), added after
         # the variation so that a trigger word is never shuffled or dropped
         self.framing = framing or (lambda _item, caption: caption)
-        self.variation = variation
+        # item index -> its tag variation (one for all items, or its cache's: --dataset_shuffle_caption and the like)
+        self.variation_of = variation if callable(variation) else lambda _item: variation
         self.run_seed = run_seed
         self.chunks = chunks
         self.device = device
@@ -96,7 +97,7 @@ class StepCaptionEncoder:
         """This epoch's caption of each sample (of item sample % dataset size, data.CachedDataset)."""
         items = [sample % len(self.captions) for sample in sample_indices]
         return [
-            self.framing(item, vary_caption(self.captions[item], caption_generator(self.run_seed, epoch, sample), self.variation))
+            self.framing(item, vary_caption(self.captions[item], caption_generator(self.run_seed, epoch, sample), self.variation_of(item)))
             for item, sample in zip(items, sample_indices)
         ]
 

@@ -50,10 +50,18 @@ def _add_argument(parser: argparse.ArgumentParser, field: dataclasses.Field, ann
         kwargs["type"] = type(typing.get_args(base)[0])
     elif typing.get_origin(base) is list:
         kwargs["nargs"] = "+"
-        kwargs["type"] = typing.get_args(base)[0]
+        kwargs["type"] = parse_bool if typing.get_args(base)[0] is bool else typing.get_args(base)[0]
     else:
         kwargs["type"] = base
     parser.add_argument(f"--{field.name}", **kwargs)
+
+
+def parse_bool(text: str) -> bool:
+    """A list item of a list[bool] flag on the command line (--dataset_shuffle_caption true false)."""
+    words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+    if text.lower() not in words:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return words[text.lower()]
 
 
 def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
@@ -70,7 +78,7 @@ def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
             raise ValueError(f"{source}: {name} must be a list")
         item_type = typing.get_args(base)[0]
         accepted = str if item_type is Path else (int, float) if item_type is float else item_type  # TOML writes 3200 for 3200.0
-        wrong = [item for item in value if not isinstance(item, accepted) or isinstance(item, bool)]
+        wrong = [item for item in value if not isinstance(item, accepted) or (isinstance(item, bool) and item_type is not bool)]
         if wrong:
             expected = "str" if item_type is Path else "number" if item_type is float else item_type.__name__
             raise ValueError(f"{source}: {name} items must be of type {expected}, got {wrong!r}")

@@ -153,3 +153,38 @@ def test_caption_variation_without_caption_mode_is_refused(tmp_path, tag_cache, 
     result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags, expect_success=False)
     assert result.returncode != 0
     assert "--shuffle_caption, --keep_tokens vary captions at every step, which needs --encode_captions_each_step" in result.stderr + result.stdout
+
+
+def test_each_cache_can_vary_its_captions_its_own_way(tmp_path, tag_cache, capsys):
+    """--dataset_shuffle_caption / --dataset_keep_tokens / --dataset_caption_tag_dropout_rate: one value per cache
+    (from flags or TOML), the run-wide flag for caches without one; each item's captions vary as its cache says."""
+    from sdxl_FSDP_train import TrainConfig
+    from sdxl_trainer.config import parse_config
+
+    twice = ["--cached_dataset_dirs", str(tag_cache), str(tag_cache), "--encode_captions_each_step", "--keep_tokens", "1"]
+    config = parse_config(TrainConfig, [*twice, "--dataset_shuffle_caption", "true", "false", "--dataset_caption_tag_dropout_rate", "0.5", "0"])
+    variations = config.caption_variations()
+    assert variations == [CaptionVariation(True, 1, 0.5), CaptionVariation(False, 1, 0.0)]
+    toml = tmp_path / "run.toml"
+    toml.write_text("dataset_shuffle_caption = [true, false]\ndataset_caption_tag_dropout_rate = [0.5, 0]\n")
+    assert parse_config(TrainConfig, [*twice, "--config", str(toml)]).caption_variations() == variations
+
+    dataset = CachedDataset([tag_cache, tag_cache])
+    encoder = StepCaptionEncoder((None, None), dataset.caption_texts, lambda item: variations[dataset.cache_index[item]], 5, 1, torch.device("cpu"))
+    changed = Counter()
+    for epoch in range(20):
+        for item, caption in enumerate(encoder.captions_for(list(range(len(dataset))), epoch)):
+            written = dataset.caption_texts[item].split("\n")
+            assert caption.split(", ")[0] == "sample"  # --keep_tokens 1 in both
+            changed[int(dataset.cache_index[item])] += caption not in written
+    assert changed[1] == 0 and changed[0] > 10 * len(dataset) // 2
+
+    for flags, message in (
+        (["--dataset_keep_tokens", "1"], "--dataset_keep_tokens needs one value per --cached_dataset_dirs entry (2), got 1"),
+        (["--dataset_caption_tag_dropout_rate", "0.5", "2"], "--caption_tag_dropout_rate and --dataset_caption_tag_dropout_rate are shares between 0 and 1"),
+        (["--no-encode_captions_each_step", "--dataset_shuffle_caption", "true", "false"], "--dataset_shuffle_caption vary captions at every step"),
+        (["--dataset_shuffle_caption", "maybe", "no"], "'maybe' is not true or false"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(TrainConfig, [*twice, *flags])
+        assert message in capsys.readouterr().err, flags
