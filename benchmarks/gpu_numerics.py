@@ -43,7 +43,7 @@ def train(args: argparse.Namespace, precision: str, world) -> tuple[list[float],
     """Losses of each update, and each parameter's change over all of them (fp32, on the device)."""
     compute_dtype, weights_dtype = PRECISIONS[precision]
     run_args = argparse.Namespace(
-        model=args.model, resolution=args.resolution, weights_dtype=weights_dtype, optimizer=args.optimizer, compile=False, cpu_offload=False
+        model=args.model, resolution=args.resolution, weights_dtype=weights_dtype, optimizer=args.optimizer, compile=False, recompile_limit=None, cpu_offload=False
     )
     unet, step = build_trainer(run_args, Row(args.batch_size, gradient_checkpointing=True), world, compute_dtype)
     before = [parameter.detach().float().clone() for parameter in unet.parameters()]
