@@ -971,7 +971,6 @@ def train(config: TrainConfig, world: World) -> int:
                 f"to {aside}, so --checkpoints_total_limit and --load_saved_state latest follow the resumed run. Nothing was deleted."
             )
     seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
-    config.set_seed = seed
     torch.manual_seed(seed + world.rank)
 
     # ---- data ------------------------------------------------------------------------------------
@@ -1098,7 +1097,7 @@ def train(config: TrainConfig, world: World) -> int:
     if saved:
         train_step.load_state_dict(dataclasses.asdict(saved))
     if world.is_main:
-        write_resolved_config(config, run_dir / "config.json")
+        write_resolved_config(dataclasses.replace(config, set_seed=seed), run_dir / "config.json")  # the seed drawn or resumed, to repeat the run
         print(
             f"{len(dataset)} cached items"
             + (f" ({len(planner.epoch_samples(0))} samples an epoch with --dataset_repeats)" if config.dataset_repeats else "")

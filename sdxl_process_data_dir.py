@@ -75,7 +75,7 @@ from sdxl_trainer.metadata import (
     TABLE_SUFFIXES, TableError, TableFilters, parse_column_names, read_tag_replacements, read_text_replacements, scan_table,
 )
 from sdxl_trainer.sources import (
-    PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_caption, read_source, scan_images, worker_of,
+    PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, mask_file_sha256, prepare_item, read_caption, read_source, scan_images, worker_of,
 )
 from sdxl_trainer.tar_sources import TAR_SUFFIX, find_tars, scan_tar_shards
 from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
@@ -456,8 +456,8 @@ def run_verify(cache_dir: Path) -> int:
     return 0
 
 
-def valid_cached_items(cache_dir: Path, my_paths: set[str], num_threads: int, worker_name: str) -> dict[str, tuple[str, str]]:
-    """image_path -> (image SHA-256, caption) of this worker's items in intact shards.
+def valid_cached_items(cache_dir: Path, my_paths: set[str], num_threads: int, worker_name: str) -> dict[str, tuple[str, str, str | None]]:
+    """image_path -> (image SHA-256, caption, mask file SHA-256) of this worker's items in intact shards.
 
     Shards holding any of this worker's items are checked against their checksums (each worker reads its
     own part of the cache once); damaged ones and unreadable manifest parts are moved to damaged/, so
@@ -481,7 +481,8 @@ def valid_cached_items(cache_dir: Path, my_paths: set[str], num_threads: int, wo
     if mine:
         print(f"[{worker_name}] checked {len(mine)} shards against their checksums in {time.perf_counter() - started:.1f} s")
     manifest = merge_parts(intact)
-    return dict(zip(manifest.column("image_path").to_pylist(), zip(manifest.column("image_sha256").to_pylist(), manifest.column("caption").to_pylist())))
+    identity = zip(*(manifest.column(name).to_pylist() for name in ("image_sha256", "caption", "mask_sha256")))
+    return dict(zip(manifest.column("image_path").to_pylist(), identity))
 
 
 class WriteFailed(Exception):
@@ -601,7 +602,8 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
         """Runs in the I/O threads: returns a PreparedItem, None (already cached) or a SkippedItem."""
         try:
             data, image_sha256, caption = read_source(source)
-            if already_cached.get(source.relative_path) == (image_sha256, caption):
+            mask_sha256 = mask_file_sha256(source) if config.mask_files else None
+            if already_cached.get(source.relative_path) == (image_sha256, caption, mask_sha256):
                 return None
             return prepare_item(
                 source, data, image_sha256, caption, config.min_resolution, config.max_resolution, config.upscale_to_resolution, upscaler, samples,

@@ -75,6 +75,7 @@ MANIFEST_SCHEMA = pa.schema(
         ("crop_left_flipped", pa.int32()),
         ("upscaled", pa.bool_()),
         ("has_loss_mask", pa.bool_()),  # a loss mask is cached (LOSS_MASK_KEY); null in parts written before masks
+        ("mask_sha256", pa.string()),  # of the mask file's bytes (--mask_files), so an edited mask is re-cached; else null
         ("shard", pa.string()),  # file name inside shards/
         ("index_in_shard", pa.int32()),
     ]
@@ -357,7 +358,7 @@ def _read_part(path: Path) -> tuple[ManifestPart, pa.Table]:
     metadata = handle.schema_arrow.metadata or {}
     table = handle.read(use_threads=False)  # parts are small: the parallelism is across parts
     if not table.schema.equals(MANIFEST_SCHEMA):
-        for name in ("crop_left_flipped", "has_loss_mask"):  # a part from before flipped latents or masks
+        for name in ("crop_left_flipped", "has_loss_mask", "mask_sha256"):  # a part from before flipped latents or masks
             if name not in table.column_names:
                 table = table.append_column(name, pa.nulls(len(table), MANIFEST_SCHEMA.field(name).type))
         table = table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)

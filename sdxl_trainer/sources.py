@@ -53,6 +53,7 @@ class PreparedItem:
     pixels: torch.Tensor  # (3, bucket height, bucket width) in [-1, 1]
     upscaled: bool = False
     loss_mask: torch.Tensor | None = None  # (1, bucket height / 8, bucket width / 8) in [0, 1] (to_latent_mask)
+    mask_sha256: str | None = None  # of its mask file's bytes, when the mask came from one
 
     def manifest_row(self) -> dict:
         time_ids = micro_conditioning(self.original_width, self.original_height, self.plan)
@@ -69,6 +70,7 @@ class PreparedItem:
             "crop_left_flipped": self.plan.resized_width - self.plan.bucket.width - self.plan.crop_left,
             "upscaled": self.upscaled,
             "has_loss_mask": self.loss_mask is not None,
+            "mask_sha256": self.mask_sha256,
         }
 
 
@@ -255,7 +257,7 @@ def prepare_item(
         raise SkippedItem(source, str(error), "unreadable image") from error
     width, height = image.size
     alpha = alpha if alpha_mask else None
-    mask = read_mask(source, image.size, alpha) if mask_files else alpha
+    mask, mask_sha256 = read_mask(source, image.size, alpha) if mask_files else (alpha, None)
     plan, upscale_bucket = choose_bucket(source, width, height, min_resolution, max_resolution, upscale_to_resolution)
     if upscale_bucket is not None:
         enlarged = upscale(image, max(upscale_bucket.width / width, upscale_bucket.height / height))
@@ -267,17 +269,30 @@ def prepare_item(
             mask = mask.resize(image.size, Image.Resampling.BILINEAR)
     pixels = to_model_input(resize_and_crop(image, plan))
     loss_mask = None if mask is None else to_latent_mask(resize_and_crop(mask, plan))
-    return PreparedItem(source, image_sha256, caption, plan, width, height, pixels, upscaled=upscale_bucket is not None, loss_mask=loss_mask)
+    return PreparedItem(
+        source, image_sha256, caption, plan, width, height, pixels, upscaled=upscale_bucket is not None, loss_mask=loss_mask, mask_sha256=mask_sha256
+    )
 
 
-def read_mask(source: SourcePair, image_size: tuple[int, int], alpha: Image.Image | None) -> Image.Image | None:
-    """The item's mask at its image's size: its mask file (source.mask_path), else `alpha`, else None (the item
-    trains everywhere). A mask file of the image's aspect ratio but another size is stretched to it."""
+def mask_file_sha256(source: SourcePair) -> str | None:
+    """SHA-256 of the item's mask file, what tells a resumed cache run that a mask changed (None: no mask file,
+    or one that cannot be read, which prepare_item then reports)."""
+    try:
+        return sha256_bytes(source.mask_path.read_bytes()) if source.mask_path is not None else None
+    except OSError:
+        return None
+
+
+def read_mask(source: SourcePair, image_size: tuple[int, int], alpha: Image.Image | None) -> tuple[Image.Image | None, str | None]:
+    """The item's mask at its image's size and the SHA-256 of its file's bytes: its mask file (source.mask_path),
+    else (`alpha`, None), else (None, None): the item trains everywhere. A mask file of the image's aspect ratio
+    but another size is stretched to it."""
     if source.mask_path is None:
-        return alpha
+        return alpha, None
     name = source.mask_path.name
     try:
-        mask = decode_mask(source.mask_path.read_bytes())
+        data = source.mask_path.read_bytes()
+        mask = decode_mask(data)
     except OSError as error:
         raise SkippedItem(source, f"cannot read its mask file {name} ({error.strerror or error}): fix its permissions", "unreadable mask") from error
     except UnreadableImage as error:
@@ -289,4 +304,4 @@ def read_mask(source: SourcePair, image_size: tuple[int, int], alpha: Image.Imag
                 source, f"its mask file {name} is {mask_width}x{mask_height} px, the image {width}x{height} px: draw the mask at the image's size", "mask size"
             )
         mask = mask.resize(image_size, Image.Resampling.BILINEAR)
-    return mask
+    return mask, sha256_bytes(data)

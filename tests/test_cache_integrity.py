@@ -238,6 +238,7 @@ def test_million_row_manifest_loads_fast_and_finds_items(tmp_path):
             "crop_left_flipped": pa.nulls(num_rows, pa.int32()),
             "upscaled": pa.array(np.zeros(num_rows, bool)),
             "has_loss_mask": pa.array(np.zeros(num_rows, bool)),
+            "mask_sha256": pa.nulls(num_rows, pa.string()),
             "shard": pa.array(np.char.mod("w0-%06d.safetensors", index // rows_per_part)),
             "index_in_shard": pa.array((index % rows_per_part).astype(np.int32)),
         },

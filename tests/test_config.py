@@ -360,3 +360,17 @@ def test_example_configs_parse_and_validate(config_file, train_config_class):
 def test_there_is_an_example_config_per_common_machine():
     names = {path.stem for path in (Path(__file__).resolve().parent.parent / "configs").glob("*.toml")}
     assert {"2x24gb_consumer", "8x80gb_datacenter", "multinode_4x8x80gb"} <= names
+
+
+def test_a_run_without_a_seed_records_the_one_it_drew(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    """The drawn seed reaches config.json (to repeat the run) and the checkpoint."""
+    from conftest import REPO_ROOT, run_processes, trainer_flags
+    from sdxl_trainer.checkpoint import read_trainer_state
+
+    flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "run", "--optimizer", "adamw", "--no-validation_loss",
+                          "--max_train_updates", "1", "--no-save_diffusers")
+    seed_at = flags.index("--set_seed")
+    run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags[:seed_at] + flags[seed_at + 2:])
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["set_seed"]
+    state = read_trainer_state(next((tmp_path / "run" / "checkpoints").glob("update_*")))
+    assert isinstance(recorded, int) and recorded == state.seed

@@ -448,6 +448,7 @@ def test_prepare_item_and_manifest_row(tmp_path):
         "crop_left_flipped": 16,
         "upscaled": False,
         "has_loss_mask": False,  # no mask file, no --alpha_mask
+        "mask_sha256": None,
     }
     assert (row["original_width"], row["original_height"]) == (900, 600)
     assert (row["bucket_width"], row["bucket_height"]) == (item.plan.bucket.width, item.plan.bucket.height)

@@ -19,7 +19,7 @@ from PIL import Image
 import sdxl_process_data_dir
 from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET, scalars
 from sdxl_trainer.buckets import LATENT_DOWNSCALE, plan_crop
-from sdxl_trainer.cache import LOSS_MASK_KEY, CacheReader, load_manifest
+from sdxl_trainer.cache import LOSS_MASK_KEY, CacheReader, load_manifest, sha256_bytes
 from sdxl_trainer.data import CachedDataset, choose_views, collate, flip_draws
 from sdxl_trainer.diffusion import NoiseSettings, draw_sample_randomness, sample_losses, training_loss
 from sdxl_trainer.images import resize_and_crop, to_latent_mask
@@ -124,12 +124,29 @@ def test_the_cache_holds_each_mask_through_its_images_crop_at_latent_size(masked
 def test_a_mask_file_of_its_images_shape_but_another_size_is_stretched_to_it(tmp_path):
     image_path = tmp_path / "a.jpg"
     left_half_black((60, 40)).save(tmp_path / "a.mask.png")
-    mask = read_mask(SourcePair(image_path, "a.jpg", mask_path=tmp_path / "a.mask.png"), (120, 80), None)
+    mask, digest = read_mask(SourcePair(image_path, "a.jpg", mask_path=tmp_path / "a.mask.png"), (120, 80), None)
+    assert digest == sha256_bytes((tmp_path / "a.mask.png").read_bytes())
     assert mask.size == (120, 80)
     assert np.asarray(mask)[:, :58].max() == 0 and np.asarray(mask)[:, 62:].min() == 255
     (tmp_path / "broken.mask.png").write_bytes(b"not a png")
     with pytest.raises(SkippedItem, match="its mask file broken.mask.png is unreadable"):
         read_mask(SourcePair(image_path, "a.jpg", mask_path=tmp_path / "broken.mask.png"), (120, 80), None)
+
+
+def test_an_edited_mask_file_is_cached_again_on_the_next_run_and_nothing_else(tmp_path, masked_data, masked_cache, tiny_pipeline_dir, capsys):
+    data, cache_dir = tmp_path / "data", tmp_path / "cache"
+    shutil.copytree(masked_data, data)
+    shutil.copytree(masked_cache, cache_dir)
+    flags = ["--data_dir", str(data), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+             *CACHE_FLAGS, "--mask_files", "--alpha_mask"]
+    capsys.readouterr()
+    assert sdxl_process_data_dir.main(flags) == 0
+    assert "already cached: 5." in capsys.readouterr().out  # nothing changed, nothing encoded
+    Image.new("L", Image.open(data / "sample_00.jpg").size, 255).save(data / "sample_00.mask.png")  # now: learn everything
+    assert sdxl_process_data_dir.main(flags) == 0
+    assert "already cached: 4, cached: 1, upscaled: 0, with a loss mask: 1." in capsys.readouterr().out
+    mask = cached_masks(cache_dir)["sample_00.jpg"]
+    assert torch.equal(mask, torch.ones_like(mask))
 
 
 def test_the_dataset_gives_each_item_its_mask_or_ones_and_a_flipped_sample_its_mirrored_mask(masked_cache, masked_data):
