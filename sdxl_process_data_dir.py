@@ -75,7 +75,7 @@ from sdxl_trainer.metadata import (
     TABLE_SUFFIXES, TableError, TableFilters, parse_column_names, read_tag_replacements, read_text_replacements, scan_table,
 )
 from sdxl_trainer.sources import (
-    PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, mask_file_sha256, prepare_item, read_caption, read_source, scan_images, worker_of,
+    PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_caption, read_mask_file, read_source, scan_images, worker_of,
 )
 from sdxl_trainer.tar_sources import TAR_SUFFIX, find_tars, scan_tar_shards
 from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
@@ -602,12 +602,12 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
         """Runs in the I/O threads: returns a PreparedItem, None (already cached) or a SkippedItem."""
         try:
             data, image_sha256, caption = read_source(source)
-            mask_sha256 = mask_file_sha256(source) if config.mask_files else None
-            if already_cached.get(source.relative_path) == (image_sha256, caption, mask_sha256):
+            mask_file = read_mask_file(source) if config.mask_files else None
+            if already_cached.get(source.relative_path) == (image_sha256, caption, mask_file[1] if mask_file else None):
                 return None
             return prepare_item(
                 source, data, image_sha256, caption, config.min_resolution, config.max_resolution, config.upscale_to_resolution, upscaler, samples,
-                mask_files=config.mask_files, alpha_mask=config.alpha_mask,
+                mask_file=mask_file, alpha_mask=config.alpha_mask,
             )
         except SkippedItem as skipped:
             return skipped

@@ -23,6 +23,7 @@ MASK_ASPECT_TOLERANCE = 0.01
 if TYPE_CHECKING:
     from .tar_sources import TarMember
 
+MaskFile = tuple[bytes, str]  # a mask file's bytes and their SHA-256 (read_mask_file)
 # (image, factor) -> the image enlarged by at least factor, e.g. sdxl_trainer.upscale.Upscaler
 UpscaleFunction = Callable[[Image.Image, float], Image.Image]
 
@@ -246,18 +247,18 @@ def prepare_item(
     upscale_to_resolution: int = 0,
     upscale: UpscaleFunction | None = None,
     on_upscaled: Callable[[SourcePair, Image.Image, Image.Image], None] | None = None,
-    mask_files: bool = False,
+    mask_file: MaskFile | None = None,
     alpha_mask: bool = False,
 ) -> PreparedItem:
-    """Decode, choose the bucket, upscale if the bucket needs it, resize and crop; with mask_files / alpha_mask
-    the item's loss mask too (read_mask), through the same resize and crop. Raises SkippedItem with the reason."""
+    """Decode, choose the bucket, upscale if the bucket needs it, resize and crop; with a mask file (read_mask_file)
+    or alpha_mask the item's loss mask too (mask_image), through the same resize and crop. Raises SkippedItem
+    with the reason."""
     try:
         image, alpha = decode_image_and_alpha(data)
     except UnreadableImage as error:
         raise SkippedItem(source, str(error), "unreadable image") from error
     width, height = image.size
-    alpha = alpha if alpha_mask else None
-    mask, mask_sha256 = read_mask(source, image.size, alpha) if mask_files else (alpha, None)
+    mask = mask_image(source, mask_file, image.size, alpha if alpha_mask else None)
     plan, upscale_bucket = choose_bucket(source, width, height, min_resolution, max_resolution, upscale_to_resolution)
     if upscale_bucket is not None:
         enlarged = upscale(image, max(upscale_bucket.width / width, upscale_bucket.height / height))
@@ -270,31 +271,33 @@ def prepare_item(
     pixels = to_model_input(resize_and_crop(image, plan))
     loss_mask = None if mask is None else to_latent_mask(resize_and_crop(mask, plan))
     return PreparedItem(
-        source, image_sha256, caption, plan, width, height, pixels, upscaled=upscale_bucket is not None, loss_mask=loss_mask, mask_sha256=mask_sha256
+        source, image_sha256, caption, plan, width, height, pixels, upscaled=upscale_bucket is not None, loss_mask=loss_mask,
+        mask_sha256=mask_file[1] if mask_file is not None else None,
     )
 
 
-def mask_file_sha256(source: SourcePair) -> str | None:
-    """SHA-256 of the item's mask file, what tells a resumed cache run that a mask changed (None: no mask file,
-    or one that cannot be read, which prepare_item then reports)."""
-    try:
-        return sha256_bytes(source.mask_path.read_bytes()) if source.mask_path is not None else None
-    except OSError:
-        return None
-
-
-def read_mask(source: SourcePair, image_size: tuple[int, int], alpha: Image.Image | None) -> tuple[Image.Image | None, str | None]:
-    """The item's mask at its image's size and the SHA-256 of its file's bytes: its mask file (source.mask_path),
-    else (`alpha`, None), else (None, None): the item trains everywhere. A mask file of the image's aspect ratio
-    but another size is stretched to it."""
+def read_mask_file(source: SourcePair) -> MaskFile | None:
+    """The bytes of the item's mask file (source.mask_path) and their SHA-256, which tells a resumed cache run
+    that a mask changed; None when the item has none."""
     if source.mask_path is None:
-        return alpha, None
-    name = source.mask_path.name
+        return None
     try:
         data = source.mask_path.read_bytes()
-        mask = decode_mask(data)
     except OSError as error:
-        raise SkippedItem(source, f"cannot read its mask file {name} ({error.strerror or error}): fix its permissions", "unreadable mask") from error
+        raise SkippedItem(
+            source, f"cannot read its mask file {source.mask_path.name} ({error.strerror or error}): fix its permissions", "unreadable mask"
+        ) from error
+    return data, sha256_bytes(data)
+
+
+def mask_image(source: SourcePair, mask_file: MaskFile | None, image_size: tuple[int, int], alpha: Image.Image | None) -> Image.Image | None:
+    """The item's mask at its image's size: its mask file, else `alpha`, else None (the item trains everywhere).
+    A mask file of the image's aspect ratio but another size is stretched to it."""
+    if mask_file is None:
+        return alpha
+    name = source.mask_path.name
+    try:
+        mask = decode_mask(mask_file[0])
     except UnreadableImage as error:
         raise SkippedItem(source, f"its mask file {name} is unreadable ({error}): save it again as a grayscale PNG", "unreadable mask") from error
     if mask.size != image_size:
@@ -304,4 +307,4 @@ def read_mask(source: SourcePair, image_size: tuple[int, int], alpha: Image.Imag
                 source, f"its mask file {name} is {mask_width}x{mask_height} px, the image {width}x{height} px: draw the mask at the image's size", "mask size"
             )
         mask = mask.resize(image_size, Image.Resampling.BILINEAR)
-    return mask, sha256_bytes(data)
+    return mask

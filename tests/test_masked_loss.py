@@ -23,7 +23,7 @@ from sdxl_trainer.cache import LOSS_MASK_KEY, CacheReader, load_manifest, sha256
 from sdxl_trainer.data import CachedDataset, choose_views, collate, flip_draws
 from sdxl_trainer.diffusion import NoiseSettings, draw_sample_randomness, sample_losses, training_loss
 from sdxl_trainer.images import resize_and_crop, to_latent_mask
-from sdxl_trainer.sources import SkippedItem, SourcePair, read_mask
+from sdxl_trainer.sources import SkippedItem, SourcePair, mask_image, read_mask_file
 from test_resume_schedules import RESUME_AT, exported_unet, resumed_copy, train
 
 CACHE_FLAGS = ("--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION), "--flip_aug")
@@ -124,13 +124,16 @@ def test_the_cache_holds_each_mask_through_its_images_crop_at_latent_size(masked
 def test_a_mask_file_of_its_images_shape_but_another_size_is_stretched_to_it(tmp_path):
     image_path = tmp_path / "a.jpg"
     left_half_black((60, 40)).save(tmp_path / "a.mask.png")
-    mask, digest = read_mask(SourcePair(image_path, "a.jpg", mask_path=tmp_path / "a.mask.png"), (120, 80), None)
-    assert digest == sha256_bytes((tmp_path / "a.mask.png").read_bytes())
+    source = SourcePair(image_path, "a.jpg", mask_path=tmp_path / "a.mask.png")
+    mask_file = read_mask_file(source)
+    assert mask_file[1] == sha256_bytes((tmp_path / "a.mask.png").read_bytes())
+    mask = mask_image(source, mask_file, (120, 80), None)
     assert mask.size == (120, 80)
     assert np.asarray(mask)[:, :58].max() == 0 and np.asarray(mask)[:, 62:].min() == 255
     (tmp_path / "broken.mask.png").write_bytes(b"not a png")
     with pytest.raises(SkippedItem, match="its mask file broken.mask.png is unreadable"):
-        read_mask(SourcePair(image_path, "a.jpg", mask_path=tmp_path / "broken.mask.png"), (120, 80), None)
+        broken = SourcePair(image_path, "a.jpg", mask_path=tmp_path / "broken.mask.png")
+        mask_image(broken, read_mask_file(broken), (120, 80), None)
 
 
 def test_an_edited_mask_file_is_cached_again_on_the_next_run_and_nothing_else(tmp_path, masked_data, masked_cache, tiny_pipeline_dir, capsys):
