@@ -88,7 +88,11 @@ class CacheConfig:
         help="folder to write the cache into (not inside --data_dir), or s3://bucket/prefix in S3-compatible object storage (credentials the "
         "standard AWS way; AWS_ENDPOINT_URL_S3 for MinIO, R2, B2)"
     )
-    data_dir: Path | None = option(None, help="folder of images with captions in .txt files of the same name (searched recursively); required except with --verify")
+    data_dir: str | None = option(
+        None,
+        help="folder of images with captions in .txt files of the same name (searched recursively); with --tar_shards also s3://bucket/prefix; "
+        "required except with --verify",
+    )
     metadata_table: Path | None = option(
         None,
         help="a .jsonl or .parquet table listing the images instead of caption files: columns path (relative to --data_dir), "
@@ -236,20 +240,30 @@ class CacheConfig:
             category_range = []
         if self.verify:
             return problems
+        data_found = False
         if self.data_dir is None:
             problems.append("--data_dir is required (except with --verify)")
-        elif not self.data_dir.is_dir():
+        elif is_remote(self.data_dir):
+            data_found = self.tar_shards
+            if not self.tar_shards:
+                problems.append(f"--data_dir {self.data_dir}: object storage is read as tar shards only (--tar_shards); copy loose images to a folder")
+        elif not Path(self.data_dir).is_dir():
             problems.append(f"--data_dir {self.data_dir} is not a folder")
         else:
+            data_found = True
             local_cache = None if is_remote(self.cache_dir) else Path(self.cache_dir)
             for flag, folder in (("--cache_dir", local_cache), ("--save_upscale_samples", self.save_upscale_samples)):
-                if folder is not None and folder.resolve().is_relative_to(self.data_dir.resolve()):
+                if folder is not None and folder.resolve().is_relative_to(Path(self.data_dir).resolve()):
                     problems.append(f"{flag} {folder} is inside --data_dir: choose a folder outside the dataset")
         problems += self._table_problems()
         if self.tar_shards and self.metadata_table is not None:
             problems.append("--tar_shards and --metadata_table are two ways to list the images: give one")
-        elif self.tar_shards and self.data_dir is not None and self.data_dir.is_dir() and not find_tars(self.data_dir):
-            problems.append(f"--tar_shards: --data_dir {self.data_dir} holds no {TAR_SUFFIX} file (searched recursively)")
+        elif self.tar_shards and data_found:
+            try:
+                if not find_tars(self.data_dir):
+                    problems.append(f"--tar_shards: --data_dir {self.data_dir} holds no {TAR_SUFFIX} file (searched recursively)")
+            except StorageError as error:
+                problems.append(f"--data_dir: {error}")
         if self.upscale_to_resolution and category_range and self.upscale_to_resolution not in category_range[1:]:
             problems.append(
                 f"--upscale_to_resolution {self.upscale_to_resolution} must be a category above --min_resolution {self.min_resolution} "
@@ -517,12 +531,12 @@ def main(argv: list[str] | None = None) -> int:
         scan = scan_tar_shards(config.data_dir, config.num_shards, config.shard_index)
     elif config.metadata_table:
         try:
-            scan = scan_table(config.metadata_table, config.data_dir, config.table_filters(), mine, parse_column_names(config.table_columns or []))
+            scan = scan_table(config.metadata_table, Path(config.data_dir), config.table_filters(), mine, parse_column_names(config.table_columns or []))
         except TableError as error:
             print(f"[{worker_name}] refused: {error}")
             return 2
     else:
-        scan = scan_images(config.data_dir)
+        scan = scan_images(Path(config.data_dir))
     sources = [pair for pair in scan.pairs if mine(pair.relative_path)]
     scan_problems = [problem for problem in scan.problems if mine(problem.relative_path)]
     if config.dry_run:

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import BinaryIO, Callable, Iterable, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -38,6 +38,7 @@ LEASE_S = 300.0
 REMOTE_PREFIX = "s3://"
 HEADER_PROBE_BYTES = 1 << 18  # the first request for a shard's header reads this much (a 256-item shard's is ~100 KB)
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+REMOTE_BLOCK_BYTES = 8 << 20  # read-ahead of an object opened as a file: a tar's headers a few images apart cost one request
 SAFETENSORS_DTYPES = {
     "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
@@ -111,6 +112,22 @@ class LocalStore:
 
     def read_bytes(self, name: str) -> bytes:
         return (self.root / name).read_bytes()
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes start..end of `name` (fewer where the file is shorter)."""
+        with open(self.root / name, "rb") as handle:
+            handle.seek(start)
+            return handle.read(end - start)
+
+    def open_binary(self, name: str) -> BinaryIO:
+        return open(self.root / name, "rb")
+
+    def find(self, suffix: str) -> list[str]:
+        """Sorted names of every file under the root (recursively) ending in `suffix`, hidden names skipped."""
+        return sorted(
+            path.relative_to(self.root).as_posix() for path in self.root.rglob(f"*{suffix}")
+            if path.is_file() and not any(part.startswith(".") for part in path.relative_to(self.root).parts)
+        )
 
     def sha256(self, name: str, chunk_bytes: int = 1 << 22) -> str:
         digest = hashlib.sha256()
@@ -297,6 +314,16 @@ class RemoteStore:
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         return self._call("reading", name, lambda: self.fs.cat_file(self._key(name), start=start, end=end))
+
+    def open_binary(self, name: str) -> BinaryIO:
+        """A file object reading ahead in blocks of REMOTE_BLOCK_BYTES (for scanning a tar's headers in order); its
+        reads raise s3fs's errors, which the caller words."""
+        return self._call("opening", name, lambda: self.fs.open(self._key(name), "rb", block_size=REMOTE_BLOCK_BYTES))
+
+    def find(self, suffix: str) -> list[str]:
+        keys = self._call("listing", "", lambda: self.fs.find(self._root))
+        names = [key[len(self._root) + 1 :] for key in keys if key.endswith(suffix)]
+        return sorted(name for name in names if not any(part.startswith(".") for part in name.split("/")))
 
     def sha256(self, name: str, chunk_bytes: int = 1 << 24) -> str:
         def digest() -> str:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import sdxl_process_data_dir
 from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET, train_sample_run
 from s3_server import make_bucket, s3_server
+from test_tar_sources import cache_tars, pack, sample_members
 from sdxl_trainer.cache import (
     CACHE_INFO_FILE,
     EMPTY_PROMPT_FILE,
@@ -148,6 +149,30 @@ def test_one_process_per_worker_holds_a_lease_and_a_stale_one_is_taken_over(s3):
     taken = WorkerLock(url, "w0")
     assert json.loads(store.read_bytes("locks/w0.lock"))["holder"] != "process 1 on a killed machine"
     taken.release()
+
+
+def test_tar_shards_in_a_bucket_cache_like_the_same_tars_in_a_folder(s3, tiny_pipeline_dir, tmp_path, capsys):
+    members = sample_members(SAMPLE_DATASET)[:8]  # 4 samples
+    folder = tmp_path / "tars"
+    pack(folder / "part/a.tar", members[:4])
+    pack(folder / "part/b.tar", members[4:])
+    (folder / "part/broken.tar").write_bytes(b"not a tar at all" * 64)
+    store = open_store(f"s3://{BUCKET}/tars")
+    for path in folder.rglob("*.tar"):
+        staged = store.staging_path(path.name)
+        staged.write_bytes(path.read_bytes())
+        store.publish(staged, path.relative_to(folder).as_posix())
+    assert cache_tars(folder, tmp_path / "from_folder", tiny_pipeline_dir) == 0
+    assert cache_tars(f"s3://{BUCKET}/tars", f"s3://{BUCKET}/from_tars_in_bucket", tiny_pipeline_dir) == 0
+    out = capsys.readouterr().out
+    assert "skipped 1 (damaged tar: 1)" in out
+    log = open_store(f"s3://{BUCKET}/from_tars_in_bucket").names("logs", ".log")
+    assert "part/broken.tar: cannot be read as a tar" in open_store(f"s3://{BUCKET}/from_tars_in_bucket").read_bytes(log[0]).decode()
+    from_bucket, from_folder = load_manifest(f"s3://{BUCKET}/from_tars_in_bucket"), load_manifest(tmp_path / "from_folder")
+    assert from_bucket.equals(from_folder) and from_bucket.column("image_path").to_pylist()[0].startswith("part/a.tar/")
+    assert len(from_folder) == 4
+    shard = f"{SHARD_DIR}/{from_folder.column('shard')[0].as_py()}"
+    assert open_store(f"s3://{BUCKET}/from_tars_in_bucket").read_bytes(shard) == (tmp_path / "from_folder" / shard).read_bytes()
 
 
 def test_two_processes_train_from_object_storage_like_from_a_folder(s3_sample_cache, runs_on_one_and_two_processes, tiny_pipeline_dir, tmp_path):
