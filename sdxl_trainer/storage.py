@@ -70,12 +70,13 @@ class LocalTensors:
 
     def __init__(self, path: Path):
         self._handle = safe_open(str(path), framework="pt")
+        self._keys = set(self._handle.keys())  # keys() builds a new list per call
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {key: tuple(self._handle.get_slice(key).get_shape()) for key in self._handle.keys()}
+        return {key: tuple(self._handle.get_slice(key).get_shape()) for key in self._keys}
 
     def has(self, key: str) -> bool:
-        return key in self._handle.keys()
+        return key in self._keys
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         return {key: self._handle.get_tensor(key) for key in keys}
