@@ -73,7 +73,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainConfig:
-    cached_dataset_dirs: list[Path] = option(help="cache folders written by sdxl_process_data_dir.py (one or more)")
+    cached_dataset_dirs: list[str] = option(
+        help="caches written by sdxl_process_data_dir.py (one or more): folders, or s3://bucket/prefix in S3-compatible object storage "
+        "(read with ranged requests; credentials the standard AWS way, AWS_ENDPOINT_URL_S3 for MinIO, R2, B2)"
+    )
     dataset_repeats: list[float] | None = option(
         None,
         help="times each --cached_dataset_dirs entry's items are trained per epoch, one number per entry in the same order: 3 = three "
@@ -607,7 +610,7 @@ def check_caches(config: TrainConfig) -> list[str]:
     return problems
 
 
-def take_cache_settings(config: TrainConfig, infos: dict[Path, CacheSettings]) -> list[str]:
+def take_cache_settings(config: TrainConfig, infos: dict[str, CacheSettings]) -> list[str]:
     """Fill in what the flags leave unset from the caches: the model they were made from and their resolution
     range (over several caches: the smallest and the largest category; a batch never mixes bucket sizes, so
     caches of different ranges train together). A flag that is given must agree; returns the conflicts."""

@@ -47,7 +47,6 @@ from sdxl_trainer.cache import (
     CACHE_INFO_FILE,
     EMPTY_PROMPT_FILE,
     LOG_DIR,
-    MANIFEST_DIR,
     SHARD_DIR,
     CacheError,
     CacheSettings,
@@ -66,6 +65,7 @@ from sdxl_trainer.cache import (
     write_empty_prompt,
 )
 from sdxl_trainer.config import option, parse_config
+from sdxl_trainer.storage import StorageError, is_remote, open_store
 from sdxl_trainer.encoding import TOKENS_PER_CHUNK, Encoders, chunks_for, load_encoders, model_fingerprint
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
@@ -84,8 +84,15 @@ from sdxl_trainer.upscale import Upscaler, load_upscaler, weights_problems
 
 @dataclass
 class CacheConfig:
-    cache_dir: Path = option(help="folder to write the cache into; must not be inside --data_dir")
-    data_dir: Path | None = option(None, help="folder of images with captions in .txt files of the same name (searched recursively); required except with --verify")
+    cache_dir: str = option(
+        help="folder to write the cache into (not inside --data_dir), or s3://bucket/prefix in S3-compatible object storage (credentials the "
+        "standard AWS way; AWS_ENDPOINT_URL_S3 for MinIO, R2, B2)"
+    )
+    data_dir: str | None = option(
+        None,
+        help="folder of images with captions in .txt files of the same name (searched recursively); with --tar_shards also s3://bucket/prefix; "
+        "required except with --verify",
+    )
     metadata_table: Path | None = option(
         None,
         help="a .jsonl or .parquet table listing the images instead of caption files: columns path (relative to --data_dir), "
@@ -233,19 +240,30 @@ class CacheConfig:
             category_range = []
         if self.verify:
             return problems
+        data_found = False
         if self.data_dir is None:
             problems.append("--data_dir is required (except with --verify)")
-        elif not self.data_dir.is_dir():
+        elif is_remote(self.data_dir):
+            data_found = self.tar_shards
+            if not self.tar_shards:
+                problems.append(f"--data_dir {self.data_dir}: object storage is read as tar shards only (--tar_shards); copy loose images to a folder")
+        elif not Path(self.data_dir).is_dir():
             problems.append(f"--data_dir {self.data_dir} is not a folder")
         else:
-            for flag, folder in (("--cache_dir", self.cache_dir), ("--save_upscale_samples", self.save_upscale_samples)):
-                if folder is not None and folder.resolve().is_relative_to(self.data_dir.resolve()):
+            data_found = True
+            local_cache = None if is_remote(self.cache_dir) else Path(self.cache_dir)
+            for flag, folder in (("--cache_dir", local_cache), ("--save_upscale_samples", self.save_upscale_samples)):
+                if folder is not None and folder.resolve().is_relative_to(Path(self.data_dir).resolve()):
                     problems.append(f"{flag} {folder} is inside --data_dir: choose a folder outside the dataset")
         problems += self._table_problems()
         if self.tar_shards and self.metadata_table is not None:
             problems.append("--tar_shards and --metadata_table are two ways to list the images: give one")
-        elif self.tar_shards and self.data_dir is not None and self.data_dir.is_dir() and not find_tars(self.data_dir):
-            problems.append(f"--tar_shards: --data_dir {self.data_dir} holds no {TAR_SUFFIX} file (searched recursively)")
+        elif self.tar_shards and data_found:
+            try:
+                if not find_tars(self.data_dir):
+                    problems.append(f"--tar_shards: --data_dir {self.data_dir} holds no {TAR_SUFFIX} file (searched recursively)")
+            except StorageError as error:
+                problems.append(f"--data_dir: {error}")
         if self.upscale_to_resolution and category_range and self.upscale_to_resolution not in category_range[1:]:
             problems.append(
                 f"--upscale_to_resolution {self.upscale_to_resolution} must be a category above --min_resolution {self.min_resolution} "
@@ -286,14 +304,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ErrorLog:
     """One line per skipped item (and per item cached with a note, such as a truncated caption), written as
-    it happens so a crash keeps what was logged."""
+    it happens so a crash keeps what was logged. For a cache in object storage (no appending there) the log is
+    written to a local temporary file and uploaded into logs/ when the run ends."""
 
-    def __init__(self, cache_dir: Path, worker_name: str):
-        self.path = cache_dir / LOG_DIR / f"errors-{worker_name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, cache_dir: str | Path, worker_name: str):
+        self.store = open_store(cache_dir)
+        self.name = f"{LOG_DIR}/errors-{worker_name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        self.path = self.store.location(self.name)  # where the user finds it
+        self._file = self.store.staging_path(self.name) if self.store.remote else self.store.root / self.name
+        self._file.parent.mkdir(parents=True, exist_ok=True)
         self.counts: Counter[str] = Counter()
         self.notes: Counter[str] = Counter()
-        self._handle = open(self.path, "a", encoding="utf-8")
+        self._handle = open(self._file, "a", encoding="utf-8")
 
     def skip(self, relative_path: str, reason: str, category: str) -> None:
         self.counts[category] += 1
@@ -314,7 +336,12 @@ class ErrorLog:
     def close(self) -> None:
         self._handle.close()
         if not self.counts and not self.notes:
-            self.path.unlink()
+            self._file.unlink()
+        elif self.store.remote:
+            try:
+                self.store.publish(self._file, self.name)
+            except StorageError as error:
+                self.path = f"{self._file} (not uploaded: {error})"
 
 
 class UpscaleSamples:
@@ -432,7 +459,7 @@ def dry_run(config: CacheConfig, sources: list[SourcePair], scan_problems: list[
     return 0
 
 
-def run_verify(cache_dir: Path) -> int:
+def run_verify(cache_dir: str) -> int:
     try:
         checked, problems, notes = verify_cache(cache_dir)
     except CacheError as error:
@@ -456,28 +483,29 @@ def run_verify(cache_dir: Path) -> int:
     return 0
 
 
-def valid_cached_items(cache_dir: Path, my_paths: set[str], num_threads: int, worker_name: str) -> dict[str, tuple[str, str, str | None]]:
+def valid_cached_items(cache_dir: str, my_paths: set[str], num_threads: int, worker_name: str) -> dict[str, tuple[str, str, str | None]]:
     """image_path -> (image SHA-256, caption, mask file SHA-256) of this worker's items in intact shards.
 
     Shards holding any of this worker's items are checked against their checksums (each worker reads its
     own part of the cache once); damaged ones and unreadable manifest parts are moved to damaged/, so
     their items are re-encoded below."""
-    parts, damaged_parts = read_manifest_parts(cache_dir)
-    for path, reason in damaged_parts.items():
-        print(f"[{worker_name}] repair: {MANIFEST_DIR}/{path.name} is {reason}; its items will be re-encoded")
-        quarantine(cache_dir, path)
+    store = open_store(cache_dir)  # one connection pool for the checks below when the cache is in object storage
+    parts, damaged_parts = read_manifest_parts(store)
+    for name, reason in damaged_parts.items():
+        print(f"[{worker_name}] repair: {name} is {reason}; its items will be re-encoded")
+        quarantine(store, name)
     wanted = pa.array(sorted(my_paths), pa.string())
     mine = [(part, table) for part, table in parts if pc.any(pc.is_in(table.column("image_path"), value_set=wanted)).as_py()]
     started = time.perf_counter()
     with ThreadPoolExecutor(num_threads) as pool:
-        problems = list(pool.map(lambda entry: shard_problem(cache_dir, entry[0]), mine))
+        problems = list(pool.map(lambda entry: shard_problem(store, entry[0]), mine))
     intact = []
     for (part, table), problem in zip(mine, problems):
         if problem is None:
             intact.append((part, table))
         else:
             print(f"[{worker_name}] repair: {SHARD_DIR}/{part.shard} is damaged ({problem}); its {part.num_rows} items will be re-encoded")
-            quarantine(cache_dir, *part_files(cache_dir, part))
+            quarantine(store, *part_files(part))
     if mine:
         print(f"[{worker_name}] checked {len(mine)} shards against their checksums in {time.perf_counter() - started:.1f} s")
     manifest = merge_parts(intact)
@@ -503,12 +531,12 @@ def main(argv: list[str] | None = None) -> int:
         scan = scan_tar_shards(config.data_dir, config.num_shards, config.shard_index)
     elif config.metadata_table:
         try:
-            scan = scan_table(config.metadata_table, config.data_dir, config.table_filters(), mine, parse_column_names(config.table_columns or []))
+            scan = scan_table(config.metadata_table, Path(config.data_dir), config.table_filters(), mine, parse_column_names(config.table_columns or []))
         except TableError as error:
             print(f"[{worker_name}] refused: {error}")
             return 2
     else:
-        scan = scan_images(config.data_dir)
+        scan = scan_images(Path(config.data_dir))
     sources = [pair for pair in scan.pairs if mine(pair.relative_path)]
     scan_problems = [problem for problem in scan.problems if mine(problem.relative_path)]
     if config.dry_run:
@@ -526,13 +554,17 @@ def main(argv: list[str] | None = None) -> int:
     except WriteFailed as failure:
         print(stopped_message(worker_name, config.cache_dir, failure.__cause__, 0))
         return 1
+    except StorageError as error:  # reading the cache's manifest before any write
+        print(f"[{worker_name}] stopped: {error}")
+        return 1
     finally:
         lock.release()
 
 
-def stopped_message(worker_name: str, cache_dir: Path, error: BaseException, committed: int) -> str:
+def stopped_message(worker_name: str, cache_dir: str, error: BaseException, committed: int) -> str:
+    reason = write_error_reason(error, None if is_remote(cache_dir) else Path(cache_dir))
     return (
-        f"\n[{worker_name}] stopped: cannot write into {cache_dir} ({write_error_reason(error, cache_dir)}: {error}). The {committed} items "
+        f"\n[{worker_name}] stopped: cannot write into {cache_dir} ({reason}: {error}). The {committed} items "
         "committed in this run and everything cached before are kept; free space (or fix the folder) and re-run the same "
         "command to cache the rest."
     )
@@ -594,7 +626,7 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
     try:
         writer = ShardWriter(config.cache_dir, worker_name)
         errors = ErrorLog(config.cache_dir, worker_name)
-    except OSError as error:
+    except (OSError, StorageError) as error:
         raise WriteFailed(error) from error
     counts: Counter[str] = Counter()
 
@@ -630,7 +662,7 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
                     f"caption of {token_count} tokens cut to its first {config.max_token_length}: {truncation_advice(config.max_token_length)}",
                     "caption truncated",
                 )
-        except (OSError, SafetensorError) as error:  # safetensors reports a full disk as SafetensorError, not OSError
+        except (OSError, SafetensorError, StorageError) as error:  # safetensors reports a full disk as SafetensorError, not OSError
             raise WriteFailed(error) from error
         counts["cached"] += len(items)
         counts["upscaled"] += sum(item.upscaled for item in items)

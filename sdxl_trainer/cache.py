@@ -34,11 +34,24 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 from .buckets import LATENT_DOWNSCALE
 from .files import LockHeld, ProcessLock, make_shareable
+from .storage import (
+    REMOTE_READ_THREADS,
+    CacheError,
+    LocalStore,
+    LocalTensors,
+    ObjectLease,
+    RemoteStore,
+    RemoteTensors,
+    StorageError,
+    open_store,
+)
+
+Store = LocalStore | RemoteStore
+CacheLocation = str | Path | Store  # a folder, or an s3:// URL (storage.py)
 
 CACHE_FORMAT_VERSION = 1
 CACHE_INFO_FILE = "cache_info.json"
@@ -51,7 +64,6 @@ MANIFEST_DIR = "manifest"
 LOG_DIR = "logs"
 DAMAGED_DIR = "damaged"
 LOCK_DIR = "locks"
-STALE_TMP_S = 60.0  # a temporary file older than this was left by a killed worker
 TENSOR_KEYS = ("latents", "prompt_embeds", "pooled_prompt_embeds")
 FLIPPED_KEY = "latents_flipped"  # in caches made with --flip_aug
 LOSS_MASK_KEY = "loss_mask"  # (1, h, w) at latent size, for the items whose manifest row says has_loss_mask
@@ -126,10 +138,6 @@ def captions_in(text: str) -> list[str]:
     return text.split("\n")
 
 
-class CacheError(RuntimeError):
-    """The cache is missing, damaged or was made with other settings; the message says what to do."""
-
-
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -142,67 +150,34 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def _atomic_replace(tmp_path: Path, final_path: Path) -> None:
-    """fsync then rename, so a crash leaves either the old file, the new file, or a stray .tmp: never half."""
-    with open(tmp_path, "rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp_path, final_path)
-
-
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def _create_once(tmp_path: Path, final_path: Path) -> bool:
-    """Publish tmp_path as final_path unless final_path exists (atomic, also on NFS: a hard link fails
-    if the name is taken). Returns whether this call created it; the temporary file is removed either way."""
-    try:
-        with open(tmp_path, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.link(tmp_path, final_path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        tmp_path.unlink(missing_ok=True)
-
-
-def _remove_stale_tmp(final_path: Path) -> None:
-    """Temporary files of `final_path` that a killed worker left (a live writer renames its own within a second)."""
-    for tmp in final_path.parent.glob(f".{final_path.name}.*.tmp"):
-        try:
-            if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
-                tmp.unlink()
-        except FileNotFoundError:
-            pass
-
-
-def write_cache_info(cache_dir: Path, settings: CacheSettings) -> None:
+def write_cache_info(cache_dir: CacheLocation, settings: CacheSettings) -> None:
     """Record the settings, or check them against an existing cache's (refusing to mix settings)."""
-    path = cache_dir / CACHE_INFO_FILE
-    _remove_stale_tmp(path)
-    if not path.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_name(path)
-        tmp.write_text(json.dumps(asdict(settings), indent=2) + "\n", encoding="utf-8")
-        if _create_once(tmp, path):
+    store = open_store(cache_dir)
+    store.remove_stale_staging(CACHE_INFO_FILE)
+    if not store.exists(CACHE_INFO_FILE):
+        store.make_folders("")
+        staged = store.staging_path(CACHE_INFO_FILE)
+        staged.write_text(json.dumps(asdict(settings), indent=2) + "\n", encoding="utf-8")
+        if store.publish_once(staged, CACHE_INFO_FILE):
             return
-    differences = settings_differences(read_cache_info(cache_dir), settings)
+    differences = settings_differences(read_cache_info(store), settings)
     if differences:
         raise CacheError(
-            f"{cache_dir} was made with other settings ({'; '.join(differences)}). Its items would not match "
+            f"{store} was made with other settings ({'; '.join(differences)}). Its items would not match "
             "the new ones, so nothing was written: choose a new --cache_dir, or delete this one to rebuild it."
         )
 
 
-def read_cache_info(cache_dir: Path) -> CacheSettings:
-    path = cache_dir / CACHE_INFO_FILE
-    if not path.exists():
-        raise CacheError(f"{path} not found: run sdxl_process_data_dir.py to build the cache first.")
+def read_cache_info(cache_dir: CacheLocation) -> CacheSettings:
+    store = open_store(cache_dir)
     try:
-        return CacheSettings(**json.loads(path.read_text(encoding="utf-8")))
+        text = store.read_bytes(CACHE_INFO_FILE).decode("utf-8")
+    except FileNotFoundError:
+        raise CacheError(f"{store.location(CACHE_INFO_FILE)} not found: run sdxl_process_data_dir.py to build the cache first.") from None
+    try:
+        return CacheSettings(**json.loads(text))
     except (json.JSONDecodeError, TypeError) as error:
-        raise CacheError(f"{path} is damaged or from another version ({error}); rebuild the cache.") from error
+        raise CacheError(f"{store.location(CACHE_INFO_FILE)} is damaged or from another version ({error}); rebuild the cache.") from error
 
 
 def settings_differences(cached: CacheSettings, wanted: CacheSettings, fields: tuple[str, ...] | None = None) -> list[str]:
@@ -212,33 +187,34 @@ def settings_differences(cached: CacheSettings, wanted: CacheSettings, fields: t
     return [f"{name}: cache {cached_dict[name]!r}, now {wanted_dict[name]!r}" for name in names if cached_dict[name] != wanted_dict[name]]
 
 
-def write_empty_prompt(cache_dir: Path, prompt_embeds: torch.Tensor, pooled_prompt_embeds: torch.Tensor) -> None:
+def write_empty_prompt(cache_dir: CacheLocation, prompt_embeds: torch.Tensor, pooled_prompt_embeds: torch.Tensor) -> None:
     """Written once: every worker computes the same tensors (same settings), so the first one keeps them."""
-    path = cache_dir / EMPTY_PROMPT_FILE
-    _remove_stale_tmp(path)
-    if path.exists():
+    store = open_store(cache_dir)
+    store.remove_stale_staging(EMPTY_PROMPT_FILE)
+    if store.exists(EMPTY_PROMPT_FILE):
         return
-    tmp = _tmp_name(path)
+    staged = store.staging_path(EMPTY_PROMPT_FILE)
     try:
         save_file(
             {
                 "prompt_embeds": prompt_embeds.to(STORAGE_DTYPE).contiguous(),
                 "pooled_prompt_embeds": pooled_prompt_embeds.to(STORAGE_DTYPE).contiguous(),
             },
-            tmp,
+            staged,
         )
-        make_shareable(tmp)
+        make_shareable(staged)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        staged.unlink(missing_ok=True)
         raise
-    _create_once(tmp, path)
+    store.publish_once(staged, EMPTY_PROMPT_FILE)
 
 
-def read_empty_prompt(cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    path = cache_dir / EMPTY_PROMPT_FILE
-    if not path.exists():
-        raise CacheError(f"{path} not found: the cache is incomplete; re-run sdxl_process_data_dir.py.")
-    tensors = load_file(path)
+def read_empty_prompt(cache_dir: CacheLocation) -> tuple[torch.Tensor, torch.Tensor]:
+    store = open_store(cache_dir)
+    try:
+        tensors = load(store.read_bytes(EMPTY_PROMPT_FILE))
+    except FileNotFoundError:
+        raise CacheError(f"{store.location(EMPTY_PROMPT_FILE)} not found: the cache is incomplete; re-run sdxl_process_data_dir.py.") from None
     return tensors["prompt_embeds"], tensors["pooled_prompt_embeds"]
 
 
@@ -254,54 +230,58 @@ class CachedItem:
     loss_mask: torch.Tensor | None = None  # (1, h, w) in [0, 1] at latent size, for an item with a mask
 
 
-class WorkerLock(ProcessLock):
-    """One process per worker name and cache folder: a second one started by mistake would redo all the work
-    and race on the same files. A ProcessLock on locks/<worker>.lock."""
+class WorkerLock:
+    """One process per worker name and cache: a second one started by mistake would redo all the work and race on
+    the same files. In a folder, a ProcessLock (flock) on locks/<worker>.lock; in object storage, which has no
+    locks, a lease object there (LEASE_S)."""
 
-    def __init__(self, cache_dir: Path, worker_name: str):
+    def __init__(self, cache_dir: CacheLocation, worker_name: str):
+        store = open_store(cache_dir)
         try:
-            super().__init__(cache_dir / LOCK_DIR / f"{worker_name}.lock")
+            self._lock = ObjectLease(store, f"{LOCK_DIR}/{worker_name}.lock") if store.remote else ProcessLock(store.root / LOCK_DIR / f"{worker_name}.lock")
         except LockHeld as held:
             raise CacheError(
-                f"{held} is already caching worker {worker_name} into {cache_dir}: wait for it to finish, or give this "
+                f"{held} is already caching worker {worker_name} into {store}: wait for it to finish, or give this "
                 "process another --shard_index / --num_shards"
             ) from None
+
+    def release(self) -> None:
+        self._lock.release()
 
 
 class ShardWriter:
     """Writes one worker's shards and manifest parts. `worker_name` must be unique among writers."""
 
-    def __init__(self, cache_dir: Path, worker_name: str):
-        self.cache_dir = cache_dir
+    def __init__(self, cache_dir: CacheLocation, worker_name: str):
+        self.store = open_store(cache_dir)
         self.worker_name = worker_name
-        (cache_dir / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-        (cache_dir / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
-        existing = [int(p.stem.rsplit("-", 1)[1]) for p in (cache_dir / MANIFEST_DIR).glob(f"{worker_name}-*.parquet")]
+        self.store.make_folders(SHARD_DIR, MANIFEST_DIR)
+        existing = [int(Path(name).stem.rsplit("-", 1)[1]) for name in self._mine(MANIFEST_DIR, ".parquet")]
         self.next_seq = max(existing, default=-1) + 1
         # The cache script writes both shared files before any shard, and they never change afterwards.
-        self.shared_file_checksums = {
-            key: sha256_file(cache_dir / name) for name, key in SHARED_FILE_CHECKSUM_KEYS.items() if (cache_dir / name).exists()
-        }
+        self.shared_file_checksums = {key: self.store.sha256(name) for name, key in SHARED_FILE_CHECKSUM_KEYS.items() if self.store.exists(name)}
         self._remove_leftovers()
+
+    def _mine(self, folder: str, suffix: str) -> list[str]:
+        return [name for name in self.store.names(folder, suffix) if Path(name).name.startswith(f"{self.worker_name}-")]
 
     def _remove_leftovers(self) -> None:
         """Delete what a killed run of this same worker left unfinished: temporary files and shards without a
         manifest part. Only this worker writes files with its name, so nothing of another worker is touched."""
-        committed = {p.stem for p in (self.cache_dir / MANIFEST_DIR).glob(f"{self.worker_name}-*.parquet")}
-        for folder in (self.cache_dir / SHARD_DIR, self.cache_dir / MANIFEST_DIR):
-            for path in folder.glob(f".{self.worker_name}-*.tmp"):
-                path.unlink(missing_ok=True)
-        for path in (self.cache_dir / SHARD_DIR).glob(f"{self.worker_name}-*.safetensors"):
-            if path.stem not in committed:
-                path.unlink(missing_ok=True)
+        committed = {Path(name).stem for name in self._mine(MANIFEST_DIR, ".parquet")}
+        for folder in (SHARD_DIR, MANIFEST_DIR):
+            self.store.remove_staging_of(folder, self.worker_name)
+        for name in self._mine(SHARD_DIR, ".safetensors"):
+            if Path(name).stem not in committed:
+                self.store.remove(name)
 
-    def write(self, items: list[CachedItem]) -> Path:
-        """Write `items` as one shard + manifest part; returns the manifest part's path.
+    def write(self, items: list[CachedItem]) -> str:
+        """Write `items` as one shard + manifest part; returns the manifest part's name (relative to the cache).
 
-        On any OSError (a full disk above all) the temporary file is removed and the error re-raised:
-        what was committed before stays valid, and nothing half-written is left under a final name."""
+        On any error (a full disk above all) the staged file is removed and the error re-raised: what was
+        committed before stays valid, and nothing half-written is left under a final name."""
         name = f"{self.worker_name}-{self.next_seq:06d}"
-        shard_path = self.cache_dir / SHARD_DIR / f"{name}.safetensors"
+        shard_name = f"{SHARD_DIR}/{name}.safetensors"
         tensors = {}
         for index, item in enumerate(items):
             for key in TENSOR_KEYS:
@@ -310,41 +290,43 @@ class ShardWriter:
                 tensors[f"{index}/{FLIPPED_KEY}"] = item.latents_flipped.to(STORAGE_DTYPE).contiguous()
             if item.loss_mask is not None:
                 tensors[f"{index}/{LOSS_MASK_KEY}"] = item.loss_mask.to(STORAGE_DTYPE).contiguous()
-        tmp = _tmp_name(shard_path)
+        staged = self.store.staging_path(shard_name)
         try:
-            save_file(tensors, tmp)
-            make_shareable(tmp)
-            shard_sha256 = sha256_file(tmp)
-            _atomic_replace(tmp, shard_path)
-        finally:
-            tmp.unlink(missing_ok=True)
+            save_file(tensors, staged)
+            make_shareable(staged)
+            shard_sha256, shard_bytes = sha256_file(staged), staged.stat().st_size
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
+        self.store.publish(staged, shard_name)
 
-        rows = [dict(item.row, shard=shard_path.name, index_in_shard=index) for index, item in enumerate(items)]
+        rows = [dict(item.row, shard=Path(shard_name).name, index_in_shard=index) for index, item in enumerate(items)]
         table = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA).replace_schema_metadata(
             {
-                "shard": shard_path.name,
+                "shard": Path(shard_name).name,
                 "shard_sha256": shard_sha256,
-                "shard_bytes": str(shard_path.stat().st_size),
+                "shard_bytes": str(shard_bytes),
                 "written_at_ns": str(time.time_ns()),
                 **self.shared_file_checksums,
             }
         )
-        part_path = self.cache_dir / MANIFEST_DIR / f"{name}.parquet"
-        tmp = _tmp_name(part_path)
+        part_name = f"{MANIFEST_DIR}/{name}.parquet"
+        staged = self.store.staging_path(part_name)
         try:
-            pq.write_table(table, tmp)
-            _atomic_replace(tmp, part_path)
-        finally:
-            tmp.unlink(missing_ok=True)
+            pq.write_table(table, staged)
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
+        self.store.publish(staged, part_name)
         self.next_seq += 1
-        return part_path
+        return part_name
 
 
 @dataclass(frozen=True)
 class ManifestPart:
     """One committed shard: its manifest part file and what the part records about the shard."""
 
-    path: Path  # the .parquet file
+    name: str  # the .parquet file, relative to the cache: manifest/<worker>-<seq>.parquet
     shard: str  # file name inside shards/
     shard_sha256: str
     shard_bytes: int
@@ -353,48 +335,51 @@ class ManifestPart:
     shared_file_sha256: dict[str, str]  # file name -> SHA-256 (SHARED_FILE_CHECKSUM_KEYS); empty in older caches
 
 
-def _read_part(path: Path) -> tuple[ManifestPart, pa.Table]:
-    handle = pq.ParquetFile(path)
+def _read_part(store: Store, name: str) -> tuple[ManifestPart, pa.Table]:
+    handle = pq.ParquetFile(pa.BufferReader(store.read_bytes(name)))
     metadata = handle.schema_arrow.metadata or {}
     table = handle.read(use_threads=False)  # parts are small: the parallelism is across parts
     if not table.schema.equals(MANIFEST_SCHEMA):
-        for name in ("crop_left_flipped", "has_loss_mask", "mask_sha256"):  # a part from before flipped latents or masks
-            if name not in table.column_names:
-                table = table.append_column(name, pa.nulls(len(table), MANIFEST_SCHEMA.field(name).type))
+        for column in ("crop_left_flipped", "has_loss_mask", "mask_sha256"):  # a part from before flipped latents or masks
+            if column not in table.column_names:
+                table = table.append_column(column, pa.nulls(len(table), MANIFEST_SCHEMA.field(column).type))
         table = table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
     part = ManifestPart(
-        path=path,
+        name=name,
         shard=metadata[b"shard"].decode(),
         shard_sha256=metadata[b"shard_sha256"].decode(),
         shard_bytes=int(metadata[b"shard_bytes"]),
         written_at_ns=int(metadata[b"written_at_ns"]),
         num_rows=len(table),
-        shared_file_sha256={name: metadata[key.encode()].decode() for name, key in SHARED_FILE_CHECKSUM_KEYS.items() if key.encode() in metadata},
+        shared_file_sha256={file: metadata[key.encode()].decode() for file, key in SHARED_FILE_CHECKSUM_KEYS.items() if key.encode() in metadata},
     )
     return part, table
 
 
-def read_manifest_parts(cache_dir: Path) -> tuple[list[tuple[ManifestPart, pa.Table]], dict[Path, str]]:
-    """Every manifest part in write order, and the unreadable ones (path -> reason).
+def read_manifest_parts(cache_dir: CacheLocation) -> tuple[list[tuple[ManifestPart, pa.Table]], dict[str, str]]:
+    """Every manifest part in write order, and the unreadable ones (name relative to the cache -> reason).
 
-    Parts are read in parallel threads (Parquet decoding releases the GIL): a million items in a few
-    thousand parts load in seconds."""
-    part_paths = sorted((cache_dir / MANIFEST_DIR).glob("*.parquet"))
+    Parts are read in parallel threads (Parquet decoding releases the GIL, and object storage answers many
+    requests at once): a million items in a few thousand parts load in seconds."""
+    store = open_store(cache_dir)
+    part_names = store.names(MANIFEST_DIR, ".parquet")
     parts, damaged = [], {}
 
-    def read(path: Path):
+    def read(name: str):
         try:
-            return _read_part(path)
+            return _read_part(store, name)
+        except StorageError:
+            raise  # the storage, not the part: no reason to call it damaged
         except (OSError, KeyError, ValueError, pa.ArrowException) as error:
             return f"unreadable manifest part ({type(error).__name__}: {error})"
 
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        for path, result in zip(part_paths, pool.map(read, part_paths)):
+    with ThreadPoolExecutor(REMOTE_READ_THREADS if store.remote else min(8, os.cpu_count() or 1)) as pool:
+        for name, result in zip(part_names, pool.map(read, part_names)):
             if isinstance(result, str):
-                damaged[path] = result
+                damaged[name] = result
             else:
                 parts.append(result)
-    parts.sort(key=lambda item: (item[0].written_at_ns, item[0].path.name))
+    parts.sort(key=lambda item: (item[0].written_at_ns, item[0].name))
     return parts, damaged
 
 
@@ -414,35 +399,41 @@ def merge_parts(parts: list[tuple[ManifestPart, pa.Table]]) -> pa.Table:
     return merged.take(pa.array(keep))
 
 
-def load_manifest(cache_dir: Path) -> pa.Table:
-    """All manifest parts merged into one table. When an image was cached more than once (edited and
-    re-cached), the row from the most recently written part wins. A damaged part is a CacheError."""
+def intact_parts(cache_dir: CacheLocation) -> list[tuple[ManifestPart, pa.Table]]:
+    """Every manifest part; a damaged one is a CacheError."""
     parts, damaged = read_manifest_parts(cache_dir)
     if damaged:
-        path, reason = next(iter(damaged.items()))
-        raise CacheError(f"{path}: {reason}. {repair_advice(cache_dir)}")
-    return merge_parts(parts)
+        name, reason = next(iter(damaged.items()))
+        store = open_store(cache_dir)
+        raise CacheError(f"{store.location(name)}: {reason}. {repair_advice(store)}")
+    return parts
 
 
-def repair_advice(cache_dir: Path) -> str:
+def load_manifest(cache_dir: CacheLocation) -> pa.Table:
+    """All manifest parts merged into one table. When an image was cached more than once (edited and
+    re-cached), the row from the most recently written part wins. A damaged part is a CacheError."""
+    return merge_parts(intact_parts(cache_dir))
+
+
+def repair_advice(cache_dir: CacheLocation) -> str:
     return (
         f"Run `{VERIFY_COMMAND.format(cache_dir=cache_dir)}` to list the damage, then re-run the cache command "
         "(sdxl_process_data_dir.sh with the same flags) to re-encode the affected items."
     )
 
 
-def shard_problem(cache_dir: Path, part: ManifestPart, full_checksum: bool = True) -> str | None:
+def shard_problem(cache_dir: CacheLocation, part: ManifestPart, full_checksum: bool = True) -> str | None:
     """Why `part`'s shard cannot be trusted (missing, wrong size, checksum mismatch), or None if it is intact.
 
     Without full_checksum only the size is compared: cheap enough for every file open of the trainer."""
-    path = cache_dir / SHARD_DIR / part.shard
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+    store = open_store(cache_dir)
+    name = f"{SHARD_DIR}/{part.shard}"
+    size = store.size(name)
+    if size is None:
         return "missing"
     if size != part.shard_bytes:
         return f"size {size} bytes, manifest says {part.shard_bytes}"
-    if full_checksum and sha256_file(path) != part.shard_sha256:
+    if full_checksum and store.sha256(name) != part.shard_sha256:
         return "checksum mismatch (contents changed since it was written)"
     return None
 
@@ -455,47 +446,48 @@ def expected_shapes(row: dict, text_max_length: int) -> dict[str, tuple[int, ...
     }
 
 
-def row_problems(shard, rows: list[dict], text_max_length: int, flip_aug: bool = False) -> list[str]:
-    """Manifest rows checked against the open shard: every tensor present (the flipped latents too in a
-    --flip_aug cache, the loss mask of a row with has_loss_mask), latents and mask matching the bucket."""
+def row_problems(shapes: dict[str, tuple[int, ...]], rows: list[dict], text_max_length: int, flip_aug: bool = False) -> list[str]:
+    """Manifest rows checked against their shard's tensor shapes (name -> shape): every tensor present (the
+    flipped latents too in a --flip_aug cache, the loss mask of a row with has_loss_mask), latents and mask
+    matching the bucket."""
     problems = []
-    present = set(shard.keys())
     for row in rows:
         label = f"item {row['index_in_shard']} ({row['image_path']})"
         latent_keys = ("latents", FLIPPED_KEY) if flip_aug else ("latents",)
         spatial_keys = (*latent_keys, LOSS_MASK_KEY) if row.get("has_loss_mask") else latent_keys
-        missing = [key for key in dict.fromkeys((*TENSOR_KEYS, *spatial_keys)) if f"{row['index_in_shard']}/{key}" not in present]
+        missing = [key for key in dict.fromkeys((*TENSOR_KEYS, *spatial_keys)) if f"{row['index_in_shard']}/{key}" not in shapes]
         if missing:
             problems.append(f"{label}: tensors {missing} missing")
             continue
-        shapes = expected_shapes(row, text_max_length)
+        wanted = expected_shapes(row, text_max_length)
         for key in spatial_keys:
-            latents = tuple(shard.get_slice(f"{row['index_in_shard']}/{key}").get_shape())
-            if latents[1:] != shapes["latents"]:
+            latents = shapes[f"{row['index_in_shard']}/{key}"]
+            if latents[1:] != wanted["latents"]:
                 problems.append(f"{label}: {key} {latents} do not match bucket {row['bucket_width']}x{row['bucket_height']}")
-        embeds = tuple(shard.get_slice(f"{row['index_in_shard']}/prompt_embeds").get_shape())
-        if embeds[:1] != shapes["prompt_embeds"]:
+        embeds = shapes[f"{row['index_in_shard']}/prompt_embeds"]
+        if embeds[:1] != wanted["prompt_embeds"]:
             problems.append(f"{label}: prompt_embeds {embeds} are not {text_max_length} tokens long")
     return problems
 
 
-def empty_prompt_problem(path: Path, text_max_length: int) -> str | None:
+def empty_prompt_problem(store: Store, text_max_length: int) -> str | None:
     """What is wrong with the empty caption's embeddings as far as they can be checked without a checksum:
     unreadable, other tensors, or another caption length than the cache's."""
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            names = set(handle.keys())
-            if names != {"prompt_embeds", "pooled_prompt_embeds"}:
-                return f"holds the tensors {sorted(names)}, not prompt_embeds and pooled_prompt_embeds"
-            length = handle.get_slice("prompt_embeds").get_shape()[0]
+        tensors = load(store.read_bytes(EMPTY_PROMPT_FILE))
+    except StorageError:
+        raise
     except Exception as error:  # safetensors raises its own error types for bad headers
         return f"unreadable ({error})"
+    if set(tensors) != {"prompt_embeds", "pooled_prompt_embeds"}:
+        return f"holds the tensors {sorted(tensors)}, not prompt_embeds and pooled_prompt_embeds"
+    length = tensors["prompt_embeds"].shape[0]
     if length != text_max_length:
         return f"prompt_embeds are {length} tokens long, but {CACHE_INFO_FILE} says {text_max_length}"
     return None
 
 
-def shared_file_checks(cache_dir: Path, parts: list[tuple[ManifestPart, pa.Table]], text_max_length: int) -> tuple[dict[str, list[str]], dict[str, str]]:
+def shared_file_checks(store: Store, parts: list[tuple[ManifestPart, pa.Table]], text_max_length: int) -> tuple[dict[str, list[str]], dict[str, str]]:
     """cache_info.json and empty_prompt.safetensors against the SHA-256 the manifest parts recorded.
 
     Returns (problems, notes) by file name. Where no part recorded a checksum (a cache written before they
@@ -504,17 +496,16 @@ def shared_file_checks(cache_dir: Path, parts: list[tuple[ManifestPart, pa.Table
     problems: dict[str, list[str]] = {}
     notes: dict[str, str] = {}
     for name in SHARED_FILE_CHECKSUM_KEYS:
-        path = cache_dir / name
-        if not path.exists():
+        if not store.exists(name):
             problems[name] = ["missing"]
             continue
         recorded = [(part, part.shared_file_sha256[name]) for part, _ in parts if name in part.shared_file_sha256]
         if recorded:
-            actual = sha256_file(path)
+            actual = store.sha256(name)
             differing = [part for part, digest in recorded if digest != actual]
             if differing:
                 problems[name] = [
-                    f"checksum mismatch (contents changed since {MANIFEST_DIR}/{differing[0].path.name} recorded it): delete it and re-run "
+                    f"checksum mismatch (contents changed since {differing[0].name} recorded it): delete it and re-run "
                     "the cache command with the same flags, which writes it again"
                 ]
             continue
@@ -522,41 +513,43 @@ def shared_file_checks(cache_dir: Path, parts: list[tuple[ManifestPart, pa.Table
             "no checksum recorded (no manifest part records one: the cache was written before they were kept, or holds no items), "
             "so only checked that it reads"
         )
-        problem = empty_prompt_problem(path, text_max_length) if name == EMPTY_PROMPT_FILE else None
+        problem = empty_prompt_problem(store, text_max_length) if name == EMPTY_PROMPT_FILE else None
         if problem:
             problems[name] = [problem]
     return problems, notes
 
 
-def verify_cache(cache_dir: Path) -> tuple[int, dict[str, list[str]], dict[str, str]]:
+def verify_cache(cache_dir: CacheLocation) -> tuple[int, dict[str, list[str]], dict[str, str]]:
     """Check every shard against its checksum, every manifest row against its shard, and cache_info.json and
     empty_prompt.safetensors against theirs (shared_file_checks).
 
     Returns (items checked, problems by file name relative to cache_dir, notes by file name: what could not be
     checked). Reads every shard once."""
-    settings = read_cache_info(cache_dir)
-    parts, damaged_parts = read_manifest_parts(cache_dir)
-    problems: dict[str, list[str]] = {f"{MANIFEST_DIR}/{path.name}": [reason] for path, reason in damaged_parts.items()}
-    shared_problems, notes = shared_file_checks(cache_dir, parts, settings.text_max_length)
+    store = open_store(cache_dir)
+    settings = read_cache_info(store)
+    parts, damaged_parts = read_manifest_parts(store)
+    problems: dict[str, list[str]] = {name: [reason] for name, reason in damaged_parts.items()}
+    shared_problems, notes = shared_file_checks(store, parts, settings.text_max_length)
     problems.update(shared_problems)
-    if not (cache_dir / MANIFEST_DIR).is_dir():
+    if not store.is_folder(MANIFEST_DIR):
         problems[MANIFEST_DIR] = ["missing: the cache lists no items at all"]
     # A shard no manifest part lists: its part was lost (its items silently gone from the cache) or its write
     # was cut short. (Run --verify while no cache worker is writing: a shard is listed a moment after it is written.)
-    listed = {part.shard for part, _ in parts}
-    for shard in sorted((cache_dir / SHARD_DIR).glob("*.safetensors")):
-        if shard.name not in listed:
-            problems[f"{SHARD_DIR}/{shard.name}"] = ["no manifest part lists it: its items are missing from the cache"]
+    listed = {f"{SHARD_DIR}/{part.shard}" for part, _ in parts}
+    for name in store.names(SHARD_DIR, ".safetensors"):
+        if name not in listed:
+            problems[name] = ["no manifest part lists it: its items are missing from the cache"]
     checked = 0
     for part, table in parts:
         name = f"{SHARD_DIR}/{part.shard}"
-        problem = shard_problem(cache_dir, part)
+        problem = shard_problem(store, part)
         if problem:
-            problems[name] = [f"{problem} (listed in {MANIFEST_DIR}/{part.path.name})"]
+            problems[name] = [f"{problem} (listed in {part.name})"]
             continue
         try:
-            with safe_open(str(cache_dir / name), framework="pt") as shard:
-                found = row_problems(shard, table.to_pylist(), settings.text_max_length, settings.flip_aug)
+            found = row_problems(store.open_tensors(name).shapes(), table.to_pylist(), settings.text_max_length, settings.flip_aug)
+        except StorageError:
+            raise
         except Exception as error:  # safetensors raises its own error types for bad headers
             found = [f"unreadable ({error})"]
         if found:
@@ -565,53 +558,64 @@ def verify_cache(cache_dir: Path) -> tuple[int, dict[str, list[str]], dict[str, 
     return checked, problems, notes
 
 
-def quarantine(cache_dir: Path, *paths: Path) -> None:
-    """Move damaged files (a shard and its manifest part, or an unreadable part) into damaged/, so their rows
-    no longer count and their items get re-encoded. Another worker may have moved them already: fine."""
-    damaged_dir = cache_dir / DAMAGED_DIR
-    damaged_dir.mkdir(exist_ok=True)
-    for path in paths:
-        try:
-            os.replace(path, damaged_dir / path.name)
-        except FileNotFoundError:
-            pass
+def quarantine(cache_dir: CacheLocation, *names: str) -> None:
+    """Move damaged files (a shard and its manifest part, or an unreadable part; names relative to the cache) into
+    damaged/, so their rows no longer count and their items get re-encoded. Another worker may have moved them
+    already: fine."""
+    store = open_store(cache_dir)
+    for name in names:
+        store.move(name, f"{DAMAGED_DIR}/{Path(name).name}")
 
 
-def part_files(cache_dir: Path, part: ManifestPart) -> tuple[Path, Path]:
-    """The manifest part and the shard it commits."""
-    return part.path, cache_dir / SHARD_DIR / part.shard
+def part_files(part: ManifestPart) -> tuple[str, str]:
+    """The manifest part and the shard it commits, relative to the cache."""
+    return part.name, f"{SHARD_DIR}/{part.shard}"
 
 
 class CacheReader:
-    """Reads items' tensors from shards, keeping a few shard files open (memory-mapped by safetensors).
+    """Reads items' tensors from shards, keeping a few shards open (a folder's memory-mapped by safetensors, an
+    object's header in memory).
 
     A shard whose size differs from the one its manifest part records (truncated, replaced, missing) is
-    refused with a CacheError naming the file; run --verify for the full checksum check."""
+    refused with a CacheError naming the file; run --verify for the full checksum check. `shard_bytes`
+    (shard file name -> size, from the manifest) saves reading the manifest again; without it, it is read
+    on first use."""
 
-    def __init__(self, cache_dir: Path, max_open_shards: int = 16):
-        self.cache_dir = cache_dir
+    def __init__(self, cache_dir: CacheLocation, max_open_shards: int = 16, shard_bytes: dict[str, int] | None = None):
+        self.store = open_store(cache_dir)
         self.max_open_shards = max_open_shards
-        self._open_shards: OrderedDict[str, object] = OrderedDict()
-        self._parts: dict[str, ManifestPart] | None = None
+        self._open_shards: OrderedDict[str, LocalTensors | RemoteTensors] = OrderedDict()
+        self._shard_bytes = shard_bytes
 
-    def _part(self, shard_name: str) -> ManifestPart | None:
-        if self._parts is None:  # read lazily: each DataLoader worker process reads its own copy
-            self._parts = {part.shard: part for part, _ in read_manifest_parts(self.cache_dir)[0]}
-        return self._parts.get(shard_name)
+    def _recorded_bytes(self, shard_name: str) -> int | None:
+        if self._shard_bytes is None:  # read lazily: each DataLoader worker process reads its own copy
+            self._shard_bytes = {part.shard: part.shard_bytes for part, _ in read_manifest_parts(self.store)[0]}
+        return self._shard_bytes.get(shard_name)
 
-    def _shard(self, shard_name: str):
+    def _shard(self, shard_name: str) -> LocalTensors | RemoteTensors:
         handle = self._open_shards.get(shard_name)
         if handle is None:
-            path = self.cache_dir / SHARD_DIR / shard_name
-            part = self._part(shard_name)
-            problem = "not listed in any manifest part" if part is None else shard_problem(self.cache_dir, part, full_checksum=False)
+            name = f"{SHARD_DIR}/{shard_name}"
+            recorded = self._recorded_bytes(shard_name)
+            problem = None
+            if recorded is None:
+                problem = "not listed in any manifest part"
+            elif not self.store.remote:  # an object's size is checked against its header below, saving a request
+                size = self.store.size(name)
+                problem = "missing" if size is None else f"size {size} bytes, manifest says {recorded}" if size != recorded else None
             if problem is None:
                 try:
-                    handle = safe_open(str(path), framework="pt")
+                    handle = self.store.open_tensors(name)
+                except FileNotFoundError:
+                    problem = "missing"
+                except StorageError:
+                    raise
                 except Exception as error:  # safetensors raises its own error types for bad headers
                     problem = f"unreadable ({error})"
+            if problem is None and self.store.remote and handle.total_bytes != recorded:
+                problem = f"size {handle.total_bytes} bytes by its header, manifest says {recorded}"
             if problem is not None:
-                raise CacheError(f"cache shard {path} is damaged: {problem}. {repair_advice(self.cache_dir)}")
+                raise CacheError(f"cache shard {self.store.location(name)} is damaged: {problem}. {repair_advice(self.store)}")
             self._open_shards[shard_name] = handle
             if len(self._open_shards) > self.max_open_shards:
                 self._open_shards.popitem(last=False)
@@ -620,11 +624,28 @@ class CacheReader:
         return handle
 
     def read(self, shard_name: str, index_in_shard: int, keys: tuple[str, ...] = TENSOR_KEYS) -> dict[str, torch.Tensor]:
-        shard = self._shard(shard_name)
+        return self.read_many([(shard_name, index_in_shard, keys)])[0]
+
+    def read_many(self, requests: list[tuple[str, int, tuple[str, ...]]]) -> list[dict[str, torch.Tensor]]:
+        """Several items' tensors ((shard name, index in shard, keys) each): from object storage, concurrently."""
+        opened = []
+        for shard_name, index, keys in requests:
+            shard = self._shard(shard_name)
+            names = [f"{index}/{key}" for key in keys]
+            missing = [key for key, name in zip(keys, names) if not shard.has(name)]
+            if missing:
+                self._unreadable(shard_name, index, f"tensors {missing} missing")
+            opened.append((shard, names))
         try:
-            return {key: shard.get_tensor(f"{index_in_shard}/{key}") for key in keys}
-        except Exception as error:
-            raise CacheError(
-                f"item {index_in_shard} of cache shard {self.cache_dir / SHARD_DIR / shard_name} is unreadable ({error}). "
-                f"{repair_advice(self.cache_dir)}"
-            ) from error
+            found = self.store.read_items(opened)
+        except StorageError:
+            raise
+        except Exception as error:  # safetensors raises its own error types
+            shard_name, index, _ = requests[0]
+            self._unreadable(shard_name, index if len(requests) == 1 else f"{index} (or another of {len(requests)} read together)", error, error)
+        return [{name.split("/", 1)[1]: tensor for name, tensor in tensors.items()} for tensors in found]
+
+    def _unreadable(self, shard_name: str, index: int | str, reason: object, cause: BaseException | None = None):
+        raise CacheError(
+            f"item {index} of cache shard {self.store.location(f'{SHARD_DIR}/{shard_name}')} is unreadable ({reason}). {repair_advice(self.store)}"
+        ) from cause

@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -33,7 +32,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .cache import FLIPPED_KEY, LOSS_MASK_KEY, TENSOR_KEYS, CacheReader, captions_in, load_manifest, read_cache_info
+from .cache import FLIPPED_KEY, LOSS_MASK_KEY, TENSOR_KEYS, CacheLocation, CacheReader, captions_in, intact_parts, merge_parts, read_cache_info
 from .checkpoint import DataPosition
 from .stop_request import ignore_stop_signals
 
@@ -49,15 +48,18 @@ class CachedDataset(Dataset):
     `flip_aug` (caches made with --flip_aug) its mirrored view too, for choose_views; with `loss_masks`
     (--masked_loss) its "loss_mask" at latent size: the cached one, or ones (trained everywhere) for an item without."""
 
-    def __init__(self, cache_dirs: list[Path], loss_weights: list[float] | None = None, flip_aug: bool = False, loss_masks: bool = False):
+    def __init__(self, cache_dirs: list[CacheLocation], loss_weights: list[float] | None = None, flip_aug: bool = False, loss_masks: bool = False):
         self.flip_aug = flip_aug
         self.loss_masks = loss_masks
         self.cache_dirs = list(cache_dirs)
         self.loss_weights = None if loss_weights is None else [float(weight) for weight in loss_weights]
         self.cache_settings = [read_cache_info(cache_dir) for cache_dir in self.cache_dirs]  # each cache's caption prefix and suffix
         tables = []
+        self._shard_bytes = []  # per cache: shard name -> size, so the readers need not read the manifest again
         for cache_index, cache_dir in enumerate(self.cache_dirs):
-            table = load_manifest(cache_dir)
+            parts = intact_parts(cache_dir)
+            self._shard_bytes.append({part.shard: part.shard_bytes for part, _ in parts})
+            table = merge_parts(parts)
             tables.append(table.append_column("cache_index", pa.array(np.full(len(table), cache_index, dtype=np.int32))))
         table = pa.concat_tables(tables) if tables else pa.table({})
         self.num_items = len(table)
@@ -100,15 +102,31 @@ class CachedDataset(Dataset):
     def _reader(self, cache_index: int) -> CacheReader:
         # Opened lazily, so each DataLoader worker process gets its own file handles.
         if cache_index not in self._readers:
-            self._readers[cache_index] = CacheReader(self.cache_dirs[cache_index])
+            self._readers[cache_index] = CacheReader(self.cache_dirs[cache_index], shard_bytes=self._shard_bytes[cache_index])
         return self._readers[cache_index]
 
     def __getitem__(self, sample: int) -> dict[str, torch.Tensor]:
         """Sample `sample` of a plan: the tensors of item sample % len(self), and the sample index itself."""
-        index = sample % self.num_items
+        return self.__getitems__([sample])[0]
+
+    def __getitems__(self, samples: list[int]) -> list[dict[str, torch.Tensor]]:
+        """A batch's samples (the DataLoader asks for a batch at once): from object storage, every item of a cache
+        is requested concurrently."""
         keys = (*TENSOR_KEYS, FLIPPED_KEY) if self.flip_aug else TENSOR_KEYS
+        indices = [sample % self.num_items for sample in samples]
+        requests: dict[int, list[int]] = {}  # cache -> positions in the batch
+        for position, index in enumerate(indices):
+            requests.setdefault(int(self.cache_index[index]), []).append(position)
+        tensors: list[dict[str, torch.Tensor]] = [{} for _ in samples]
+        for cache_index, positions in requests.items():
+            wanted = [(self.shard[indices[position]], int(self.index_in_shard[indices[position]]),
+                       (*keys, LOSS_MASK_KEY) if self.loss_masks and self.has_loss_mask[indices[position]] else keys) for position in positions]
+            for position, found in zip(positions, self._reader(cache_index).read_many(wanted)):
+                tensors[position] = found
+        return [self._with_conditioning(sample, index, found) for sample, index, found in zip(samples, indices, tensors)]
+
+    def _with_conditioning(self, sample: int, index: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         cached_mask = self.loss_masks and bool(self.has_loss_mask[index])
-        tensors = self._reader(int(self.cache_index[index])).read(self.shard[index], int(self.index_in_shard[index]), (*keys, LOSS_MASK_KEY) if cached_mask else keys)
         if self.loss_masks and not cached_mask:
             tensors[LOSS_MASK_KEY] = torch.ones(1, *tensors["latents"].shape[1:], dtype=tensors["latents"].dtype)
         tensors["time_ids"] = torch.from_numpy(self.time_ids[index])

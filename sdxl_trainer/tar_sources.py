@@ -18,7 +18,6 @@ the sorted list goes to worker i mod --num_shards, so each worker opens only its
 from __future__ import annotations
 
 import json
-import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import BinaryIO
 from .images import IMAGE_EXTENSIONS
 from .metadata import row_caption
 from .sources import DataScan, ScanProblem, SourcePair, normalized_caption
+from .storage import LocalStore, RemoteStore, StorageError, open_store
 
 TAR_SUFFIX = ".tar"
 REPACK = "re-pack the tar with each sample's files next to each other"
@@ -34,38 +34,38 @@ REPACK = "re-pack the tar with each sample's files next to each other"
 
 @dataclass(frozen=True)
 class TarMember:
-    """Where one member's bytes lie in its tar: read directly, without tarfile."""
+    """Where one member's bytes lie in its tar: read directly (one ranged request in object storage), without tarfile."""
 
-    tar_path: Path
+    store: LocalStore | RemoteStore  # --data_dir
+    tar_name: str  # relative to the store
     name: str
     offset: int  # of the member's data from the start of the tar file, in bytes
     size: int  # bytes
 
     def read_bytes(self) -> bytes:
-        with open(self.tar_path, "rb") as file:
-            file.seek(self.offset)
-            data = file.read(self.size)
+        try:
+            data = self.store.read_range(self.tar_name, self.offset, self.offset + self.size)
+        except StorageError as error:
+            raise OSError(str(error)) from error  # an unreadable image: skipped and named, as a local read error is
         if len(data) != self.size:
-            raise OSError(f"{self.tar_path.name} ends inside {self.name}: it was cut short since the scan; copy it again")
+            raise OSError(f"{Path(self.tar_name).name} ends inside {self.name}: it was cut short since the scan; copy it again")
         return data
 
 
-def find_tars(data_dir: Path) -> list[Path]:
-    """Every .tar file under data_dir (recursively, hidden names skipped), sorted by path: the order that
-    splits them between workers."""
-    return sorted(
-        path for path in data_dir.rglob(f"*{TAR_SUFFIX}")
-        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(data_dir).parts)
-    )
+def find_tars(data_dir: str | Path) -> list[str]:
+    """Every .tar file under data_dir, a folder or an s3:// prefix (recursively, hidden names skipped), by its
+    name under data_dir, sorted: the order that splits them between workers."""
+    return open_store(data_dir).find(TAR_SUFFIX)
 
 
-def scan_tar_shards(data_dir: Path, num_workers: int, worker: int) -> DataScan:
+def scan_tar_shards(data_dir: str | Path, num_workers: int, worker: int) -> DataScan:
     """The samples of this worker's tars (tar i of find_tars goes to worker i mod num_workers) in the order they
     lie in the tars, so images are read front to back; what cannot be used is listed (scan_tar)."""
+    store = open_store(data_dir)
     pairs: list[SourcePair] = []
     problems: list[ScanProblem] = []
-    for tar_path in find_tars(data_dir)[worker::num_workers]:
-        scan = scan_tar(tar_path, tar_path.relative_to(data_dir).as_posix())
+    for tar_name in find_tars(store)[worker::num_workers]:
+        scan = scan_tar(store, tar_name)
         pairs += scan.pairs
         problems += scan.problems
     problems.sort(key=lambda problem: problem.relative_path)
@@ -80,19 +80,21 @@ def split_key(name: str) -> tuple[str, str]:
     return f"{folder}/{stem}" if folder else stem, f".{extension.lower()}" if dot else ""
 
 
-def scan_tar(tar_path: Path, label: str) -> DataScan:
-    """The samples of one tar, named `label/member` (label: the tar's path under --data_dir). Listed instead
+def scan_tar(store: LocalStore | RemoteStore, label: str) -> DataScan:
+    """The samples of the tar `label` (its name under --data_dir, the store), named `label/member`. Listed instead
     of used: a tar that cannot be opened or read, one cut short or damaged (the samples before the damage
     are kept), images that are not plain files, images without a caption member or with an empty, non-UTF-8
     or unreadable one, several images of one key, and a key that appears again apart from its first files."""
     pairs: list[SourcePair] = []
     problems: list[ScanProblem] = []
     try:
-        file = open(tar_path, "rb")
-    except OSError as error:
-        return DataScan([], [ScanProblem(label, f"cannot open this tar ({error.strerror or error}): fix its permissions", "unreadable tar")])
+        file = store.open_binary(label)
+        file_size = store.size(label)
+    except (OSError, StorageError) as error:
+        return DataScan([], [ScanProblem(
+            label, f"cannot open this tar ({getattr(error, 'strerror', None) or error}): fix its permissions", "unreadable tar",
+        )])
     with file:
-        file_size = os.fstat(file.fileno()).st_size
         try:
             tar = tarfile.open(fileobj=file, mode="r:")  # "r:": uncompressed, so members can be read by offset
         except tarfile.TarError as error:
@@ -117,7 +119,7 @@ def scan_tar(tar_path: Path, label: str) -> DataScan:
                         break
                     key, extension = split_key(name)
                     if group and key != group_key:
-                        _add_sample(file, tar_path, label, group_key, group, seen_keys, pairs, problems)
+                        _add_sample(file, store, label, group_key, group, seen_keys, pairs, problems)
                         group = []
                     group_key, last_name = key, name
                     group.append((name, extension, member))
@@ -131,7 +133,7 @@ def scan_tar(tar_path: Path, label: str) -> DataScan:
                     "same command to cache the rest", "damaged tar",
                 ))
             if group:
-                _add_sample(file, tar_path, label, group_key, group, seen_keys, pairs, problems)
+                _add_sample(file, store, label, group_key, group, seen_keys, pairs, problems)
     return DataScan(pairs, problems)
 
 
@@ -163,7 +165,7 @@ def _end_problem(file, offset: int, label: str, last_name: str | None) -> ScanPr
 
 
 def _add_sample(
-    file: BinaryIO, tar_path: Path, label: str, key: str, group: list[tuple[str, str, tarfile.TarInfo]], seen_keys: set[str],
+    file: BinaryIO, store: LocalStore | RemoteStore, label: str, key: str, group: list[tuple[str, str, tarfile.TarInfo]], seen_keys: set[str],
     pairs: list[SourcePair], problems: list[ScanProblem],
 ) -> None:
     """One sample (the consecutive members of one key) into pairs, or what is wrong with it into problems."""
@@ -219,7 +221,8 @@ def _add_sample(
         problems.append(ScanProblem(item, f"caption {caption_name} is empty: write a caption", "empty caption"))
         return
     pairs.append(SourcePair(
-        tar_path / image_name, item, caption_text=caption, tar_member=TarMember(tar_path, image_name, chosen.offset_data, chosen.size),
+        Path(store.location(label)) / image_name, item, caption_text=caption,  # the path shows where it came from; the bytes come from tar_member
+        tar_member=TarMember(store, label, image_name, chosen.offset_data, chosen.size),
     ))
 
 

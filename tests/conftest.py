@@ -92,6 +92,39 @@ def run_processes(
     return result
 
 
+def train_sample_run(num_processes: int, per_rank_batch: int, cache_dir: Path | str, pipeline_dir: Path, output_dir: Path, *extra: str) -> None:
+    """The reference run of test_distributed.py and test_object_storage.py (an 8-item epoch, 2 microbatches per update)."""
+    run_processes(
+        num_processes,
+        REPO_ROOT / "sdxl_FSDP_train.py",
+        [
+            "--learning_rate_scheduler", "cosine", "--percent_lr_warm_up_steps", "0.25",
+            "--cached_dataset_dirs", str(cache_dir),
+            "--pretrained_model_name_or_path", str(pipeline_dir),
+            "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
+            "--train_batch_size", str(per_rank_batch),
+            "--gradient_accumulation_steps", "2",
+            "--num_train_epochs", "1",
+            "--optimizer", "adamw", "--learning_rate", "1e-4", "--mixed_precision", "fp32", "--no-save_samples", "--no-validation_image",
+            "--conditional_dropout_percent", "0.5",
+            "--dataloader_num_workers", "0",
+            "--set_seed", "7",
+            "--save_precision", "fp32",
+            "--output_dir", str(output_dir), "--project_name", "run",
+            *extra,
+        ],
+    )
+
+
+@pytest.fixture(scope="session")
+def runs_on_one_and_two_processes(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> dict[int, Path]:
+    """train_sample_run on 1 process (batch 2) and on 2 (batch 1 each): the run folders."""
+    output_dir = tmp_path_factory.mktemp("one_vs_two")
+    train_sample_run(1, 2, sample_cache_dir, tiny_pipeline_dir, output_dir / "one")
+    train_sample_run(2, 1, sample_cache_dir, tiny_pipeline_dir, output_dir / "two")
+    return {1: output_dir / "one" / "run", 2: output_dir / "two" / "run"}
+
+
 def trainer_flags(cache_dir: Path | list[Path], pipeline_dir: Path, output_dir: Path, project: str, *extra: str) -> list[str]:
     cache_dirs = cache_dir if isinstance(cache_dir, list) else [cache_dir]
     return [

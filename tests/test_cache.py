@@ -90,8 +90,8 @@ def test_round_trip_two_shards(tmp_path):
     writer = ShardWriter(tmp_path, "w0")
     first = writer.write(items[:3])
     second = writer.write(items[3:])
-    assert first == tmp_path / MANIFEST_DIR / "w0-000000.parquet"
-    assert second == tmp_path / MANIFEST_DIR / "w0-000001.parquet"
+    assert first == f"{MANIFEST_DIR}/w0-000000.parquet"  # relative to the cache
+    assert second == f"{MANIFEST_DIR}/w0-000001.parquet"
     assert sorted(p.name for p in (tmp_path / SHARD_DIR).iterdir()) == ["w0-000000.safetensors", "w0-000001.safetensors"]
 
     manifest = load_manifest(tmp_path)
@@ -121,7 +121,7 @@ def test_manifest_records_shard_checksum(tmp_path):
     import pyarrow.parquet as pq
 
     part = ShardWriter(tmp_path, "w0").write([make_item("a.png", 0)])
-    metadata = pq.read_schema(part).metadata
+    metadata = pq.read_schema(tmp_path / part).metadata
     shard = tmp_path / SHARD_DIR / "w0-000000.safetensors"
     assert metadata[b"shard"] == b"w0-000000.safetensors"
     assert metadata[b"shard_sha256"].decode() == cache.sha256_file(shard)
@@ -153,7 +153,7 @@ def test_writer_resumes_numbering(tmp_path):
     ShardWriter(tmp_path, "w1").write([make_item("c.png", 2)])
     resumed = ShardWriter(tmp_path, "w0")
     assert resumed.next_seq == 2
-    assert resumed.write([make_item("d.png", 3)]).name == "w0-000002.parquet"
+    assert resumed.write([make_item("d.png", 3)]) == f"{MANIFEST_DIR}/w0-000002.parquet"
     assert ShardWriter(tmp_path, "w1").next_seq == 1
     assert ShardWriter(tmp_path, "w2").next_seq == 0
     assert len(load_manifest(tmp_path)) == 4

@@ -151,8 +151,8 @@ def test_shard_problem_size_only_and_full(tmp_path):
 def test_quarantine_drops_rows_and_keeps_the_files(tmp_path):
     small_cache(tmp_path, shards=2)
     parts, _ = read_manifest_parts(tmp_path)
-    quarantine(tmp_path, *part_files(tmp_path, parts[0][0]))
-    quarantine(tmp_path, *part_files(tmp_path, parts[0][0]))  # a second worker finding the same damage: no error
+    quarantine(tmp_path, *part_files(parts[0][0]))
+    quarantine(tmp_path, *part_files(parts[0][0]))  # a second worker finding the same damage: no error
     assert sorted(load_manifest(tmp_path).column("image_path").to_pylist()) == ["1-0.png", "1-1.png"]
     assert sorted(p.name for p in (tmp_path / DAMAGED_DIR).iterdir()) == ["w0-000000.parquet", "w0-000000.safetensors"]
     assert ShardWriter(tmp_path, "w0").next_seq == 2  # the damaged shard's name is not reused
@@ -194,7 +194,7 @@ def test_failed_write_keeps_committed_shards_and_leaves_no_temporary_file(tmp_pa
     assert [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")] == []
     assert load_manifest(tmp_path).column("image_path").to_pylist() == ["a.png"]
     monkeypatch.undo()
-    assert writer.write([make_item("b.png", 1)]).name == "w0-000001.parquet"  # the failed number is reused
+    assert writer.write([make_item("b.png", 1)]) == f"{MANIFEST_DIR}/w0-000001.parquet"  # the failed number is reused
 
 
 def test_cache_info_created_once_then_compared(tmp_path):

@@ -261,7 +261,7 @@ def test_every_option_of_both_scripts_is_documented(config_fixture, request):
 
 def test_train_config_defaults(train_config_class):
     config = parse_config(train_config_class, ["--cached_dataset_dirs", "c1", "c2"])
-    assert config.cached_dataset_dirs == [Path("c1"), Path("c2")]
+    assert config.cached_dataset_dirs == ["c1", "c2"]
     assert config.conditional_dropout_percent == 0.1
     assert (config.min_resolution, config.max_resolution, config.pretrained_model_name_or_path) == (None, None, None)  # the caches'
 
@@ -341,13 +341,16 @@ def test_cache_config_checks_folders(cache_config_class, tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
     config = parse_config(cache_config_class, ["--data_dir", str(data), "--cache_dir", str(tmp_path / "cache")])
-    assert config.data_dir == data and config.min_resolution == 512
+    assert config.data_dir == str(data) and config.min_resolution == 512
     with pytest.raises(SystemExit):
         parse_config(cache_config_class, ["--data_dir", str(data), "--cache_dir", str(data / "cache")])
     assert "is inside --data_dir" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_config(cache_config_class, ["--data_dir", str(tmp_path / "missing"), "--cache_dir", str(tmp_path / "cache")])
     assert "is not a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(cache_config_class, ["--data_dir", "s3://bucket/images", "--cache_dir", str(tmp_path / "cache")])
+    assert "--data_dir s3://bucket/images: object storage is read as tar shards only (--tar_shards)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("config_file", sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml")), ids=lambda path: path.stem)

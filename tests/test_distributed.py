@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, run_processes, scalars
@@ -28,37 +26,6 @@ def test_each_rank_holds_half_of_the_unet(tmp_path, tiny_pipeline_dir):
     assert all(0.45 <= share <= 0.55 for share in shares), shares
     assert abs(sum(report["local_bytes"] for report in reports) - full_bytes) / full_bytes < 0.02
     print(f"per-rank parameter share: {shares}")
-
-
-def _train(num_processes: int, per_rank_batch: int, cache_dir: Path, pipeline_dir: Path, output_dir: Path) -> dict[str, torch.Tensor]:
-    run_processes(
-        num_processes,
-        REPO_ROOT / "sdxl_FSDP_train.py",
-        [
-            "--learning_rate_scheduler", "cosine", "--percent_lr_warm_up_steps", "0.25",
-            "--cached_dataset_dirs", str(cache_dir),
-            "--pretrained_model_name_or_path", str(pipeline_dir),
-            "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
-            "--train_batch_size", str(per_rank_batch),
-            "--gradient_accumulation_steps", "2",
-            "--num_train_epochs", "1",
-            "--optimizer", "adamw", "--learning_rate", "1e-4", "--mixed_precision", "fp32", "--no-save_samples", "--no-validation_image",
-            "--conditional_dropout_percent", "0.5",
-            "--dataloader_num_workers", "0",
-            "--set_seed", "7",
-            "--save_precision", "fp32",
-            "--output_dir", str(output_dir), "--project_name", "run",
-        ],
-    )
-    return load_file(output_dir / "run" / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors")
-
-
-@pytest.fixture(scope="module")
-def runs_on_one_and_two_processes(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> dict[int, Path]:
-    output_dir = tmp_path_factory.mktemp("one_vs_two")
-    _train(1, 2, sample_cache_dir, tiny_pipeline_dir, output_dir / "one")
-    _train(2, 1, sample_cache_dir, tiny_pipeline_dir, output_dir / "two")
-    return {1: output_dir / "one" / "run", 2: output_dir / "two" / "run"}
 
 
 def test_two_processes_train_like_one(runs_on_one_and_two_processes, tiny_pipeline_dir):
