@@ -561,10 +561,11 @@ def cache_vae(info: CacheSettings) -> str | None:
     return None if info.vae_name_or_path == info.pretrained_model_name_or_path else info.vae_name_or_path
 
 
-def check_caches(config: TrainConfig) -> list[str]:
+def check_caches(config: TrainConfig) -> tuple[TrainConfig, list[str]]:
     """Every cache must exist and match the trainer's model family and bucket table, and all must share one
-    VAE (the one validation decodes with and the export holds) and one caption length. What the flags leave
-    unset (model, resolution range) is taken from the caches first (take_cache_settings).
+    VAE (the one validation decodes with and the export holds) and one caption length. Returns the run's
+    config, a copy with what the flags leave unset (model, resolution range) taken from the caches
+    (take_cache_settings; the parsed config is not changed), and the problems.
     The model is compared by the fingerprint of its VAE and text-encoder configs (read from config files
     only), not by its path, so a moved or re-downloaded model still matches."""
     infos, problems = {}, []
@@ -573,9 +574,13 @@ def check_caches(config: TrainConfig) -> list[str]:
             infos[cache_dir] = read_cache_info(cache_dir)
         except CacheError as error:
             problems.append(str(error))
-    problems = problems or take_cache_settings(config, infos) or model_problems(config)
     if problems:
-        return problems
+        return config, problems
+    taken, problems = take_cache_settings(config, infos)
+    config = dataclasses.replace(config, **taken)
+    problems = problems or model_problems(config)
+    if problems:
+        return config, problems
     vaes = set()
     text_lengths = set()
     for cache_dir, info in infos.items():
@@ -607,13 +612,15 @@ def check_caches(config: TrainConfig) -> list[str]:
             f"the caches were encoded with different --max_token_length ({', '.join(map(str, sorted(text_lengths)))}): "
             "re-cache them with one, as a batch may mix their items"
         )
-    return problems
+    return config, problems
 
 
-def take_cache_settings(config: TrainConfig, infos: dict[str, CacheSettings]) -> list[str]:
-    """Fill in what the flags leave unset from the caches: the model they were made from and their resolution
-    range (over several caches: the smallest and the largest category; a batch never mixes bucket sizes, so
-    caches of different ranges train together). A flag that is given must agree; returns the conflicts."""
+def take_cache_settings(config: TrainConfig, infos: dict[str, CacheSettings]) -> tuple[dict[str, object], list[str]]:
+    """What the flags leave unset, from the caches: the model they were made from and their resolution range
+    (over several caches: the smallest and the largest category; a batch never mixes bucket sizes, so caches
+    of different ranges train together), as config fields to fill. A flag that is given must agree; returns
+    the fields and the conflicts."""
+    taken: dict[str, object] = {}
     problems = []
     ranges = {
         "min_resolution": min(infos.items(), key=lambda entry: entry[1].min_resolution),
@@ -622,7 +629,7 @@ def take_cache_settings(config: TrainConfig, infos: dict[str, CacheSettings]) ->
     for name, (cache_dir, info) in ranges.items():
         cached, given = getattr(info, name), getattr(config, name)
         if given is None:
-            setattr(config, name, cached)
+            taken[name] = cached
         elif given != cached:
             problems.append(
                 f"--{name} {given} does not match the caches: {cache_dir} was made with --{name} {cached}; drop the flag "
@@ -635,8 +642,8 @@ def take_cache_settings(config: TrainConfig, infos: dict[str, CacheSettings]) ->
         elif problem := model_location_problem(models[0], "the caches' model (as their cache_info.json names it; pass --pretrained_model_name_or_path where it moved)"):
             problems.append(problem)
         else:
-            config.pretrained_model_name_or_path = models[0]
-    return problems
+            taken["pretrained_model_name_or_path"] = models[0]
+    return taken, problems
 
 
 def reduce_every_microbatch(config: TrainConfig, device: torch.device) -> bool:
@@ -696,10 +703,11 @@ def resolve_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Pat
     return path, problems
 
 
-def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tuple[Path | None, TrainerState | None]:
+def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tuple[TrainConfig, Path | None, TrainerState | None]:
     """Model, caches and the checkpoint to resume from, all checked before anything loads; every problem
-    is reported at once. Returns the checkpoint folder and its trainer state (None, None for a fresh start)."""
-    problems = check_caches(config)
+    is reported at once. Returns the run's config (with what the caches supply, check_caches), the checkpoint
+    folder and its trainer state (None, None for a fresh start)."""
+    config, problems = check_caches(config)
     resume_dir, checkpoint_problems = resolve_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints", world.is_main)
     problems += checkpoint_problems
     if config.load_saved_state is None and not config.overwrite_run:
@@ -713,7 +721,7 @@ def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tupl
             problems.append(str(error))
     if problems:
         raise SystemExit("Cannot start training:\n  " + "\n  ".join(problems))
-    return resume_dir, saved
+    return config, resume_dir, saved
 
 
 def earlier_run_problems(run_dir: Path) -> list[str]:
@@ -961,7 +969,7 @@ def train(config: TrainConfig, world: World) -> int:
     weights_dtype = WEIGHTS_DTYPES[config.weights_dtype]
 
     # ---- validate everything before loading the model --------------------------------------------
-    resume_dir, saved = check_before_start(config, run_dir, world)
+    config, resume_dir, saved = check_before_start(config, run_dir, world)
     if config.overwrite_run and world.is_main and earlier_run_outputs(run_dir):
         if (run_dir / "checkpoints").exists():
             shutil.rmtree(run_dir / "checkpoints")

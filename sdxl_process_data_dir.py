@@ -471,10 +471,12 @@ def run_verify(cache_dir: str) -> int:
         for problem in found:
             print(f"DAMAGED {name}: {problem}")
     if problems:
-        print(
-            f"{len(problems)} damaged or missing file(s) in {cache_dir}; {checked} items in intact shards. Re-run the cache "
-            "command with the same flags: damaged shards are moved to damaged/ and their items re-encoded."
+        repair = (
+            "Delete the damaged shards listed (a re-run checks a bucket's shards by size only), then re-run the cache command with the same "
+            "flags: their items are re-encoded." if is_remote(cache_dir) else
+            "Re-run the cache command with the same flags: damaged shards are moved to damaged/ and their items re-encoded."
         )
+        print(f"{len(problems)} damaged or missing file(s) in {cache_dir}; {checked} items in intact shards. {repair}")
         return 1
     print(
         f"cache OK: {checked} items, every shard matches its checksum and every row its shard, and {CACHE_INFO_FILE} and "
@@ -487,9 +489,11 @@ def valid_cached_items(cache_dir: str, my_paths: set[str], num_threads: int, wor
     """image_path -> (image SHA-256, caption, mask file SHA-256) of this worker's items in intact shards.
 
     Shards holding any of this worker's items are checked against their checksums (each worker reads its
-    own part of the cache once); damaged ones and unreadable manifest parts are moved to damaged/, so
-    their items are re-encoded below."""
+    own part of the cache once) in a folder, and against their sizes in object storage (an object is never
+    half-written, and reading a bucket's share back would download it on every run; --verify reads it all);
+    damaged ones and unreadable manifest parts are moved to damaged/, so their items are re-encoded below."""
     store = open_store(cache_dir)  # one connection pool for the checks below when the cache is in object storage
+    checksums = not store.remote
     parts, damaged_parts = read_manifest_parts(store)
     for name, reason in damaged_parts.items():
         print(f"[{worker_name}] repair: {name} is {reason}; its items will be re-encoded")
@@ -498,7 +502,7 @@ def valid_cached_items(cache_dir: str, my_paths: set[str], num_threads: int, wor
     mine = [(part, table) for part, table in parts if pc.any(pc.is_in(table.column("image_path"), value_set=wanted)).as_py()]
     started = time.perf_counter()
     with ThreadPoolExecutor(num_threads) as pool:
-        problems = list(pool.map(lambda entry: shard_problem(store, entry[0]), mine))
+        problems = list(pool.map(lambda entry: shard_problem(store, entry[0], full_checksum=checksums), mine))
     intact = []
     for (part, table), problem in zip(mine, problems):
         if problem is None:
@@ -507,7 +511,7 @@ def valid_cached_items(cache_dir: str, my_paths: set[str], num_threads: int, wor
             print(f"[{worker_name}] repair: {SHARD_DIR}/{part.shard} is damaged ({problem}); its {part.num_rows} items will be re-encoded")
             quarantine(store, *part_files(part))
     if mine:
-        print(f"[{worker_name}] checked {len(mine)} shards against their checksums in {time.perf_counter() - started:.1f} s")
+        print(f"[{worker_name}] checked {len(mine)} shards against their {'checksums' if checksums else 'sizes'} in {time.perf_counter() - started:.1f} s")
     manifest = merge_parts(intact)
     identity = zip(*(manifest.column(name).to_pylist() for name in ("image_sha256", "caption", "mask_sha256")))
     return dict(zip(manifest.column("image_path").to_pylist(), identity))

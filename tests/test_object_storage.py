@@ -71,7 +71,7 @@ def test_the_cache_script_writes_to_object_storage_what_it_writes_to_a_folder(s3
     assert "cache OK: 28 items, every shard matches its checksum" in capsys.readouterr().out
 
 
-def test_verify_names_a_damaged_object_and_a_rerun_repairs_it(s3, tiny_pipeline_dir, tmp_path, capsys):
+def test_verify_names_a_damaged_object_and_a_rerun_repairs_it_once_deleted(s3, tiny_pipeline_dir, tmp_path, capsys):
     url = f"s3://{BUCKET}/repaired"
     for name in ("sample_00", "sample_01", "sample_02"):
         for suffix in (".jpg", ".txt"):
@@ -87,13 +87,15 @@ def test_verify_names_a_damaged_object_and_a_rerun_repairs_it(s3, tiny_pipeline_
     store.publish(staged, shard)
     capsys.readouterr()
     assert sdxl_process_data_dir.main(["--verify", "--cache_dir", url]) == 1
-    assert f"DAMAGED {shard}: checksum mismatch" in capsys.readouterr().out
-
-    assert cache_to(url, tiny_pipeline_dir, tmp_path) == 0
     out = capsys.readouterr().out
-    assert f"repair: {shard} is damaged (checksum mismatch" in out
+    assert f"DAMAGED {shard}: checksum mismatch" in out and "Delete the damaged shards listed (a re-run checks a bucket's shards by size only)" in out
+    assert cache_to(url, tiny_pipeline_dir, tmp_path) == 0  # sizes only: reading the bucket's share back would download it on every run
+    assert "checked 1 shards against their sizes" in capsys.readouterr().out and store.read_bytes(shard) == bytes(data)
+
+    store.remove(shard)  # as --verify advised
+    assert cache_to(url, tiny_pipeline_dir, tmp_path) == 0
+    assert f"repair: {shard} is damaged (missing)" in capsys.readouterr().out
     assert store.read_bytes(shard) == original and len(load_manifest(url)) == 3  # its items re-encoded (the name is free again)
-    assert store.read_bytes(f"damaged/{shard.split('/')[1]}") == bytes(data)  # kept for inspection
     assert sdxl_process_data_dir.main(["--verify", "--cache_dir", url]) == 0
 
 
