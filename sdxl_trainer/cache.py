@@ -48,6 +48,7 @@ from .storage import (
     RemoteTensors,
     StorageError,
     open_store,
+    sha256_file,
 )
 
 Store = LocalStore | RemoteStore
@@ -140,14 +141,6 @@ def captions_in(text: str) -> list[str]:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_cache_info(cache_dir: CacheLocation, settings: CacheSettings) -> None:
@@ -428,14 +421,17 @@ def shard_problem(cache_dir: CacheLocation, part: ManifestPart, full_checksum: b
     Without full_checksum only the size is compared: cheap enough for every file open of the trainer."""
     store = open_store(cache_dir)
     name = f"{SHARD_DIR}/{part.shard}"
-    size = store.size(name)
+    problem = size_problem(store.size(name), part.shard_bytes)
+    if problem is None and full_checksum and store.sha256(name) != part.shard_sha256:
+        return "checksum mismatch (contents changed since it was written)"
+    return problem
+
+
+def size_problem(size: int | None, recorded: int) -> str | None:
+    """A shard's size (None: missing) against the one its manifest part records."""
     if size is None:
         return "missing"
-    if size != part.shard_bytes:
-        return f"size {size} bytes, manifest says {part.shard_bytes}"
-    if full_checksum and store.sha256(name) != part.shard_sha256:
-        return "checksum mismatch (contents changed since it was written)"
-    return None
+    return f"size {size} bytes, manifest says {recorded}" if size != recorded else None
 
 
 def expected_shapes(row: dict, text_max_length: int) -> dict[str, tuple[int, ...]]:
@@ -601,8 +597,7 @@ class CacheReader:
             if recorded is None:
                 problem = "not listed in any manifest part"
             elif not self.store.remote:  # an object's size is checked against its header below, saving a request
-                size = self.store.size(name)
-                problem = "missing" if size is None else f"size {size} bytes, manifest says {recorded}" if size != recorded else None
+                problem = size_problem(self.store.size(name), recorded)
             if problem is None:
                 try:
                     handle = self.store.open_tensors(name)

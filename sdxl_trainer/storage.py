@@ -54,6 +54,18 @@ class StorageError(CacheError):
     """Object storage could not be reached or refused a request; the message says what to check."""
 
 
+def sha256_stream(handle: BinaryIO, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    while chunk := handle.read(chunk_bytes):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return sha256_stream(handle)
+
+
 def is_remote(location: str | Path) -> bool:
     return str(location).startswith(REMOTE_PREFIX)
 
@@ -130,12 +142,8 @@ class LocalStore:
             if path.is_file() and not any(part.startswith(".") for part in path.relative_to(self.root).parts)
         )
 
-    def sha256(self, name: str, chunk_bytes: int = 1 << 22) -> str:
-        digest = hashlib.sha256()
-        with open(self.root / name, "rb") as handle:
-            while chunk := handle.read(chunk_bytes):
-                digest.update(chunk)
-        return digest.hexdigest()
+    def sha256(self, name: str) -> str:
+        return sha256_file(self.root / name)
 
     def make_folders(self, *names: str) -> None:
         for name in names:
@@ -328,11 +336,8 @@ class RemoteStore:
 
     def sha256(self, name: str, chunk_bytes: int = 1 << 24) -> str:
         def digest() -> str:
-            hasher = hashlib.sha256()
             with self.fs.open(self._key(name), "rb", block_size=chunk_bytes) as handle:
-                while chunk := handle.read(chunk_bytes):
-                    hasher.update(chunk)
-            return hasher.hexdigest()
+                return sha256_stream(handle, chunk_bytes)
 
         return self._call("reading", name, digest)
 
