@@ -9,6 +9,8 @@
 #      present), with the time of a whole update: this covers --weights_dtype bf16 and --cpu_offload
 #   3. batch 4: the trainer's step next to a plain PyTorch loop, and torchao's own AdamW8bit instead of ours
 #   4. batch 4 with --compile_unet (regional torch.compile): is the step still waiting for the CPU?
+#   Parts 3 and 4 also profile two updates of each path (OUTPUT_DIR/profile/: the busiest kernels, and in
+#   profiles.json the GPU's busy time against the wall time and the optimizer step's share).
 #   5. bf16, fp16 and bf16 weights against fp32 training over a few updates (gpu_numerics.py)
 # Each part has its own time limit: one that fails or runs out of time is logged and the next one runs.
 #   PYTHON           the interpreter (default: venv/bin/python, else python3)
@@ -62,9 +64,9 @@ part 120 sweep $throughput --sweep --reference none --json "$parts/sweep.json"
 estimates=()
 [ -f benchmarks/results/memory_estimates.json ] && estimates=(--estimates benchmarks/results/memory_estimates.json)
 part 230 memory benchmarks/gpu_memory_check.py --measure "${estimates[@]}" --output "$parts/memory.json"
-part 60 plain_reference $throughput --batch_size 4 --reference plain --json "$parts/plain_reference.json"
+part 90 plain_reference $throughput --batch_size 4 --reference plain --profile "$OUTPUT_DIR/profile" --json "$parts/plain_reference.json"
 part 170 torchao_adamw8bit $throughput --batch_size 4 --reference none --optimizer torchao_adamw8bit --json "$parts/torchao_adamw8bit.json"
-part 200 compile_unet $throughput --batch_size 4 --reference none --compile --json "$parts/compile_unet.json"
+part 200 compile_unet $throughput --batch_size 4 --reference none --compile --profile "$OUTPUT_DIR/profile" --json "$parts/compile_unet.json"
 part 75 numerics benchmarks/gpu_numerics.py --output "$parts/numerics.json"
 echo "Written: $log and $OUTPUT_DIR/gpu_check.json"
 rm -rf "$parts"

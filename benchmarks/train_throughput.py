@@ -7,6 +7,8 @@ SDXL UNet (random weights, no download), next to a minimal reference loop run in
     venv/bin/python benchmarks/train_throughput.py --sweep --output benchmarks/results/DATE-GPU-1proc.md
     # sharded over 2 GPUs: what each GPU needs when the model states are split in two
     torchrun --nproc_per_node 2 benchmarks/train_throughput.py --sweep --output benchmarks/results/DATE-GPU-2proc.md
+    # where the time of one configuration goes: operator tables and busy/wall figures (torch.profiler)
+    venv/bin/python benchmarks/train_throughput.py --batch_size 4 --profile benchmarks/results/DATE-GPU-profile
     # the CPU smoke test (tests/test_train_throughput.py)
     venv/bin/python benchmarks/train_throughput.py --model tiny --resolution 64 --warmup_steps 1 --measured_steps 2
 
@@ -111,6 +113,7 @@ COLUMNS = (
 )
 TORCHAO_ADAMW8BIT = "torchao_adamw8bit"
 OPTIMIZER_TIMED_STEPS = 3  # after the measured window: the synchronizations around optimizer.step stay out of it
+PROFILED_STEPS = 2  # after those: the profiler's own overhead stays out of every other figure
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -152,6 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, help="also write the table, with the date, device, driver, library versions "
                         "and this command, to this Markdown file (for benchmarks/results/)")
     parser.add_argument("--json", type=Path, help="also write every row's figures and the run's settings to this JSON file")
+    parser.add_argument("--profile", type=Path,
+                        help=f"also profile {PROFILED_STEPS} more steps of each path with torch.profiler and write, into this folder, "
+                        "each path's busiest operators (PATH_batchB_ckptX.txt) and where its time went (profiles.json): device busy "
+                        "against wall time, and the optimizer step's share")
     return parser.parse_args(argv)
 
 
@@ -379,6 +386,56 @@ def optimizer_seconds(step: Callable[[int], object], args: argparse.Namespace, w
     return None if any(math.isnan(mean) for mean in means) else max(means)
 
 
+def profile_path(step: Callable[[int], object], name: str, args: argparse.Namespace, row: Row, world: World) -> None:
+    """PROFILED_STEPS more steps under torch.profiler (rank 0's view): the operators that took the most device
+    time (CPU time on a CPU) as a table, and a summary added to profiles.json: wall time, the time some kernel
+    ran (device busy; the rest the GPU waited, for the CPU to launch work or for a host sync), and the
+    optimizer step's wall and kernel time. On the CPU the device figures read null."""
+    on_gpu = world.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+    first = args.warmup_steps + args.measured_steps + OPTIMIZER_TIMED_STEPS
+    synchronize(world.device)
+    with torch.profiler.profile(activities=activities) as profiler:
+        started = time.perf_counter()
+        for index in range(first, first + PROFILED_STEPS):
+            step(index)
+        synchronize(world.device)
+        wall = time.perf_counter() - started
+    if not world.is_main:
+        return
+    events = profiler.events()
+    kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
+    # Host events the optimizer's step is recorded under; their device time counts the kernels they launched.
+    optimizer_steps = [event for event in events if event.name.startswith("Optimizer.step#")]
+    label = f"{name.split()[0]}_batch{row.batch_size}_ckpt{_on_off(row.gradient_checkpointing)}" + ("_compiled" if args.compile else "")
+    args.profile.mkdir(parents=True, exist_ok=True)
+    sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    (args.profile / f"{label}.txt").write_text(profiler.key_averages().table(sort_by=sort_by, row_limit=40) + "\n")
+    summaries_path = args.profile / "profiles.json"
+    summaries = json.loads(summaries_path.read_text()) if summaries_path.exists() else {}
+    per_step_ms = 1e-3 / PROFILED_STEPS  # profiler microseconds over all profiled steps -> ms per step
+    summaries[label] = {
+        "steps": PROFILED_STEPS,
+        "wall_ms_per_step": wall * 1e3 / PROFILED_STEPS,
+        "device_busy_ms_per_step": union_us([kernel.time_range for kernel in kernels]) * per_step_ms if on_gpu else None,
+        "kernels_per_step": len(kernels) / PROFILED_STEPS if on_gpu else None,
+        "optimizer_wall_ms_per_step": sum(event.time_range.elapsed_us() for event in optimizer_steps) * per_step_ms,
+        "optimizer_kernel_ms_per_step": sum(event.device_time_total for event in optimizer_steps) * per_step_ms if on_gpu else None,
+    }
+    summaries_path.write_text(json.dumps(summaries, indent=1) + "\n")
+    print(f"  profile of {label}: {json.dumps(summaries[label])}", flush=True)
+
+
+def union_us(ranges) -> float:
+    """Microseconds covered by any of the intervals (kernels on several streams overlap)."""
+    covered, end = 0.0, -math.inf
+    for interval in sorted(ranges, key=lambda interval: interval.start):
+        if interval.end > end:
+            covered += interval.end - max(interval.start, end)
+            end = interval.end
+    return covered
+
+
 def run_path(name: str, build: Callable[[], Callable[[int], object]], args: argparse.Namespace, row: Row, world: World) -> PathResult:
     """Build one path, time it and free it; a CUDA out-of-memory error makes the row read OOM."""
     if args.compile:
@@ -390,6 +447,8 @@ def run_path(name: str, build: Callable[[], Callable[[int], object]], args: argp
         step = build()
         seconds, first = seconds_per_step(step, args, world)
         optimizer = optimizer_seconds(step, args, world)
+        if args.profile:
+            profile_path(step, name, args, row, world)
         del step
     except torch.OutOfMemoryError:
         seconds = first = optimizer = None  # the row reads OOM; the model is freed below, once the handler has dropped the traceback

@@ -80,14 +80,24 @@ def test_sweep_on_one_process(tmp_path):
         assert figure["first_step_seconds"] is None  # no warm-up step to time
 
 
-def test_two_processes_compare_with_the_fsdp2_loop():
-    result = run_processes(2, SCRIPT, [*TINY, "--batch_size", "2"], timeout=300)
+def test_two_processes_compare_with_the_fsdp2_loop(tmp_path):
+    profiles = tmp_path / "profiles"
+    result = run_processes(2, SCRIPT, [*TINY, "--batch_size", "2", "--profile", str(profiles)], timeout=300)
     rows = table_rows(result.stdout)
     assert [row["path"] for row in rows] == ["reference (fsdp2)", "trainer"]
     for row in rows:
         assert row["batch"] == "2"
         assert_measured(row)
     assert "2 process(es)" in result.stdout
+    # --profile: each path's operator table and its summary, from rank 0 (no device figures on a CPU).
+    summaries = json.loads((profiles / "profiles.json").read_text())
+    assert sorted(summaries) == ["reference_batch2_ckpton", "trainer_batch2_ckpton"]
+    for label, summary in summaries.items():
+        assert summary["steps"] == 2
+        assert 0 < summary["optimizer_wall_ms_per_step"] < summary["wall_ms_per_step"], summary
+        assert summary["device_busy_ms_per_step"] is summary["optimizer_kernel_ms_per_step"] is None
+        operators = (profiles / f"{label}.txt").read_text()
+        assert "Optimizer.step#AdamW.step" in operators and "aten::convolution" in operators
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
