@@ -388,9 +388,7 @@ def optimizer_seconds(step: Callable[[int], object], args: argparse.Namespace, w
 
 def profile_path(step: Callable[[int], object], name: str, args: argparse.Namespace, row: Row, world: World) -> None:
     """PROFILED_STEPS more steps under torch.profiler (rank 0's view): the operators that took the most device
-    time (CPU time on a CPU) as a table, and a summary added to profiles.json: wall time, the time some kernel
-    ran (device busy; the rest the GPU waited, for the CPU to launch work or for a host sync), and the
-    optimizer step's wall and kernel time. On the CPU the device figures read null."""
+    time (CPU time on a CPU) as a table, and where the time went (time_split) added to profiles.json."""
     on_gpu = world.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
     first = args.warmup_steps + args.measured_steps + OPTIMIZER_TIMED_STEPS
@@ -403,36 +401,52 @@ def profile_path(step: Callable[[int], object], name: str, args: argparse.Namesp
         wall = time.perf_counter() - started
     if not world.is_main:
         return
-    events = profiler.events()
-    kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
-    # Host events the optimizer's step is recorded under; their device time counts the kernels they launched.
-    optimizer_steps = [event for event in events if event.name.startswith("Optimizer.step#")]
     label = f"{name.split()[0]}_batch{row.batch_size}_ckpt{_on_off(row.gradient_checkpointing)}" + ("_compiled" if args.compile else "")
     args.profile.mkdir(parents=True, exist_ok=True)
     sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     (args.profile / f"{label}.txt").write_text(profiler.key_averages().table(sort_by=sort_by, row_limit=40) + "\n")
     summaries_path = args.profile / "profiles.json"
     summaries = json.loads(summaries_path.read_text()) if summaries_path.exists() else {}
-    per_step_ms = 1e-3 / PROFILED_STEPS  # profiler microseconds over all profiled steps -> ms per step
-    summaries[label] = {
-        "steps": PROFILED_STEPS,
-        "wall_ms_per_step": wall * 1e3 / PROFILED_STEPS,
-        "device_busy_ms_per_step": union_us([kernel.time_range for kernel in kernels]) * per_step_ms if on_gpu else None,
-        "kernels_per_step": len(kernels) / PROFILED_STEPS if on_gpu else None,
-        "optimizer_wall_ms_per_step": sum(event.time_range.elapsed_us() for event in optimizer_steps) * per_step_ms,
-        "optimizer_kernel_ms_per_step": sum(event.device_time_total for event in optimizer_steps) * per_step_ms if on_gpu else None,
-    }
+    summaries[label] = time_split(profiler.events(), PROFILED_STEPS, wall, on_gpu)
     summaries_path.write_text(json.dumps(summaries, indent=1) + "\n")
     print(f"  profile of {label}: {json.dumps(summaries[label])}", flush=True)
 
 
-def union_us(ranges) -> float:
-    """Microseconds covered by any of the intervals (kernels on several streams overlap)."""
-    covered, end = 0.0, -math.inf
-    for interval in sorted(ranges, key=lambda interval: interval.start):
-        if interval.end > end:
-            covered += interval.end - max(interval.start, end)
-            end = interval.end
+OPTIMIZER_EVENT = "Optimizer.step#"  # torch.optim records every step under this name, on the host and on the GPU
+
+
+def time_split(events, steps: int, wall_seconds: float, on_gpu: bool) -> dict[str, float | None]:
+    """Milliseconds per step, from the profiler's events: wall; the host's time in the optimizer step; the
+    time some kernel ran (device busy; for the rest the GPU waited, for the CPU to launch work or on a host
+    sync); the optimizer step as the GPU ran it (its span on the device timeline) and the kernel time inside
+    that span. Kernels on several streams that overlap count once. On the CPU the device figures are None."""
+    device = torch.autograd.DeviceType.CUDA
+    kernels = [event.time_range for event in events if event.device_type == device and not event.is_user_annotation]
+    on_host = [event.time_range for event in events if event.device_type != device and event.name.startswith(OPTIMIZER_EVENT)]
+    on_gpu_timeline = [event.time_range for event in events if event.device_type == device and event.is_user_annotation and event.name.startswith(OPTIMIZER_EVENT)]
+    per_step = 1e-3 / steps  # microseconds over all steps -> milliseconds per step
+    optimizer_kernels = [(max(kernel.start, span.start), min(kernel.end, span.end)) for kernel in kernels for span in on_gpu_timeline]
+    device_figures = {
+        "device_busy_ms_per_step": covered_us([(kernel.start, kernel.end) for kernel in kernels]) * per_step,
+        "kernels_per_step": len(kernels) / steps,
+        "optimizer_device_ms_per_step": covered_us([(span.start, span.end) for span in on_gpu_timeline]) * per_step,
+        "optimizer_kernel_ms_per_step": covered_us(optimizer_kernels) * per_step,
+    }
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_seconds * 1e3 / steps,
+        "optimizer_host_ms_per_step": covered_us([(span.start, span.end) for span in on_host]) * per_step,
+        **{name: figure if on_gpu else None for name, figure in device_figures.items()},
+    }
+
+
+def covered_us(intervals: list[tuple[float, float]]) -> float:
+    """Time covered by any of the (start, end) intervals; empty ones (end <= start) cover nothing."""
+    covered, reached = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > max(start, reached):
+            covered += end - max(start, reached)
+            reached = end
     return covered
 
 

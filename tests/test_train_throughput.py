@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -94,10 +95,42 @@ def test_two_processes_compare_with_the_fsdp2_loop(tmp_path):
     assert sorted(summaries) == ["reference_batch2_ckpton", "trainer_batch2_ckpton"]
     for label, summary in summaries.items():
         assert summary["steps"] == 2
-        assert 0 < summary["optimizer_wall_ms_per_step"] < summary["wall_ms_per_step"], summary
+        assert 0 < summary["optimizer_host_ms_per_step"] < summary["wall_ms_per_step"], summary
         assert summary["device_busy_ms_per_step"] is summary["optimizer_kernel_ms_per_step"] is None
         operators = (profiles / f"{label}.txt").read_text()
         assert "Optimizer.step#AdamW.step" in operators and "aten::convolution" in operators
+
+
+def test_time_split_counts_overlapping_kernels_once_and_the_optimizer_inside_its_gpu_span(bench):
+    """The profile's figures from hand-made events (µs): two steps; kernels overlap on two streams, the
+    optimizer step runs 10-30 on the host and 40-80 on the GPU, where one kernel straddles its start."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name, start, end, device_type, annotation=False):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device_type, is_user_annotation=annotation)
+
+    events = [
+        event("aten::mm", 0, 5, cpu),
+        event("Optimizer.step#AdamW8bit.step", 10, 30, cpu),
+        event("Optimizer.step#AdamW8bit.step", 40, 80, cuda, annotation=True),
+        event("gemm", 0, 20, cuda),
+        event("gemm on stream 2", 10, 30, cuda),  # overlaps the first: busy 0-30 counts 30
+        event("elementwise", 35, 50, cuda),  # 40-50 inside the optimizer's GPU span
+        event("triton_red_fused_amax", 60, 70, cuda),
+        event("ProfilerStep", 0, 100, cuda, annotation=True),  # an annotation is no kernel
+    ]
+    split = bench.time_split(events, steps=2, wall_seconds=0.0002, on_gpu=True)
+    assert split == {
+        "steps": 2,
+        "wall_ms_per_step": pytest.approx(0.1),
+        "optimizer_host_ms_per_step": pytest.approx(0.010),
+        "device_busy_ms_per_step": pytest.approx(0.0275),  # (30 + 15 + 10) µs over 2 steps
+        "kernels_per_step": 2.0,
+        "optimizer_device_ms_per_step": pytest.approx(0.020),
+        "optimizer_kernel_ms_per_step": pytest.approx(0.010),  # 40-50 and 60-70
+    }
+    on_cpu = bench.time_split(events[:2], steps=2, wall_seconds=0.0002, on_gpu=False)
+    assert on_cpu["optimizer_host_ms_per_step"] == pytest.approx(0.010) and on_cpu["device_busy_ms_per_step"] is None
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
