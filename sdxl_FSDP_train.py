@@ -4,7 +4,9 @@ PyTorch FSDP2 over every process.
 Launch with train.sh (torchrun, one process per GPU; 2 CPU processes without a GPU), or accelerate launch.
 Reads caches written by sdxl_process_data_dir.py, so only the UNet is loaded (the text encoders too in
 caption mode, --encode_captions_each_step), never the VAE.
-Reads top to bottom: configuration, set-up (world, data, model, optimizer), the training loop, export.
+Reads top to bottom: the configuration (TrainConfig, and the settings each part is built from), the
+checks before anything loads, main(), build_run() (data, models, optimizer, train step, evaluator,
+checkpointer and exporter, each built by the module that owns it) and run_loop(), the loop itself.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import dataclasses
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -25,43 +26,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from tqdm import tqdm
 
-from sdxl_trainer.buckets import BUCKET_TABLE_VERSION, validate_resolution
-from sdxl_trainer.cache import CacheError, CacheSettings, read_cache_info, read_empty_prompt, settings_differences
-from sdxl_trainer.checkpoint import (
-    CheckpointError,
-    DataPosition,
-    TrainerState,
-    Verification,
-    find_latest_checkpoint,
-    load_training_state,
-    read_trainer_state,
-    set_aside_later_checkpoints,
-    verify_checkpoint,
-)
-from sdxl_trainer.checkpointer import Checkpointer, SavePolicy
+from sdxl_trainer.buckets import validate_resolution
+from sdxl_trainer.cache import CacheCheck, CacheError, CacheRequirements, check_caches, read_empty_prompt
+from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder
+from sdxl_trainer.checkpoint import CheckpointError, TrainerState, load_training_state, read_trainer_state
+from sdxl_trainer.checkpointer import Checkpointer, RunFacts, SavePolicy, find_resume_checkpoint, prepare_checkpoints_dir, resume_problems
 from sdxl_trainer.config import config_to_dict, option, parse_config, write_resolved_config
-from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, bucket_counts, small_buckets
+from sdxl_trainer.data import CachedDataset, DataPosition, DataSettings, DataStream, TrainingData, load_training_data
 from sdxl_trainer.diffusion import HuberSchedule, LossType, NoiseSettings, TimestepBias, TimestepSampling, biased_timesteps, build_noise_scheduler, timestep_weights
 from sdxl_trainer.ema import ShardedEMA
-from sdxl_trainer.evaluation import Evaluator, PipelineSource, Schedule
+from sdxl_trainer.encoding import load_text_encoders
+from sdxl_trainer.evaluation import EvaluationSettings, Evaluator, PipelineSource, Schedule, build_evaluator
+from sdxl_trainer.export import ExportError, Exporter, ExportSettings
+from sdxl_trainer.holdout import HoldoutError, SplitSettings
 from sdxl_trainer.library_noise import hide_library_progress_bars
 from sdxl_trainer.lr_schedule import LearningRateSchedule, ScheduleName
-from sdxl_trainer.holdout import HOLDOUT_FILE, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
-from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError, load_image_metrics
-from sdxl_trainer.sample_prompts import DEFAULT_SAMPLE_PROMPTS, choose_sample_prompts, column_seeds, read_prompts
-from sdxl_trainer.sampling import GenerationSettings
-from sdxl_trainer.validation import ImageValidator
-from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder
-from sdxl_trainer.encoding import TOKENS_PER_CHUNK, load_text_encoders, model_fingerprint
-from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
-from sdxl_trainer.export import ExportError, save_pipeline
+from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError
 from sdxl_trainer.monitor import ConsoleLog, MetricsWriter, TrainingMonitor, WandbSettings
 from sdxl_trainer.optimizers import build_optimizer
 from sdxl_trainer.parallel import World, broadcast_text, init_distributed, prepare_text_encoder, prepare_unet, shutdown_distributed, uses_sharding
-from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_unet, model_location_problem
-from sdxl_trainer.run_folder import RunFolderBusy, RunFolderLock, earlier_run_outputs
+from sdxl_trainer.run_folder import RunFolderBusy, RunFolderLock, earlier_run_outputs, earlier_run_problems
+from sdxl_trainer.sample_prompts import DEFAULT_SAMPLE_PROMPTS, read_prompts
+from sdxl_trainer.sampling import GenerationSettings
+from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE, config_source, load_unet
 from sdxl_trainer.stop_request import StopRequest
 from sdxl_trainer.train_step import TrainStep
 from sdxl_trainer.trained_models import TEXT_ENCODER_NAMES, TrainedModels, text_encoder_label
@@ -462,6 +450,61 @@ class TrainConfig:
         """The denoising objective's settings: NoiseSettings' fields are named as these options."""
         return NoiseSettings(**{field.name: getattr(self, field.name) for field in dataclasses.fields(NoiseSettings)})
 
+    # What each part of the run is built from (its owner's settings type), from the flags.
+
+    def cache_requirements(self) -> CacheRequirements:
+        return CacheRequirements(
+            self.pretrained_model_name_or_path, self.single_file_config, self.min_resolution, self.max_resolution, self.flip_aug, self.masked_loss
+        )
+
+    def data_settings(self) -> DataSettings:
+        validating = self.validation_loss or self.validation_image
+        return DataSettings(
+            self.cached_dataset_dirs, self.dataset_loss_weights, self.dataset_repeats, self.flip_aug, self.masked_loss, self.train_batch_size,
+            self.gradient_accumulation_steps, self.num_train_epochs, self.max_train_updates, self.dataloader_num_workers,
+            SplitSettings(
+                self.validation_loss_percent if validating else 0.0,
+                self.validation_image_percent if self.validation_image else 0.0,
+                self.max_validation_loss_items,
+                self.max_validation_images,
+            ),
+        )
+
+    def run_facts(self, world_size: int) -> RunFacts:
+        return RunFacts(
+            self.optimizer, self.weights_dtype, self.use_ema, self.train_text_encoder, self.frozen_text_encoder(),
+            self.train_batch_size * world_size, self.gradient_accumulation_steps,
+        )
+
+    def sampling_scheduler_overrides(self) -> dict:
+        """The sampling scheduler must follow the training objective (v-prediction, zero terminal SNR)."""
+        overrides = {"prediction_type": self.prediction_type}
+        if self.zero_terminal_snr:
+            overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+        return overrides
+
+    def evaluation_settings(self) -> EvaluationSettings:
+        return EvaluationSettings(
+            GenerationSettings(self.num_inference_steps, self.guidance_scale),
+            loss_schedule=Schedule(self.validation_loss, self.validation_loss_every_n_epochs),
+            image_schedule=Schedule(self.validation_image, self.validation_image_every_n_epochs),
+            sample_schedule=Schedule(self.save_samples, self.save_samples_every_n_epochs, self.start_save_samples_epoch),
+            every_n_updates=self.validation_every_n_updates,
+            num_epochs=None if self.max_train_updates else self.num_train_epochs,  # with --max_train_updates the run validates at its end
+            metric_weights=MetricWeights(self.inception_weights, self.lpips_weights, self.hpsv2_checkpoint),
+            metrics=self.validation_metrics,
+            source_dirs=self.validation_source_dirs,
+            sample_prompts_file=self.sample_prompts,
+            num_sample_images=self.num_sample_images,
+            sample_size=self.max_resolution,
+        )
+
+    def export_settings(self, vae_name_or_path: str | None) -> ExportSettings:
+        return ExportSettings(
+            self.pretrained_model_name_or_path, self.single_file_config, vae_name_or_path, self.sampling_scheduler_overrides(), self.save_diffusers,
+            self.save_single_file, self.save_precision, self.project_name, self.save_model_every_n_epochs, self.start_save_model_epoch,
+        )
+
     def _objective_problems(self) -> list[str]:
         """Timestep sampling and loss options that contradict each other or would change nothing."""
         problems = []
@@ -548,102 +591,11 @@ def resolve_compute_dtype(name: str, device: torch.device, weights_dtype: str = 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def model_problems(config: TrainConfig) -> list[str]:
-    """A model that cannot be found, named by its flag (checked before anything reads it)."""
-    problems = [model_location_problem(config.pretrained_model_name_or_path, "--pretrained_model_name_or_path")]
-    if is_single_file(config.pretrained_model_name_or_path):
-        problems.append(model_location_problem(config.single_file_config, "--single_file_config"))
-    return [problem for problem in problems if problem]
-
-
-def cache_vae(info: CacheSettings) -> str | None:
-    """The VAE a cache was encoded with, where it is not its model's own (--vae_name_or_path at caching)."""
-    return None if info.vae_name_or_path == info.pretrained_model_name_or_path else info.vae_name_or_path
-
-
-def check_caches(config: TrainConfig) -> tuple[TrainConfig, list[str]]:
-    """Every cache must exist and match the trainer's model family and bucket table, and all must share one
-    VAE (the one validation decodes with and the export holds) and one caption length. Returns the run's
-    config, a copy with what the flags leave unset (model, resolution range) taken from the caches
-    (take_cache_settings; the parsed config is not changed), and the problems.
-    The model is compared by the fingerprint of its VAE and text-encoder configs (read from config files
-    only), not by its path, so a moved or re-downloaded model still matches."""
-    infos, problems = {}, []
-    for cache_dir in config.cached_dataset_dirs:
-        try:
-            infos[cache_dir] = read_cache_info(cache_dir)
-        except CacheError as error:
-            problems.append(str(error))
-    if problems:
-        return config, problems
-    taken, problems = take_cache_settings(config, infos)
-    config = dataclasses.replace(config, **taken)
-    problems = problems or model_problems(config)
-    if problems:
-        return config, problems
-    vaes = set()
-    text_lengths = set()
-    for cache_dir, info in infos.items():
-        vaes.add(cache_vae(info))
-        text_lengths.add(info.text_max_length // TEXT_MAX_LENGTH * TOKENS_PER_CHUNK)
-        wanted = dict(
-            bucket_table_version=BUCKET_TABLE_VERSION,
-            model_fingerprint=model_fingerprint(config.pretrained_model_name_or_path, cache_vae(info), config.single_file_config),
-        )
-        differences = settings_differences(info, dataclasses.replace(info, **wanted), tuple(wanted))
-        if differences:
-            problems.append(f"{cache_dir} was made with other settings ({'; '.join(differences)}): re-cache it with this model")
-    unflipped = [str(cache_dir) for cache_dir, info in infos.items() if not info.flip_aug]
-    if config.flip_aug and unflipped:
-        problems.append(
-            f"--flip_aug trains the mirrored latents, which {', '.join(unflipped)} lack: re-cache with sdxl_process_data_dir.py --flip_aug "
-            "(the cache goes on where it stands only with the settings it was made with, so into a new --cache_dir), or drop --flip_aug"
-        )
-    if config.masked_loss and not any(info.mask_files or info.alpha_mask for info in infos.values()):
-        problems.append(
-            "--masked_loss trains with the caches' loss masks, and none of the caches holds any: re-cache with sdxl_process_data_dir.py "
-            "--mask_files (name.mask.png beside each image) or --alpha_mask (into a new --cache_dir), or drop --masked_loss"
-        )
-    if len(vaes) > 1:
-        names = sorted(vae or "the model's own" for vae in vaes)
-        problems.append(f"the caches were encoded with different VAEs ({', '.join(names)}): re-cache them with one")
-    if len(text_lengths) > 1:
-        problems.append(
-            f"the caches were encoded with different --max_token_length ({', '.join(map(str, sorted(text_lengths)))}): "
-            "re-cache them with one, as a batch may mix their items"
-        )
-    return config, problems
-
-
-def take_cache_settings(config: TrainConfig, infos: dict[str, CacheSettings]) -> tuple[dict[str, object], list[str]]:
-    """What the flags leave unset, from the caches: the model they were made from and their resolution range
-    (over several caches: the smallest and the largest category; a batch never mixes bucket sizes, so caches
-    of different ranges train together), as config fields to fill. A flag that is given must agree; returns
-    the fields and the conflicts."""
-    taken: dict[str, object] = {}
-    problems = []
-    ranges = {
-        "min_resolution": min(infos.items(), key=lambda entry: entry[1].min_resolution),
-        "max_resolution": max(infos.items(), key=lambda entry: entry[1].max_resolution),
-    }
-    for name, (cache_dir, info) in ranges.items():
-        cached, given = getattr(info, name), getattr(config, name)
-        if given is None:
-            taken[name] = cached
-        elif given != cached:
-            problems.append(
-                f"--{name} {given} does not match the caches: {cache_dir} was made with --{name} {cached}; drop the flag "
-                f"(the trainer takes the range from the caches) or re-cache with --{name} {given}"
-            )
-    if config.pretrained_model_name_or_path is None:
-        models = sorted({info.pretrained_model_name_or_path for info in infos.values()})
-        if len(models) > 1:
-            problems.append(f"the caches were made from models named {', '.join(models)}: name the one to train with --pretrained_model_name_or_path")
-        elif problem := model_location_problem(models[0], "the caches' model (as their cache_info.json names it; pass --pretrained_model_name_or_path where it moved)"):
-            problems.append(problem)
-        else:
-            taken["pretrained_model_name_or_path"] = models[0]
-    return taken, problems
+def with_cache_settings(config: TrainConfig) -> tuple[TrainConfig, CacheCheck]:
+    """The run's config: a copy with what the flags leave unset (model, resolution range) taken from the
+    caches (the parsed config is not changed), and what the cache check found (cache.check_caches)."""
+    caches = check_caches(config.cached_dataset_dirs, config.cache_requirements())
+    return dataclasses.replace(config, **caches.taken), caches
 
 
 def reduce_every_microbatch(config: TrainConfig, device: torch.device) -> bool:
@@ -675,40 +627,13 @@ def agree_on_seed(seed: int | None, device: torch.device) -> int:
     return int(chosen.item())
 
 
-def resolve_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path, is_main: bool) -> tuple[Path | None, list[str]]:
-    """Collective: the checkpoint folder to resume from, and what is wrong with it. 'latest' takes the newest
-    intact checkpoint (None if there is none yet) and says which damaged ones it skipped; a named folder must
-    be intact. Intact includes matching the checksums recorded at save, which every process verifies its
-    share of."""
-    if load_saved_state is None:
-        return None, []
-    verifications: dict[Path, Verification] = {}
-
-    def problem_of(path: Path) -> str | None:
-        verifications[path] = verify_checkpoint(path)
-        return verifications[path].problem
-
-    if load_saved_state == "latest":
-        path, skipped = find_latest_checkpoint(checkpoints_dir, problem_of)
-        problems = []
-        if is_main:
-            for damaged, reason in skipped.items():
-                print(f"Skipping damaged checkpoint {damaged}: {reason}")
-    else:
-        path = Path(load_saved_state)
-        problem = problem_of(path)
-        problems = [f"--load_saved_state {path}: {problem}"] if problem else []
-    if is_main and path is not None and not problems:
-        print(verifications[path].describe(path))
-    return path, problems
-
-
-def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tuple[TrainConfig, Path | None, TrainerState | None]:
+def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tuple[TrainConfig, CacheCheck, Path | None, TrainerState | None]:
     """Model, caches and the checkpoint to resume from, all checked before anything loads; every problem
-    is reported at once. Returns the run's config (with what the caches supply, check_caches), the checkpoint
+    is reported at once. Returns the run's config (with_cache_settings), the cache check, the checkpoint
     folder and its trainer state (None, None for a fresh start)."""
-    config, problems = check_caches(config)
-    resume_dir, checkpoint_problems = resolve_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints", world.is_main)
+    config, caches = with_cache_settings(config)
+    problems = list(caches.problems)
+    resume_dir, checkpoint_problems = find_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints", world.is_main)
     problems += checkpoint_problems
     if config.load_saved_state is None and not config.overwrite_run:
         problems += earlier_run_problems(run_dir)
@@ -716,162 +641,12 @@ def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tupl
     if resume_dir is not None and not checkpoint_problems:
         try:
             saved = read_trainer_state(resume_dir)
-            problems += resume_problems(saved, config)
+            problems += resume_problems(saved, config.run_facts(world.world_size), config.set_seed)
         except CheckpointError as error:
             problems.append(str(error))
     if problems:
         raise SystemExit("Cannot start training:\n  " + "\n  ".join(problems))
-    return config, resume_dir, saved
-
-
-def earlier_run_problems(run_dir: Path) -> list[str]:
-    """A fresh start (no --load_saved_state) in the folder of an earlier run would replace its exported model
-    and, through --checkpoints_total_limit, its checkpoints."""
-    outputs = earlier_run_outputs(run_dir)
-    if not outputs:
-        return []
-    names = ", ".join(str(path.relative_to(run_dir)) for path in outputs[:4]) + (f" and {len(outputs) - 4} more" if len(outputs) > 4 else "")
-    return [
-        f"{run_dir} holds an earlier run ({names}), which this fresh start would overwrite: continue it with --load_saved_state latest, "
-        "start a new run with another --project_name, or start over in this folder with --overwrite_run"
-    ]
-
-
-def resume_problems(saved: TrainerState, config: TrainConfig) -> list[str]:
-    """What would make the checkpoint's tensors or data order not fit this run; checked before any work."""
-    problems = []
-    if saved.optimizer != config.optimizer:
-        problems.append(f"the checkpoint holds {saved.optimizer} optimizer state: resume with --optimizer {saved.optimizer}")
-    if saved.weights_dtype != config.weights_dtype:
-        problems.append(f"the checkpoint holds {saved.weights_dtype} weights: resume with --weights_dtype {saved.weights_dtype}")
-    if saved.use_ema != config.use_ema:
-        flag = "--use_ema" if saved.use_ema else "--no-use_ema"
-        problems.append(f"the checkpoint was saved {'with' if saved.use_ema else 'without'} an EMA: resume with {flag}")
-    if saved.train_text_encoder != config.train_text_encoder:
-        flag = "--train_text_encoder" if saved.train_text_encoder else "--no-train_text_encoder"
-        problems.append(f"the checkpoint was saved {'with' if saved.train_text_encoder else 'without'} trained text encoders: resume with {flag}")
-    elif saved.frozen_text_encoder != config.frozen_text_encoder():
-        for number, name in enumerate(TEXT_ENCODER_NAMES, start=1):
-            if saved.frozen_text_encoder == name:
-                problems.append(f"the checkpoint kept text encoder {number} frozen: resume with --learning_rate_te{number} 0")
-            elif config.frozen_text_encoder() == name:
-                problems.append(f"the checkpoint trained text encoder {number}: resume with --learning_rate_te{number} above 0 (0 keeps it frozen)")
-    if config.set_seed is not None and config.set_seed != saved.seed:
-        problems.append(f"the checkpoint's run used seed {saved.seed} (data order and noise follow it): drop --set_seed or pass {saved.seed}")
-    return problems
-
-
-def sampling_scheduler_overrides(config: TrainConfig) -> dict:
-    """The sampling scheduler must follow the training objective (v-prediction, zero terminal SNR)."""
-    overrides = {"prediction_type": config.prediction_type}
-    if config.zero_terminal_snr:
-        overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
-    return overrides
-
-
-def caption_chunks(config: TrainConfig) -> int:
-    """The caches' caption length in chunks of 75 tokens (check_caches made sure they agree)."""
-    return read_cache_info(config.cached_dataset_dirs[0]).text_max_length // TEXT_MAX_LENGTH
-
-
-def build_evaluator(config: TrainConfig, world, run_dir: Path, dataset: CachedDataset, holdout, noise_scheduler, negative, compute_dtype, seed: int,
-                    trained_caption_encoder: StepCaptionEncoder | None) -> Evaluator:
-    """Validation loss, validation images and sample grid, as configured. Metric networks load here, once per run."""
-    generation = GenerationSettings(config.num_inference_steps, config.guidance_scale)
-    validator = None
-    if config.validation_image and len(holdout.image_items):
-        named_weights = {"fid", "kid", "is"} if config.inception_weights else set()
-        named_weights |= {"lpips"} if config.lpips_weights else set()
-        named_weights |= {"hpsv2"} if config.hpsv2_checkpoint else set()
-        try:
-            metrics = load_image_metrics(
-                MetricWeights(config.inception_weights, config.lpips_weights, config.hpsv2_checkpoint),
-                wanted=config.validation_metrics or METRICS,
-                required=set(config.validation_metrics or ()) | named_weights,
-                allow_download=os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""),
-                warn=False,  # said below in one line each, not as Python warnings with their source lines
-            )
-        except MetricWeightsError as error:
-            raise SystemExit(f"Cannot start training: {error}") from error
-        if world.is_main:
-            off_by_reason: dict[str, list[str]] = {}
-            for name, reason in metrics.skipped.items():
-                off_by_reason.setdefault(reason, []).append(name)
-            for reason, names in off_by_reason.items():
-                print(f"Warning: validation metrics {names} are off: {reason}.")
-        if metrics.enabled:
-            validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, generation, config.validation_source_dirs)
-        elif world.is_main:
-            print("Warning: no image metric has its weights here, so validation images are not generated (see the warnings above).")
-    prompts = []
-    if config.save_samples:
-        file_prompts, notes = read_prompts(config.sample_prompts)
-        if world.is_main:
-            for note in notes:
-                print(f"Note: {note}")
-        prompts = choose_sample_prompts(file_prompts, [dataset.caption(item) for item in range(len(dataset))], config.num_sample_images, seed)
-    return Evaluator(
-        world,
-        None if config.max_train_updates else config.num_train_epochs,  # with --max_train_updates the run validates at its end
-        dataset,
-        holdout,
-        noise_scheduler,
-        negative,
-        PipelineSource(
-            config.pretrained_model_name_or_path, config.single_file_config, compute_dtype, sampling_scheduler_overrides(config), config.handoff_dir, config.project_name,
-            cache_vae(read_cache_info(config.cached_dataset_dirs[0])),
-        ),
-        generation,
-        loss_schedule=Schedule(config.validation_loss, config.validation_loss_every_n_epochs),
-        image_schedule=Schedule(config.validation_image, config.validation_image_every_n_epochs),
-        sample_schedule=Schedule(config.save_samples, config.save_samples_every_n_epochs, config.start_save_samples_epoch),
-        validator=validator,
-        sample_prompts=prompts,
-        sample_seeds=column_seeds(prompts, seed),
-        sample_size=config.max_resolution,
-        grid_path=run_dir / "samples" / "sample_grid.png",
-        caption_chunks=caption_chunks(config),
-        trained_caption_encoder=trained_caption_encoder,
-    )
-
-
-def evaluate(evaluator: Evaluator, epochs_done: int | None, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, update: int) -> None:
-    """Collective: what is due after `epochs_done` epochs, or everything that is on (None: every N updates)."""
-    started = time.perf_counter()
-    scores = evaluator.after_updates(models, ema, metrics, update) if epochs_done is None else evaluator(epochs_done, models, ema, metrics, update)
-    if scores and dist.get_rank() == 0:
-        what = f"after update {update}" if epochs_done is None else "base model" if epochs_done == 0 else f"after epoch {epochs_done}"
-        numbers = ", ".join(f"{tag.removeprefix('val/')} {value:.4g}" for tag, value in scores.items())
-        tqdm.write(f"Validation ({what}, {time.perf_counter() - started:.1f} s): {numbers}")
-
-
-def export_model(config: TrainConfig, world, models: TrainedModels, ema: ShardedEMA | None, pipeline_dir: Path) -> None:
-    """Collective: gather the trained UNet (EMA weights with --use_ema) and text encoders (with
-    --train_text_encoder) on rank 0 and write the pipeline (and the single-file checkpoint beside it with
-    --save_single_file). Raises ExportError on every rank if the export failed; nothing at pipeline_dir is
-    replaced then."""
-    weights = models.exported_weights_on_rank0(ema, world.is_main)
-    failure = ""
-    if world.is_main:
-        started = time.perf_counter()
-        folder = pipeline_dir if config.save_diffusers else None
-        single_file = pipeline_dir.with_suffix(".safetensors") if config.save_single_file else None
-        # The run's name, and for an epoch save also its epoch: "my_run", "my_run_epoch_0003".
-        title = config.project_name + pipeline_dir.name.removeprefix("pipeline")
-        try:
-            save_pipeline(
-                weights, config.pretrained_model_name_or_path, folder, config.save_precision, sampling_scheduler_overrides(config), config.single_file_config,
-                single_file, cache_vae(read_cache_info(config.cached_dataset_dirs[0])), model_title=title,
-            )
-            encoders = [text_encoder_label(name) for name in TEXT_ENCODER_NAMES if name in weights]
-            what = " and ".join(["EMA UNet" if ema is not None else "UNet", *encoders])
-            written = " and ".join(str(path) for path in (folder, single_file) if path is not None)
-            tqdm.write(f"Saved the trained model ({what}, {config.save_precision}) to {written} in {time.perf_counter() - started:.1f} s.")
-        except ExportError as error:
-            failure = str(error)
-    failure = broadcast_text(failure, world.device)
-    if failure:
-        raise ExportError(failure)
+    return config, caches, resume_dir, saved
 
 
 EXPECTED_ERRORS = (CacheError, CheckpointError, ExportError, HoldoutError, MetricWeightsError)  # their messages say it all
@@ -962,142 +737,71 @@ def hold_run_folder(run_dir: Path, world: World) -> Iterator[None]:
             lock.release()
 
 
-def train(config: TrainConfig, world: World) -> int:
-    run_dir = config.output_dir / config.project_name
-    log_dir = config.log_dir or run_dir / "tensorboard"
-    compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device, config.weights_dtype)
-    weights_dtype = WEIGHTS_DTYPES[config.weights_dtype]
+@dataclass
+class Run:
+    """Everything a run's loop uses, built by build_run."""
 
-    # ---- validate everything before loading the model --------------------------------------------
-    config, resume_dir, saved = check_before_start(config, run_dir, world)
-    if config.overwrite_run and world.is_main and earlier_run_outputs(run_dir):
-        if (run_dir / "checkpoints").exists():
-            shutil.rmtree(run_dir / "checkpoints")
-        print(f"--overwrite_run: deleted the earlier run's checkpoints in {run_dir / 'checkpoints'}; its exported models are replaced as this run exports.")
-    if saved and world.is_main:
-        aside, moved = set_aside_later_checkpoints(run_dir / "checkpoints", saved.update)
-        if aside is not None:
-            print(
-                f"Resuming from update {saved.update}, before this run's newer checkpoints ({', '.join(path.name for path in moved)}): moved them "
-                f"to {aside}, so --checkpoints_total_limit and --load_saved_state latest follow the resumed run. Nothing was deleted."
-            )
+    config: TrainConfig
+    world: World
+    log_dir: Path
+    models: TrainedModels
+    ema: ShardedEMA | None
+    stream: DataStream
+    train_step: TrainStep
+    first_update: int
+    total_updates: int
+    resumed: bool
+    monitor: TrainingMonitor
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    exporter: Exporter
+    stop: StopRequest
+
+
+def train(config: TrainConfig, world: World) -> int:
+    run = build_run(config, world)
+    try:
+        run_loop(run)
+    finally:
+        run.monitor.close()
+        run.stop.restore_handlers()
+    shutdown_distributed()
+    return 0
+
+
+def build_run(config: TrainConfig, world: World) -> Run:
+    """Check everything, then build the run from its parts: data, models, optimizer, train step, logging,
+    evaluator, checkpointer and exporter, each by its owner."""
+    run_dir = config.output_dir / config.project_name
+    config, caches, resume_dir, saved = check_before_start(config, run_dir, world)
+    if world.is_main:
+        prepare_checkpoints_dir(run_dir / "checkpoints", config.overwrite_run and bool(earlier_run_outputs(run_dir)), saved.update if saved else None)
     seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
     torch.manual_seed(seed + world.rank)
+    compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device, config.weights_dtype)
 
-    # ---- data ------------------------------------------------------------------------------------
-    dataset = CachedDataset(config.cached_dataset_dirs, config.dataset_loss_weights, flip_aug=config.flip_aug, loss_masks=config.masked_loss)
-    global_batch_size = config.train_batch_size * world.world_size
-    bucket_ids = dataset.bucket_ids()
-    # Held-out items are chosen once per run (the same on every rank), saved, and never trained on.
-    split = SplitSettings(
-        config.validation_loss_percent if config.validation_loss or config.validation_image else 0.0,
-        config.validation_image_percent if config.validation_image else 0.0,
-        config.max_validation_loss_items,
-        config.max_validation_images,
-    )
-    try:
-        holdout = load_or_choose_holdout(run_dir / HOLDOUT_FILE, dataset_item_keys(dataset), bucket_ids, split, seed, write=world.is_main)
-    except HoldoutError as error:
-        raise SystemExit(f"Cannot start training: {error}") from error
-    trainable = holdout.trainable(len(dataset))
-    repeats = np.asarray(config.dataset_repeats)[dataset.cache_index] if config.dataset_repeats else None
-    planner = EpochPlanner(bucket_ids, trainable, global_batch_size, config.gradient_accumulation_steps, seed, repeats)
-    per_bucket = bucket_counts(dataset.bucket_sizes, bucket_ids, planner.possible_samples() % len(dataset))
-    if per_bucket and max(per_bucket.values()) < global_batch_size:
-        # Checked here, before the model loads: the planner would plan no batch at all (a resume with more
-        # processes or a larger --train_batch_size than the run that saved it gets here too).
-        raise SystemExit(
-            f"Cannot start training: no bucket holds one global batch of --train_batch_size {config.train_batch_size} x "
-            f"{world.world_size} process{'es' if world.world_size > 1 else ''} = {global_batch_size} items (items per bucket"
-            f"{', counting the copies of --dataset_repeats' if config.dataset_repeats else ''}: {per_bucket}): lower --train_batch_size "
-            "or run on fewer processes"
-        )
-    too_small = small_buckets(dataset.bucket_sizes, bucket_ids, planner.epoch_samples(0) % len(dataset), global_batch_size)
-    if world.is_main and too_small:
-        print(
-            f"Warning: {sum(too_small.values())} items in buckets smaller than one global batch of {global_batch_size} "
-            f"will not be trained on: {too_small}. Lower --train_batch_size or add images of those shapes to use them."
-        )
-    first_update = saved.update if saved else 0
-    position = DataPosition.epoch_start(0)
+    data = load_training_data(config.data_settings(), run_dir, seed, world.world_size, world.is_main)
     empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cached_dataset_dirs[0]))
-
-    # ---- model, optimizer, schedules -------------------------------------------------------------
-    if world.device.type == "cuda" and config.allow_tf32:
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
-    # Only the UNet is loaded (and the text encoders in caption mode): latents and caption embeddings come
-    # from the cache. Diffusers' default attention processor is PyTorch SDPA (flash / memory-efficient
-    # kernels where the GPU has them).
-    unet = load_unet(config.pretrained_model_name_or_path, config.single_file_config, weights_dtype)
-    if config.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-    unet.to(world.device).train()
-    param_dtype = None if compute_dtype == torch.float32 else compute_dtype
-    prepare_unet(unet, world, param_dtype, config.reshard_after_forward, compile_blocks=config.compile_unet, cpu_offload=config.cpu_offload)
-    noise_scheduler = build_noise_scheduler(
-        config_source(config.pretrained_model_name_or_path, config.single_file_config), config.prediction_type, config.zero_terminal_snr
-    )
-    noise_settings = config.noise_settings()
-    caption_encoder = None
-    text_encoder_rates = config.text_encoder_rates()
-    trained_text_encoders = {}
-    if config.encode_captions_each_step:
-        # Frozen encoders compute in compute_dtype; trained ones keep master weights in --weights_dtype, sharded like the UNet.
-        tokenizers, text_encoders = load_text_encoders(
-            config.pretrained_model_name_or_path, world.device, compute_dtype, config.single_file_config,
-            trained=tuple(name in text_encoder_rates for name in TEXT_ENCODER_NAMES), checkpointed=config.gradient_checkpointing,
-            trained_dtype=weights_dtype,
-        )
-        trained_text_encoders = {name: encoder for name, encoder in zip(TEXT_ENCODER_NAMES, text_encoders) if name in text_encoder_rates}
-        for encoder in trained_text_encoders.values():
-            prepare_text_encoder(encoder, world, param_dtype, config.reshard_after_forward, cpu_offload=config.cpu_offload)
-        variations = config.caption_variations()
-        caption_encoder = StepCaptionEncoder(
-            (tokenizers, text_encoders),
-            dataset.caption_texts,
-            lambda item: variations[dataset.cache_index[item]],
-            seed,
-            caption_chunks(config),
-            world.device,
-            trains=config.train_text_encoder,
-            framing=dataset.framed,
-        )
-    models = TrainedModels(unet, trained_text_encoders)
+    models, caption_encoder = build_models(config, world, data.dataset, seed, compute_dtype, caches.caption_chunks)
     optimizer = build_optimizer(
-        config.optimizer, models.parameter_groups(config.learning_rate, text_encoder_rates), config.learning_rate, config.weight_decay,
+        config.optimizer, models.parameter_groups(config.learning_rate, config.text_encoder_rates()), config.learning_rate, config.weight_decay,
         (config.adam_beta1, config.adam_beta2), config.adam_epsilon,
     )
-    ema = ShardedEMA(unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
-    if resume_dir is not None:
-        # DCP reshards on load, so the checkpoint may come from another number of processes.
-        started = time.perf_counter()
-        _, position = load_training_state(resume_dir, models.checkpointed, optimizer, ema)
-        if world.is_main:
-            print(
-                f"Resumed from {resume_dir} in {time.perf_counter() - started:.1f} s: update {first_update}, epoch {position.epoch + 1} "
-                f"after {position.updates_in_epoch} of its updates (saved on {saved.world_size} processes, now {world.world_size})."
-            )
-    elif world.is_main and config.load_saved_state == "latest":
-        print(f"No complete checkpoint in {run_dir / 'checkpoints'} yet: starting from the base model.")
-    updates_left = max(config.max_train_updates - first_update, 0) if config.max_train_updates else None
-    stream = DataStream(
-        dataset, planner, position, config.num_train_epochs, world.rank, config.train_batch_size, config.dataloader_num_workers, world.device, updates_left
-    )
+    ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
+    position = resume(config, world, resume_dir, saved, models, optimizer, ema, run_dir)
+    first_update = saved.update if saved else 0
+    stream = data.stream(position, first_update, world.rank, world.device)
     total_updates = first_update + stream.num_updates
     if total_updates == 0:
         raise SystemExit(
-            f"No optimizer update is possible: {len(dataset)} items, global batch {global_batch_size} x "
+            f"No optimizer update is possible: {len(data.dataset)} items, global batch {data.global_batch_size} x "
             f"{config.gradient_accumulation_steps} accumulation steps. Lower --train_batch_size or --gradient_accumulation_steps."
         )
+    noise_scheduler = build_noise_scheduler(
+        config_source(config.pretrained_model_name_or_path, config.single_file_config), config.prediction_type, config.zero_terminal_snr
+    )
     train_step = TrainStep(
-        unet,
-        optimizer,
-        learning_rate_schedule(config, total_updates),
-        noise_scheduler,
-        noise_settings,
-        empty_prompt,
-        seed,
+        models.unet, optimizer, learning_rate_schedule(config, total_updates), noise_scheduler, config.noise_settings(), empty_prompt, seed,
         config.max_grad_norm,
         # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
         scaler=ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None,
@@ -1109,158 +813,174 @@ def train(config: TrainConfig, world: World) -> int:
         train_step.load_state_dict(dataclasses.asdict(saved))
     if world.is_main:
         write_resolved_config(dataclasses.replace(config, set_seed=seed), run_dir / "config.json")  # the seed drawn or resumed, to repeat the run
-        print(
-            f"{len(dataset)} cached items"
-            + (f" ({len(planner.epoch_samples(0))} samples an epoch with --dataset_repeats)" if config.dataset_repeats else "")
-            + f", {world.world_size} process{'es' if world.world_size > 1 else ''}, {run_length(config, stream.num_epochs)}, "
-            f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
-            f"compute {str(compute_dtype).removeprefix('torch.')}, "
-            + ("bf16 weights (stochastic rounding), " if config.weights_dtype == "bf16" else "")
-            + (
-                "UNet sharded with FSDP2"
-                + (f" within {config.replicate_groups} replicated groups of {world.world_size // config.replicate_groups} (HSDP)" if config.replicate_groups > 1 else "")
-                + (", gradients reduced after every microbatch." if train_step.reduce_every_microbatch else ".")
-                if uses_sharding(world.world_size, config.cpu_offload)
-                else "one process: UNet not sharded" + (" (autocast)." if compute_dtype != torch.float32 else ".")
-            )
-        )
-        if caption_encoder is not None:
-            described = (
-                variations[0].describe() if len(set(variations)) == 1
-                else "; ".join(f"{cache_dir}: {variation.describe()}" for cache_dir, variation in zip(config.cached_dataset_dirs, variations))
-            )
-            print(f"Caption mode: both text encoders encode every step's captions: {described}.")
-        if config.train_text_encoder:
-            trained = [f"{text_encoder_label(name)} at {rate:g}" for name, rate in text_encoder_rates.items()]
-            frozen = f"; {text_encoder_label(config.frozen_text_encoder())} stays frozen (rate 0)" if config.frozen_text_encoder() else ""
-            print(f"Training {' and '.join(trained)} too (peak learning rates; the UNet's: {config.learning_rate:g}){frozen}.")
+        describe_run(config, world, data, stream, total_updates, compute_dtype, train_step.reduce_every_microbatch)
+
+    log_dir = config.log_dir or run_dir / "tensorboard"
     wandb_settings = WandbSettings(config.wandb_project, config.project_name, run_dir, config_to_dict(config)) if config.report_to_wandb else None
-    metrics = MetricsWriter(log_dir, world.is_main, wandb_settings)
-    monitor = TrainingMonitor(metrics, total_updates, first_update, world.device, world.is_main, config.log_every_n_updates)
+    monitor = TrainingMonitor(MetricsWriter(log_dir, world.is_main, wandb_settings), total_updates, first_update, world.device, world.is_main, config.log_every_n_updates)
+    pipeline_source = PipelineSource(
+        config.pretrained_model_name_or_path, config.single_file_config, compute_dtype, config.sampling_scheduler_overrides(), config.handoff_dir,
+        config.project_name, caches.vae_name_or_path,
+    )
     evaluator = build_evaluator(
-        config, world, run_dir, dataset, holdout, noise_scheduler, empty_prompt, compute_dtype, seed, caption_encoder if config.train_text_encoder else None
+        config.evaluation_settings(), world, run_dir, data.dataset, data.holdout, noise_scheduler, empty_prompt, pipeline_source, seed, caches.caption_chunks,
+        caption_encoder if config.train_text_encoder else None,
     )
     checkpointer = Checkpointer(
-        run_dir / "checkpoints",
-        SavePolicy(config.save_state, config.save_state_every_n_updates, config.checkpoints_total_limit),
-        models.checkpointed,
-        train_step,
-        run_facts=lambda: dict(
-            seed=seed,
-            optimizer=config.optimizer,
-            weights_dtype=config.weights_dtype,
-            use_ema=config.use_ema,
-            train_text_encoder=config.train_text_encoder,
-            frozen_text_encoder=config.frozen_text_encoder(),
-            global_batch_size=global_batch_size,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-        ),
-        report=monitor.say,
-        last_saved_update=first_update if saved else None,
+        run_dir / "checkpoints", SavePolicy(config.save_state, config.save_state_every_n_updates, config.checkpoints_total_limit), models.checkpointed,
+        train_step, config.run_facts(world.world_size), seed, report=monitor.say, last_saved_update=first_update if saved else None,
     )
-    stop = StopRequest(announce=world.is_main)
+    exporter = Exporter(config.export_settings(caches.vae_name_or_path), world, models, ema, run_dir)
+    return Run(
+        config, world, log_dir, models, ema, stream, train_step, first_update, total_updates, saved is not None, monitor, evaluator, checkpointer, exporter,
+        StopRequest(announce=world.is_main),
+    )
 
-    # ---- training loop ---------------------------------------------------------------------------
-    try:
-        if not saved:
-            evaluate(evaluator, 0, models, ema, monitor.metrics, first_update)
-        if config.optimizer == "adamw8bit" or config.compile_unet:
-            monitor.say(
-                f"The first update compiles kernels ({'the 8-bit AdamW step' if config.optimizer == 'adamw8bit' else 'the UNet blocks'}): "
-                f"seconds to a minute on a GPU, up to several minutes on a CPU, then reused from {os.environ['TORCHINDUCTOR_CACHE_DIR']} by later runs."
+
+def build_models(config: TrainConfig, world: World, dataset: CachedDataset, seed: int, compute_dtype: torch.dtype,
+                 caption_chunks: int) -> tuple[TrainedModels, StepCaptionEncoder | None]:
+    """The trained models, sharded and on the device, and in caption mode the encoder of every step's captions.
+    Only the UNet is loaded (and the text encoders in caption mode): latents and caption embeddings come from
+    the cache. Diffusers' default attention processor is PyTorch SDPA (flash / memory-efficient kernels
+    where the GPU has them)."""
+    if world.device.type == "cuda" and config.allow_tf32:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    weights_dtype = WEIGHTS_DTYPES[config.weights_dtype]
+    unet = load_unet(config.pretrained_model_name_or_path, config.single_file_config, weights_dtype)
+    if config.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    unet.to(world.device).train()
+    param_dtype = None if compute_dtype == torch.float32 else compute_dtype
+    prepare_unet(unet, world, param_dtype, config.reshard_after_forward, compile_blocks=config.compile_unet, cpu_offload=config.cpu_offload)
+    if not config.encode_captions_each_step:
+        return TrainedModels(unet, {}), None
+    # Frozen encoders compute in compute_dtype; trained ones keep master weights in --weights_dtype, sharded like the UNet.
+    rates = config.text_encoder_rates()
+    tokenizers, text_encoders = load_text_encoders(
+        config.pretrained_model_name_or_path, world.device, compute_dtype, config.single_file_config,
+        trained=tuple(name in rates for name in TEXT_ENCODER_NAMES), checkpointed=config.gradient_checkpointing, trained_dtype=weights_dtype,
+    )
+    trained = {name: encoder for name, encoder in zip(TEXT_ENCODER_NAMES, text_encoders) if name in rates}
+    for encoder in trained.values():
+        prepare_text_encoder(encoder, world, param_dtype, config.reshard_after_forward, cpu_offload=config.cpu_offload)
+    variations = config.caption_variations()
+    caption_encoder = StepCaptionEncoder(
+        (tokenizers, text_encoders), dataset.caption_texts, lambda item: variations[dataset.cache_index[item]], seed, caption_chunks, world.device,
+        trains=config.train_text_encoder, framing=dataset.framed,
+    )
+    return TrainedModels(unet, trained), caption_encoder
+
+
+def resume(config: TrainConfig, world: World, resume_dir: Path | None, saved: TrainerState | None, models: TrainedModels,
+           optimizer: torch.optim.Optimizer, ema: ShardedEMA | None, run_dir: Path) -> DataPosition:
+    """Collective: load the checkpoint's state into the models, optimizer and EMA; returns where the data
+    stands (the first epoch's start for a fresh run). DCP reshards on load, so the checkpoint may come from
+    another number of processes."""
+    if resume_dir is None:
+        if world.is_main and config.load_saved_state == "latest":
+            print(f"No complete checkpoint in {run_dir / 'checkpoints'} yet: starting from the base model.")
+        return DataPosition.epoch_start(0)
+    started = time.perf_counter()
+    _, position = load_training_state(resume_dir, models.checkpointed, optimizer, ema)
+    if world.is_main:
+        print(
+            f"Resumed from {resume_dir} in {time.perf_counter() - started:.1f} s: update {saved.update}, epoch {position.epoch + 1} "
+            f"after {position.updates_in_epoch} of its updates (saved on {saved.world_size} processes, now {world.world_size})."
+        )
+    return position
+
+
+def describe_run(config: TrainConfig, world: World, data: TrainingData, stream: DataStream, total_updates: int, compute_dtype: torch.dtype,
+                 reduces_every_microbatch: bool) -> None:
+    """The run in a few lines (rank 0): data, processes, length, precision, sharding, caption mode."""
+    global_batch_size = data.global_batch_size
+    print(
+        f"{len(data.dataset)} cached items"
+        + (f" ({len(data.planner.epoch_samples(0))} samples an epoch with --dataset_repeats)" if config.dataset_repeats else "")
+        + f", {world.world_size} process{'es' if world.world_size > 1 else ''}, {run_length(config, stream.num_epochs)}, "
+        f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
+        f"compute {str(compute_dtype).removeprefix('torch.')}, "
+        + ("bf16 weights (stochastic rounding), " if config.weights_dtype == "bf16" else "")
+        + (
+            "UNet sharded with FSDP2"
+            + (f" within {config.replicate_groups} replicated groups of {world.world_size // config.replicate_groups} (HSDP)" if config.replicate_groups > 1 else "")
+            + (", gradients reduced after every microbatch." if reduces_every_microbatch else ".")
+            if uses_sharding(world.world_size, config.cpu_offload)
+            else "one process: UNet not sharded" + (" (autocast)." if compute_dtype != torch.float32 else ".")
+        )
+    )
+    if config.encode_captions_each_step:
+        variations = config.caption_variations()
+        described = (
+            variations[0].describe() if len(set(variations)) == 1
+            else "; ".join(f"{cache_dir}: {variation.describe()}" for cache_dir, variation in zip(config.cached_dataset_dirs, variations))
+        )
+        print(f"Caption mode: both text encoders encode every step's captions: {described}.")
+    if config.train_text_encoder:
+        trained = [f"{text_encoder_label(name)} at {rate:g}" for name, rate in config.text_encoder_rates().items()]
+        frozen = f"; {text_encoder_label(config.frozen_text_encoder())} stays frozen (rate 0)" if config.frozen_text_encoder() else ""
+        print(f"Training {' and '.join(trained)} too (peak learning rates; the UNet's: {config.learning_rate:g}){frozen}.")
+
+
+def run_loop(run: Run) -> None:
+    """The training loop: an update, its log line, then whatever is due after it (a stop, a save, a
+    validation, an epoch's end), until the data stream ends; then the run finishes (state, model)."""
+    config, monitor, step, checkpointer, evaluator = run.config, run.monitor, run.train_step, run.checkpointer, run.evaluator
+    if not run.resumed:
+        evaluator.run_and_report(0, run.models, run.ema, monitor.metrics, run.first_update)
+    if config.optimizer == "adamw8bit" or config.compile_unet:
+        monitor.say(
+            f"The first update compiles kernels ({'the 8-bit AdamW step' if config.optimizer == 'adamw8bit' else 'the UNet blocks'}): "
+            f"seconds to a minute on a GPU, up to several minutes on a CPU, then reused from {os.environ['TORCHINDUCTOR_CACHE_DIR']} by later runs."
+        )
+    monitor.throughput.start()
+    for update in run.stream:
+        monitor.throughput.data_ready()
+        started = time.perf_counter()
+        result = step(update.microbatches, update.epoch)
+        if step.updates_done == run.first_update + 1:
+            monitor.say(f"First update done in {time.perf_counter() - started:.1f} s.")
+        monitor.throughput.stop(update.images)
+        monitor.log_update(step.updates_done, update.epoch, result.loss, result.learning_rate, result.grad_norm, result.stepped, step.skipped_updates)
+        if step.consecutive_skipped_updates >= config.max_consecutive_skipped_updates:
+            checkpoint_dir = checkpointer.before_exit(update.position_after, even_without_save_state=True)
+            raise SystemExit(
+                f"Stopped at update {step.updates_done}: the last {step.consecutive_skipped_updates} updates all had a NaN/inf "
+                f"loss or gradient. State saved to {checkpoint_dir}. Lower --learning_rate, use --mixed_precision bf16 instead of fp16, "
+                "or check the cache with sdxl_process_data_dir.py --verify."
             )
-        monitor.throughput.start()
-        for update in stream:
-            monitor.throughput.data_ready()
-            started = time.perf_counter()
-            result = train_step(update.microbatches, update.epoch)
-            if train_step.updates_done == first_update + 1:
-                monitor.say(f"First update done in {time.perf_counter() - started:.1f} s.")
-            monitor.throughput.stop(update.images)
-            monitor.log_update(train_step.updates_done, update.epoch, result.loss, result.learning_rate, result.grad_norm, result.stepped, train_step.skipped_updates)
-            if train_step.consecutive_skipped_updates >= config.max_consecutive_skipped_updates:
+        if run.stop.agreed(run.world.device):
+            try:
                 checkpoint_dir = checkpointer.before_exit(update.position_after, even_without_save_state=True)
-                raise SystemExit(
-                    f"Stopped at update {train_step.updates_done}: the last {train_step.consecutive_skipped_updates} updates all had a NaN/inf "
-                    f"loss or gradient. State saved to {checkpoint_dir}. Lower --learning_rate, use --mixed_precision bf16 instead of fp16, "
-                    "or check the cache with sdxl_process_data_dir.py --verify."
-                )
-            if stop.agreed(world.device):
-                try:
-                    checkpoint_dir = checkpointer.before_exit(update.position_after, even_without_save_state=True)
-                except CheckpointError as error:
-                    raise SystemExit(f"Stop requested at update {train_step.updates_done}, and the state could not be saved: {error}") from error
-                monitor.say(f"Stopped on request after update {train_step.updates_done}. Resume with: --load_saved_state latest (or {checkpoint_dir}).")
-                break
-            checkpointer.after_update(update.position_after)
-            if validation_due_after(config, train_step.updates_done):
-                evaluate(evaluator, None, models, ema, monitor.metrics, train_step.updates_done)
-            last_update = train_step.updates_done == total_updates
-            if update.ends_epoch:
-                finished_epochs = update.epoch + 1
-                monitor.log_epoch(finished_epochs)
-                if not (config.max_train_updates and last_update):  # the final validation below covers it
-                    evaluate(evaluator, finished_epochs, models, ema, monitor.metrics, train_step.updates_done)
-                if not last_update and epoch_save_due(config, finished_epochs):
-                    export_epoch_model(config, world, models, ema, run_dir / f"pipeline_epoch_{finished_epochs:04d}", monitor)
-                    checkpointer.at_epoch_save(update.position_after)
-            monitor.throughput.start()
-        else:
-            if config.max_train_updates and not validation_due_after(config, train_step.updates_done):
-                # The run ends inside an epoch or at an epoch end without its own validation: validate what is exported.
-                evaluate(evaluator, None, models, ema, monitor.metrics, train_step.updates_done)
-            finish(config, world, models, ema, run_dir, checkpointer, stream.position, monitor)
-    finally:
-        monitor.close()
-        stop.restore_handlers()
-    shutdown_distributed()
-    return 0
-
-
-def validation_due_after(config: TrainConfig, update: int) -> bool:
-    """--validation_every_n_updates: whether everything that is on runs after this update."""
-    return bool(config.validation_every_n_updates) and update % config.validation_every_n_updates == 0
+            except CheckpointError as error:
+                raise SystemExit(f"Stop requested at update {step.updates_done}, and the state could not be saved: {error}") from error
+            monitor.say(f"Stopped on request after update {step.updates_done}. Resume with: --load_saved_state latest (or {checkpoint_dir}).")
+            return
+        checkpointer.after_update(update.position_after)
+        if evaluator.due_after_update(step.updates_done):
+            evaluator.run_and_report(None, run.models, run.ema, monitor.metrics, step.updates_done)
+        last_update = step.updates_done == run.total_updates
+        if update.ends_epoch:
+            finished_epochs = update.epoch + 1
+            monitor.log_epoch(finished_epochs)
+            if not (config.max_train_updates and last_update):  # the final validation below covers it
+                evaluator.run_and_report(finished_epochs, run.models, run.ema, monitor.metrics, step.updates_done)
+            if not last_update and run.exporter.epoch_save_due(finished_epochs):
+                run.exporter.export_epoch(finished_epochs, monitor.say)
+                checkpointer.at_epoch_save(update.position_after)
+        monitor.throughput.start()
+    if config.max_train_updates and not evaluator.due_after_update(step.updates_done):
+        # The run ends inside an epoch or at an epoch end without its own validation: validate what is exported.
+        evaluator.run_and_report(None, run.models, run.ema, monitor.metrics, step.updates_done)
+    run.exporter.finish(checkpointer, run.stream.position, monitor)
+    monitor.say(f"TensorBoard logs: {run.log_dir}   (view with: tensorboard --logdir {run.log_dir})")
 
 
 def run_length(config: TrainConfig, epochs_planned: int) -> str:
     if not config.max_train_updates:
         return f"{config.num_train_epochs} epochs"
     return f"until update {config.max_train_updates} (--max_train_updates; in {epochs_planned} epoch{'s' if epochs_planned != 1 else ''})"
-
-
-def epoch_save_due(config: TrainConfig, finished_epochs: int) -> bool:
-    """Epoch saves (the exported model and the state) after every --save_model_every_n_epochs epochs."""
-    every = config.save_model_every_n_epochs
-    return bool(every) and finished_epochs >= config.start_save_model_epoch and finished_epochs % every == 0
-
-
-def export_epoch_model(config: TrainConfig, world: World, models: TrainedModels, ema: ShardedEMA | None, pipeline_dir: Path, monitor: TrainingMonitor) -> None:
-    """An export after an epoch; if it fails (a full disk), training goes on."""
-    if not (config.save_diffusers or config.save_single_file):
-        return
-    try:
-        export_model(config, world, models, ema, pipeline_dir)
-    except ExportError as error:
-        monitor.say(f"Warning: {error} Training goes on.")
-
-
-def finish(config: TrainConfig, world: World, models: TrainedModels, ema: ShardedEMA | None, run_dir: Path, checkpointer: Checkpointer,
-           position: DataPosition, monitor: TrainingMonitor) -> None:
-    """The end of a run: its state, then the model. A state that cannot be saved still lets the model be
-    exported, then ends the job with exit code 1."""
-    monitor.close()
-    try:
-        checkpointer.before_exit(position)
-        state_error = None
-    except CheckpointError as error:
-        state_error = error
-        monitor.say(f"Warning: {error} The model export below goes on.")
-    if config.save_diffusers or config.save_single_file:
-        export_model(config, world, models, ema, run_dir / "pipeline")
-    if state_error is not None:
-        raise SystemExit(f"Training finished, but its final state could not be saved: {state_error}")
-    log_dir = config.log_dir or run_dir / "tensorboard"
-    monitor.say(f"TensorBoard logs: {log_dir}   (view with: tensorboard --logdir {log_dir})")
 
 
 if __name__ == "__main__":

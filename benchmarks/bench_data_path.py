@@ -30,7 +30,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from sdxl_trainer.checkpoint import DataPosition  # noqa: E402
+from sdxl_trainer.data import DataPosition  # noqa: E402
 from sdxl_trainer.data import DataStream, EpochPlanner, bucket_counts, small_buckets  # noqa: E402
 
 NUM_BUCKETS = 40

@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
 from torch.futures import Future
 
+from .data import DataPosition
 from .ema import ShardedEMA
 from .files import make_shareable, write_durably, write_error_reason
 from .parallel import all_gather_text
@@ -249,38 +250,6 @@ def _restore_rng_states(path: Path) -> None:
 
 
 # ---- what a checkpoint holds besides tensors -----------------------------------------------------------
-
-
-class DataPosition:
-    """Where training stands in the data: the epoch to continue, how many optimizer updates of it are done,
-    the items carried into it from the previous epoch, and the items it has already trained on.
-
-    The data stream makes one every update, and only a checkpoint reads `consumed`: the items trained since
-    an earlier position may be given as `consumed_batches` (global batches, one a row: a view of the epoch's
-    plan) and are joined to `consumed` when it is first read, so an update's cost does not grow with the epoch."""
-
-    def __init__(self, epoch: int, updates_in_epoch: int, carried_in: np.ndarray, consumed: np.ndarray,
-                 consumed_batches: np.ndarray | None = None):
-        self.epoch = epoch
-        self.updates_in_epoch = updates_in_epoch
-        self.carried_in = carried_in
-        self._consumed = consumed
-        self._consumed_batches = consumed_batches
-
-    @property
-    def consumed(self) -> np.ndarray:
-        if self._consumed_batches is not None:
-            self._consumed = np.concatenate([self._consumed, self._consumed_batches.reshape(-1)]).astype(np.int64)
-            self._consumed_batches = None
-        return self._consumed
-
-    @classmethod
-    def epoch_start(cls, epoch: int, carried_in: np.ndarray | None = None) -> DataPosition:
-        nothing = np.zeros(0, dtype=np.int64)
-        return cls(epoch, 0, nothing if carried_in is None else carried_in, nothing)
-
-    def __repr__(self) -> str:
-        return f"DataPosition(epoch={self.epoch}, updates_in_epoch={self.updates_in_epoch}, {len(self.carried_in)} carried in, {len(self.consumed)} consumed)"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""When the training state is saved, and one policy for a save that fails.
+"""When the training state is saved, one policy for a save that fails, and what a resume must match.
 
 Saves are due after every --save_state_every_n_updates updates, at epoch saves, when a stop is requested,
 when updates keep failing, and at the end. A save that fails (a full disk) never touches the earlier
@@ -10,6 +10,8 @@ checkpoints; what happens next depends on whether training goes on:
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +22,99 @@ from torch import nn
 
 from .checkpoint import (
     CheckpointError,
-    DataPosition,
     TrainerState,
+    Verification,
     checkpoint_name,
+    find_latest_checkpoint,
     remove_old_checkpoints,
     save_training_state,
+    set_aside_later_checkpoints,
+    verify_checkpoint,
 )
+from .data import DataPosition
 from .train_step import TrainStep
+from .trained_models import TEXT_ENCODER_NAMES
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a checkpoint records about its run besides the train step's counters; the tensors' layout among
+    them must match on resume (resume_problems)."""
+
+    optimizer: str
+    weights_dtype: str
+    use_ema: bool
+    train_text_encoder: bool
+    frozen_text_encoder: str  # "" or the name of the text encoder kept frozen (--learning_rate_te1/2 0)
+    global_batch_size: int
+    gradient_accumulation_steps: int
+
+
+def find_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path, is_main: bool) -> tuple[Path | None, list[str]]:
+    """Collective: the checkpoint folder to resume from, and what is wrong with it. 'latest' takes the newest
+    intact checkpoint (None if there is none yet) and says which damaged ones it skipped; a named folder must
+    be intact. Intact includes matching the checksums recorded at save, which every process verifies its
+    share of."""
+    if load_saved_state is None:
+        return None, []
+    verifications: dict[Path, Verification] = {}
+
+    def problem_of(path: Path) -> str | None:
+        verifications[path] = verify_checkpoint(path)
+        return verifications[path].problem
+
+    if load_saved_state == "latest":
+        path, skipped = find_latest_checkpoint(checkpoints_dir, problem_of)
+        problems = []
+        if is_main:
+            for damaged, reason in skipped.items():
+                print(f"Skipping damaged checkpoint {damaged}: {reason}")
+    else:
+        path = Path(load_saved_state)
+        problem = problem_of(path)
+        problems = [f"--load_saved_state {path}: {problem}"] if problem else []
+    if is_main and path is not None and not problems:
+        print(verifications[path].describe(path))
+    return path, problems
+
+
+def resume_problems(saved: TrainerState, facts: RunFacts, set_seed: int | None) -> list[str]:
+    """What would make the checkpoint's tensors or data order not fit this run; checked before any work."""
+    problems = []
+    if saved.optimizer != facts.optimizer:
+        problems.append(f"the checkpoint holds {saved.optimizer} optimizer state: resume with --optimizer {saved.optimizer}")
+    if saved.weights_dtype != facts.weights_dtype:
+        problems.append(f"the checkpoint holds {saved.weights_dtype} weights: resume with --weights_dtype {saved.weights_dtype}")
+    if saved.use_ema != facts.use_ema:
+        flag = "--use_ema" if saved.use_ema else "--no-use_ema"
+        problems.append(f"the checkpoint was saved {'with' if saved.use_ema else 'without'} an EMA: resume with {flag}")
+    if saved.train_text_encoder != facts.train_text_encoder:
+        flag = "--train_text_encoder" if saved.train_text_encoder else "--no-train_text_encoder"
+        problems.append(f"the checkpoint was saved {'with' if saved.train_text_encoder else 'without'} trained text encoders: resume with {flag}")
+    elif saved.frozen_text_encoder != facts.frozen_text_encoder:
+        for number, name in enumerate(TEXT_ENCODER_NAMES, start=1):
+            if saved.frozen_text_encoder == name:
+                problems.append(f"the checkpoint kept text encoder {number} frozen: resume with --learning_rate_te{number} 0")
+            elif facts.frozen_text_encoder == name:
+                problems.append(f"the checkpoint trained text encoder {number}: resume with --learning_rate_te{number} above 0 (0 keeps it frozen)")
+    if set_seed is not None and set_seed != saved.seed:
+        problems.append(f"the checkpoint's run used seed {saved.seed} (data order and noise follow it): drop --set_seed or pass {saved.seed}")
+    return problems
+
+
+def prepare_checkpoints_dir(checkpoints_dir: Path, delete_earlier: bool, resumed_update: int | None) -> None:
+    """Rank 0, before the run: delete an earlier run's checkpoints (--overwrite_run), or on resume set this
+    folder's checkpoints of later updates aside, so --checkpoints_total_limit and 'latest' follow the resumed run."""
+    if delete_earlier and checkpoints_dir.exists():
+        shutil.rmtree(checkpoints_dir)
+        print(f"--overwrite_run: deleted the earlier run's checkpoints in {checkpoints_dir}; its exported models are replaced as this run exports.")
+    if resumed_update is not None:
+        aside, moved = set_aside_later_checkpoints(checkpoints_dir, resumed_update)
+        if aside is not None:
+            print(
+                f"Resuming from update {resumed_update}, before this run's newer checkpoints ({', '.join(path.name for path in moved)}): moved them "
+                f"to {aside}, so --checkpoints_total_limit and --load_saved_state latest follow the resumed run. Nothing was deleted."
+            )
 
 
 @dataclass(frozen=True)
@@ -37,16 +125,16 @@ class SavePolicy:
 
 
 class Checkpointer:
-    def __init__(self, checkpoints_dir: Path, policy: SavePolicy, model: nn.Module, train_step: TrainStep, run_facts: Callable[[], dict],
+    def __init__(self, checkpoints_dir: Path, policy: SavePolicy, model: nn.Module, train_step: TrainStep, run_facts: RunFacts, seed: int,
                  report: Callable[[str], None], last_saved_update: int | None):
         """`model`: what the checkpoint holds with the optimizer state (TrainedModels.checkpointed); `run_facts`
-        gives the TrainerState fields the train step does not know (seed, optimizer, batch...); `report`
-        prints a message once (rank 0)."""
+        and `seed`: the TrainerState fields the train step does not know; `report` prints a message once (rank 0)."""
         self.checkpoints_dir = checkpoints_dir
         self.model = model
         self.policy = policy
         self.train_step = train_step
         self.run_facts = run_facts
+        self.seed = seed
         self.report = report
         self.last_saved_update = last_saved_update
         self.last_saved_dir: Path | None = None
@@ -55,7 +143,8 @@ class Checkpointer:
         """Collective: save now, then keep the newest checkpoints. Raises CheckpointError on every rank."""
         state = TrainerState(
             **self.train_step.state_dict(),
-            **self.run_facts(),
+            **dataclasses.asdict(self.run_facts),
+            seed=self.seed,
             epoch=position.epoch,
             updates_in_epoch=position.updates_in_epoch,
             ema_updates=self.train_step.ema.updates if self.train_step.ema is not None else 0,

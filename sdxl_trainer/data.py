@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -33,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .cache import FLIPPED_KEY, LOSS_MASK_KEY, TENSOR_KEYS, CacheLocation, CacheReader, captions_in, intact_parts, merge_parts, read_cache_info
-from .checkpoint import DataPosition
+from .holdout import HOLDOUT_FILE, Holdout, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
 from .stop_request import ignore_stop_signals
 
 # A global batch: sample indices (item sample % len(dataset), see Repeats above); an epoch plan holds them as rows.
@@ -334,6 +335,38 @@ def choose_views(batch: dict[str, torch.Tensor], run_seed: int, epoch: int) -> d
     return chosen
 
 
+class DataPosition:
+    """Where training stands in the data: the epoch to continue, how many optimizer updates of it are done,
+    the items carried into it from the previous epoch, and the items it has already trained on.
+
+    The data stream makes one every update, and only a checkpoint reads `consumed`: the items trained since
+    an earlier position may be given as `consumed_batches` (global batches, one a row: a view of the epoch's
+    plan) and are joined to `consumed` when it is first read, so an update's cost does not grow with the epoch."""
+
+    def __init__(self, epoch: int, updates_in_epoch: int, carried_in: np.ndarray, consumed: np.ndarray,
+                 consumed_batches: np.ndarray | None = None):
+        self.epoch = epoch
+        self.updates_in_epoch = updates_in_epoch
+        self.carried_in = carried_in
+        self._consumed = consumed
+        self._consumed_batches = consumed_batches
+
+    @property
+    def consumed(self) -> np.ndarray:
+        if self._consumed_batches is not None:
+            self._consumed = np.concatenate([self._consumed, self._consumed_batches.reshape(-1)]).astype(np.int64)
+            self._consumed_batches = None
+        return self._consumed
+
+    @classmethod
+    def epoch_start(cls, epoch: int, carried_in: np.ndarray | None = None) -> DataPosition:
+        nothing = np.zeros(0, dtype=np.int64)
+        return cls(epoch, 0, nothing if carried_in is None else carried_in, nothing)
+
+    def __repr__(self) -> str:
+        return f"DataPosition(epoch={self.epoch}, updates_in_epoch={self.updates_in_epoch}, {len(self.carried_in)} carried in, {len(self.consumed)} consumed)"
+
+
 @dataclass
 class Update:
     """One optimizer update's data for this rank, and where the run stands once it is trained."""
@@ -426,3 +459,68 @@ class DataStream:
                     epoch, epoch_start.updates_in_epoch + update_in_plan + 1, epoch_start.carried_in, epoch_start.consumed, plan.batches_through(update_in_plan)
                 )
             yield Update(epoch, microbatches, int(update_batches.size), self.position, ends_epoch)
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The training data's flags (the trainer's --cached_dataset_dirs, --dataset_* and batch options)."""
+
+    cache_dirs: list[CacheLocation]
+    loss_weights: list[float] | None  # one per cache
+    repeats: list[float] | None  # one per cache
+    flip_aug: bool
+    loss_masks: bool
+    per_rank_batch: int
+    gradient_accumulation_steps: int
+    num_epochs: int
+    max_updates: int  # 0: the run is num_epochs long
+    num_workers: int
+    split: SplitSettings  # the items held out for validation
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """A run's data: the dataset, its held-out items (never trained on) and the epoch planner over the rest."""
+
+    settings: DataSettings
+    dataset: CachedDataset
+    holdout: Holdout
+    planner: EpochPlanner
+    global_batch_size: int
+
+    def stream(self, position: DataPosition, first_update: int, rank: int, device: torch.device) -> DataStream:
+        """The run's remaining updates from `position` (update `first_update` of the run)."""
+        settings = self.settings
+        updates_left = max(settings.max_updates - first_update, 0) if settings.max_updates else None
+        return DataStream(self.dataset, self.planner, position, settings.num_epochs, rank, settings.per_rank_batch, settings.num_workers, device, updates_left)
+
+
+def load_training_data(settings: DataSettings, run_dir: Path, seed: int, world_size: int, is_main: bool) -> TrainingData:
+    """Open the caches, hold out the validation items (chosen once per run, the same on every rank, saved in
+    the run folder) and plan epochs over the rest. Refuses a run in which no bucket holds one global batch
+    before the model loads (the planner would plan no batch: a resume with more processes or a larger
+    --train_batch_size than the run that saved it gets here too), and warns about items that will not train."""
+    dataset = CachedDataset(settings.cache_dirs, settings.loss_weights, flip_aug=settings.flip_aug, loss_masks=settings.loss_masks)
+    global_batch_size = settings.per_rank_batch * world_size
+    bucket_ids = dataset.bucket_ids()
+    try:
+        holdout = load_or_choose_holdout(run_dir / HOLDOUT_FILE, dataset_item_keys(dataset), bucket_ids, settings.split, seed, write=is_main)
+    except HoldoutError as error:
+        raise SystemExit(f"Cannot start training: {error}") from error
+    repeats = np.asarray(settings.repeats)[dataset.cache_index] if settings.repeats else None
+    planner = EpochPlanner(bucket_ids, holdout.trainable(len(dataset)), global_batch_size, settings.gradient_accumulation_steps, seed, repeats)
+    per_bucket = bucket_counts(dataset.bucket_sizes, bucket_ids, planner.possible_samples() % len(dataset))
+    if per_bucket and max(per_bucket.values()) < global_batch_size:
+        raise SystemExit(
+            f"Cannot start training: no bucket holds one global batch of --train_batch_size {settings.per_rank_batch} x "
+            f"{world_size} process{'es' if world_size > 1 else ''} = {global_batch_size} items (items per bucket"
+            f"{', counting the copies of --dataset_repeats' if settings.repeats else ''}: {per_bucket}): lower --train_batch_size "
+            "or run on fewer processes"
+        )
+    too_small = small_buckets(dataset.bucket_sizes, bucket_ids, planner.epoch_samples(0) % len(dataset), global_batch_size)
+    if is_main and too_small:
+        print(
+            f"Warning: {sum(too_small.values())} items in buckets smaller than one global batch of {global_batch_size} "
+            f"will not be trained on: {too_small}. Lower --train_batch_size or add images of those shapes to use them."
+        )
+    return TrainingData(settings, dataset, holdout, planner, global_batch_size)

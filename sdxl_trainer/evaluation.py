@@ -11,6 +11,8 @@ images are made.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from diffusers import DDPMScheduler
+from tqdm import tqdm
 
 from .data import CachedDataset
 from .captions import StepCaptionEncoder
@@ -26,10 +29,11 @@ from .encoding import CaptionEmbeddings, encode_prompts
 from .ema import ShardedEMA
 from .handoff import PipelineHandoff
 from .holdout import Holdout
+from .metrics import METRICS, MetricWeights, MetricWeightsError, load_image_metrics
 from .monitor import MetricsWriter
 from .parallel import World
 from .sample_grid import append_grid_row, is_due
-from .sample_prompts import SamplePrompt
+from .sample_prompts import SamplePrompt, choose_sample_prompts, column_seeds, read_prompts
 from .sampling import GenerationSettings, ImageRequest, gather_images, generate, rank_share
 from .trained_models import TrainedModels
 from .validation import ImageValidator, validation_loss
@@ -60,6 +64,78 @@ class PipelineSource:
     vae_name_or_path: str | None = None  # the VAE the caches were encoded with, where it is not the model's own
 
 
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """The run's validation and sample-grid flags (--validation_*, --save_samples*, the metric weights)."""
+
+    generation: GenerationSettings
+    loss_schedule: Schedule
+    image_schedule: Schedule
+    sample_schedule: Schedule
+    every_n_updates: int  # --validation_every_n_updates: everything that is on (0 = off)
+    num_epochs: int | None  # None: no last epoch (--max_train_updates ends the run)
+    metric_weights: MetricWeights
+    metrics: list[str] | None  # --validation_metrics (None: every metric whose weights are here)
+    source_dirs: list[str] | None  # --validation_source_dirs
+    sample_prompts_file: str | None  # --sample_prompts (None: the built-in prompts)
+    num_sample_images: int
+    sample_size: int  # the side of a sample whose prompt sets no size
+
+
+def build_evaluator(settings: EvaluationSettings, world: World, run_dir: Path, dataset: CachedDataset, holdout: Holdout, noise_scheduler: DDPMScheduler,
+                    negative: tuple[torch.Tensor, torch.Tensor], source: PipelineSource, seed: int, caption_chunks: int,
+                    trained_caption_encoder: StepCaptionEncoder | None) -> Evaluator:
+    """The run's Evaluator. Metric networks load here, once per run; a metric whose weights are missing is
+    said once (rank 0) and turned off, unless it was asked for by name."""
+    validator = None
+    if settings.image_schedule.enabled and len(holdout.image_items):
+        weights = settings.metric_weights
+        named_weights = {"fid", "kid", "is"} if weights.inception else set()
+        named_weights |= {"lpips"} if weights.lpips else set()
+        named_weights |= {"hpsv2"} if weights.hpsv2 else set()
+        try:
+            metrics = load_image_metrics(
+                weights,
+                wanted=settings.metrics or METRICS,
+                required=set(settings.metrics or ()) | named_weights,
+                allow_download=os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""),
+                warn=False,  # said below in one line each, not as Python warnings with their source lines
+            )
+        except MetricWeightsError as error:
+            raise SystemExit(f"Cannot start training: {error}") from error
+        if world.is_main:
+            off_by_reason: dict[str, list[str]] = {}
+            for name, reason in metrics.skipped.items():
+                off_by_reason.setdefault(reason, []).append(name)
+            for reason, names in off_by_reason.items():
+                print(f"Warning: validation metrics {names} are off: {reason}.")
+        if metrics.enabled:
+            validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, settings.generation, settings.source_dirs)
+        elif world.is_main:
+            print("Warning: no image metric has its weights here, so validation images are not generated (see the warnings above).")
+    prompts = []
+    if settings.sample_schedule.enabled:
+        file_prompts, notes = read_prompts(settings.sample_prompts_file)
+        if world.is_main:
+            for note in notes:
+                print(f"Note: {note}")
+        prompts = choose_sample_prompts(file_prompts, [dataset.caption(item) for item in range(len(dataset))], settings.num_sample_images, seed)
+    return Evaluator(
+        world, settings.num_epochs, dataset, holdout, noise_scheduler, negative, source, settings.generation,
+        loss_schedule=settings.loss_schedule,
+        image_schedule=settings.image_schedule,
+        sample_schedule=settings.sample_schedule,
+        validator=validator,
+        sample_prompts=prompts,
+        sample_seeds=column_seeds(prompts, seed),
+        sample_size=settings.sample_size,
+        grid_path=run_dir / "samples" / "sample_grid.png",
+        caption_chunks=caption_chunks,
+        trained_caption_encoder=trained_caption_encoder,
+        every_n_updates=settings.every_n_updates,
+    )
+
+
 class Evaluator:
     def __init__(
         self,
@@ -81,6 +157,7 @@ class Evaluator:
         grid_path: Path,
         caption_chunks: int,
         trained_caption_encoder: StepCaptionEncoder | None = None,
+        every_n_updates: int = 0,
     ):
         """sample_prompts: the sample grid's columns, with sample_seeds their seeds and sample_size the side of
         a column whose prompt sets no size. caption_chunks: the caches' caption length in chunks of 75
@@ -104,6 +181,21 @@ class Evaluator:
         self.grid_path = grid_path
         self.caption_chunks = caption_chunks
         self.trained_caption_encoder = trained_caption_encoder
+        self.every_n_updates = every_n_updates
+
+    def due_after_update(self, update: int) -> bool:
+        """--validation_every_n_updates: whether everything that is on runs after this update."""
+        return bool(self.every_n_updates) and update % self.every_n_updates == 0
+
+    def run_and_report(self, epochs_done: int | None, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, update: int) -> None:
+        """Collective: what is due after `epochs_done` epochs, or everything that is on (None: every N
+        updates, or the end of a --max_train_updates run), logged at `update` and printed on one line."""
+        started = time.perf_counter()
+        scores = self.after_updates(models, ema, metrics, update) if epochs_done is None else self(epochs_done, models, ema, metrics, update)
+        if scores and self.world.is_main:
+            what = f"after update {update}" if epochs_done is None else "base model" if epochs_done == 0 else f"after epoch {epochs_done}"
+            numbers = ", ".join(f"{tag.removeprefix('val/')} {value:.4g}" for tag, value in scores.items())
+            tqdm.write(f"Validation ({what}, {time.perf_counter() - started:.1f} s): {numbers}")
 
     def __call__(self, epochs_done: int, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
         """Collective. Runs what is due after `epochs_done` epochs and logs it at `step`; returns the scores

@@ -1,24 +1,125 @@
-"""Writing the trained model out as a diffusers pipeline folder and, optionally, one single-file checkpoint."""
+"""Writing the trained model out as a diffusers pipeline folder and, optionally, one single-file checkpoint;
+when a run exports (after epochs, at its end), and how it finishes."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
+from .checkpoint import CheckpointError
+from .checkpointer import Checkpointer
+from .data import DataPosition
+from .ema import ShardedEMA
 from .files import make_shareable, write_error_reason
+from .monitor import TrainingMonitor
+from .parallel import World, broadcast_text
 from .single_file import SDXL_CONFIG_SOURCE, hf_clip_names, load_pipeline, save_single_file
-from .trained_models import ComponentWeights
+from .trained_models import TEXT_ENCODER_NAMES, ComponentWeights, TrainedModels, text_encoder_label
 
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class ExportError(RuntimeError):
     """The model could not be written; the message names the place and the reason, and nothing there was replaced."""
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """What the exported model is made of and when it is written (--save_diffusers, --save_single_file,
+    --save_precision, --save_model_every_n_epochs)."""
+
+    base_model: str
+    single_file_config: str
+    vae_name_or_path: str | None  # the VAE the caches were encoded with, where it is not the model's own
+    scheduler_overrides: dict
+    save_diffusers: bool
+    save_single_file: bool
+    save_precision: str
+    run_name: str  # --project_name: the model's title
+    every_n_epochs: int  # 0 = no epoch saves
+    start_epoch: int
+
+
+class Exporter:
+    """Writes the trained model (EMA weights with an EMA) from a running job: after epochs and at its end."""
+
+    def __init__(self, settings: ExportSettings, world: World, models: TrainedModels, ema: ShardedEMA | None, run_dir: Path):
+        self.settings = settings
+        self.world = world
+        self.models = models
+        self.ema = ema
+        self.run_dir = run_dir
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.save_diffusers or self.settings.save_single_file
+
+    def export(self, pipeline_dir: Path) -> None:
+        """Collective: gather the trained UNet (EMA weights with --use_ema) and text encoders (with
+        --train_text_encoder) on rank 0 and write the pipeline (and the single-file checkpoint beside it with
+        --save_single_file). Raises ExportError on every rank if the export failed; nothing at pipeline_dir is
+        replaced then."""
+        settings = self.settings
+        weights = self.models.exported_weights_on_rank0(self.ema, self.world.is_main)
+        failure = ""
+        if self.world.is_main:
+            started = time.perf_counter()
+            folder = pipeline_dir if settings.save_diffusers else None
+            single_file = pipeline_dir.with_suffix(".safetensors") if settings.save_single_file else None
+            # The run's name, and for an epoch save also its epoch: "my_run", "my_run_epoch_0003".
+            title = settings.run_name + pipeline_dir.name.removeprefix("pipeline")
+            try:
+                save_pipeline(
+                    weights, settings.base_model, folder, settings.save_precision, settings.scheduler_overrides, settings.single_file_config,
+                    single_file, settings.vae_name_or_path, model_title=title,
+                )
+                encoders = [text_encoder_label(name) for name in TEXT_ENCODER_NAMES if name in weights]
+                what = " and ".join(["EMA UNet" if self.ema is not None else "UNet", *encoders])
+                written = " and ".join(str(path) for path in (folder, single_file) if path is not None)
+                tqdm.write(f"Saved the trained model ({what}, {settings.save_precision}) to {written} in {time.perf_counter() - started:.1f} s.")
+            except ExportError as error:
+                failure = str(error)
+        failure = broadcast_text(failure, self.world.device)
+        if failure:
+            raise ExportError(failure)
+
+    def epoch_save_due(self, finished_epochs: int) -> bool:
+        """Epoch saves (the exported model and the state) after every --save_model_every_n_epochs epochs."""
+        every = self.settings.every_n_epochs
+        return bool(every) and finished_epochs >= self.settings.start_epoch and finished_epochs % every == 0
+
+    def export_epoch(self, finished_epochs: int, say: Callable[[str], None]) -> None:
+        """Collective: an epoch save's export; if it fails (a full disk), training goes on."""
+        if not self.enabled:
+            return
+        try:
+            self.export(self.run_dir / f"pipeline_epoch_{finished_epochs:04d}")
+        except ExportError as error:
+            say(f"Warning: {error} Training goes on.")
+
+    def finish(self, checkpointer: Checkpointer, position: DataPosition, monitor: TrainingMonitor) -> None:
+        """Collective, the end of a run: its state, then the model. A state that cannot be saved still lets the
+        model be exported, then ends the job with exit code 1."""
+        monitor.close()
+        try:
+            checkpointer.before_exit(position)
+            state_error = None
+        except CheckpointError as error:
+            state_error = error
+            monitor.say(f"Warning: {error} The model export below goes on.")
+        if self.enabled:
+            self.export(self.run_dir / "pipeline")
+        if state_error is not None:
+            raise SystemExit(f"Training finished, but its final state could not be saved: {state_error}")
 
 
 def save_pipeline(

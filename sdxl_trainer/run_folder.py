@@ -38,3 +38,16 @@ def earlier_run_outputs(run_dir: Path) -> list[Path]:
     if not run_dir.is_dir():
         return []
     return complete_checkpoints(run_dir / "checkpoints") + sorted(run_dir.glob("pipeline*"))
+
+
+def earlier_run_problems(run_dir: Path) -> list[str]:
+    """A fresh start (no --load_saved_state) in the folder of an earlier run would replace its exported model
+    and, through --checkpoints_total_limit, its checkpoints."""
+    outputs = earlier_run_outputs(run_dir)
+    if not outputs:
+        return []
+    names = ", ".join(str(path.relative_to(run_dir)) for path in outputs[:4]) + (f" and {len(outputs) - 4} more" if len(outputs) > 4 else "")
+    return [
+        f"{run_dir} holds an earlier run ({names}), which this fresh start would overwrite: continue it with --load_saved_state latest, "
+        "start a new run with another --project_name, or start over in this folder with --overwrite_run"
+    ]

@@ -128,10 +128,14 @@ def test_bf16_weights_resume_exactly(world, tiny_pipeline_dir, tmp_path, optimiz
 
 
 def test_bf16_weights_need_bf16_compute_and_the_same_dtype_on_resume(capsys):
-    from sdxl_FSDP_train import TrainConfig, resume_problems, resolve_compute_dtype
+    from sdxl_FSDP_train import TrainConfig, resolve_compute_dtype
+    from sdxl_trainer.checkpointer import resume_problems
 
     def config(*flags: str) -> TrainConfig:
         return parse_config(TrainConfig, ["--cached_dataset_dirs", "c", *flags])
+
+    def problems_resuming(saved, run: TrainConfig) -> list[str]:
+        return resume_problems(saved, run.run_facts(world_size=1), run.set_seed)
 
     # auto computes in fp32 on a CPU, but bf16 weights compute in bf16 wherever they are
     assert resolve_compute_dtype(config("--weights_dtype", "bf16").mixed_precision, torch.device("cpu"), "bf16") == torch.bfloat16
@@ -139,5 +143,5 @@ def test_bf16_weights_need_bf16_compute_and_the_same_dtype_on_resume(capsys):
     with pytest.raises(SystemExit):
         config("--weights_dtype", "bf16", "--mixed_precision", "fp16")
     assert "--weights_dtype bf16 computes in bf16: drop --mixed_precision fp16 (or pass bf16), or keep fp32 weights" in capsys.readouterr().err
-    assert resume_problems(trainer_state_for(weights_dtype="bf16"), config("--weights_dtype", "bf16")) == []
-    assert resume_problems(trainer_state_for(), config("--weights_dtype", "bf16")) == ["the checkpoint holds fp32 weights: resume with --weights_dtype fp32"]
+    assert problems_resuming(trainer_state_for(weights_dtype="bf16"), config("--weights_dtype", "bf16")) == []
+    assert problems_resuming(trainer_state_for(), config("--weights_dtype", "bf16")) == ["the checkpoint holds fp32 weights: resume with --weights_dtype fp32"]

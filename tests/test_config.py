@@ -278,50 +278,50 @@ def cache_info_copy(cache_dir: Path, destination: Path, **changes) -> Path:
 
 
 def test_the_trainer_takes_the_model_and_resolution_range_from_its_cache(train_config_class, sample_cache_dir, tiny_pipeline_dir):
-    from sdxl_FSDP_train import check_caches
+    from sdxl_FSDP_train import with_cache_settings
 
     parsed = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir)])
-    config, problems = check_caches(parsed)
-    assert problems == []
+    config, caches = with_cache_settings(parsed)
+    assert caches.problems == []
     assert (config.min_resolution, config.max_resolution) == (256, 512)  # what the conftest cache was made with
     assert config.pretrained_model_name_or_path == str(tiny_pipeline_dir)
     assert (parsed.min_resolution, parsed.max_resolution, parsed.pretrained_model_name_or_path) == (None, None, None)  # parsed stays as parsed
 
 
 def test_a_resolution_flag_that_contradicts_the_cache_is_refused_naming_the_cache_and_the_fix(train_config_class, sample_cache_dir):
-    from sdxl_FSDP_train import check_caches
+    from sdxl_FSDP_train import with_cache_settings
 
     agreeing = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), "--min_resolution", "256", "--max_resolution", "512"])
-    assert check_caches(agreeing)[1] == []
+    assert with_cache_settings(agreeing)[1].problems == []
     config = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), "--min_resolution", "512"])
-    assert check_caches(config)[1] == [
+    assert with_cache_settings(config)[1].problems == [
         f"--min_resolution 512 does not match the caches: {sample_cache_dir} was made with --min_resolution 256; drop the flag "
         "(the trainer takes the range from the caches) or re-cache with --min_resolution 512"
     ]
 
 
 def test_caches_of_different_ranges_train_together_over_both(train_config_class, sample_cache_dir, tmp_path):
-    from sdxl_FSDP_train import check_caches
+    from sdxl_FSDP_train import with_cache_settings
 
     larger = cache_info_copy(sample_cache_dir, tmp_path / "larger", min_resolution=320, max_resolution=768)
-    config, problems = check_caches(parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), str(larger)]))
-    assert problems == []
+    config, caches = with_cache_settings(parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), str(larger)]))
+    assert caches.problems == []
     assert (config.min_resolution, config.max_resolution) == (256, 768)
 
 
 def test_caches_that_name_their_model_differently_need_the_model_flag(train_config_class, sample_cache_dir, tiny_pipeline_dir, tmp_path):
-    from sdxl_FSDP_train import check_caches
+    from sdxl_FSDP_train import with_cache_settings
 
     old_place = str(tmp_path / "old_place" / "tiny_sdxl")  # the model's own VAE is recorded under the model's name too
     moved = cache_info_copy(sample_cache_dir, tmp_path / "moved", pretrained_model_name_or_path=old_place, vae_name_or_path=old_place)
     config = parse_config(train_config_class, ["--cached_dataset_dirs", str(moved)])
-    (problem,) = check_caches(config)[1]
+    (problem,) = with_cache_settings(config)[1].problems
     assert f"the caches' model (as their cache_info.json names it; pass --pretrained_model_name_or_path where it moved) {old_place} does not exist" in problem
     both = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), str(moved)])
-    (problem,) = check_caches(both)[1]
+    (problem,) = with_cache_settings(both)[1].problems
     assert problem.startswith("the caches were made from models named") and problem.endswith("name the one to train with --pretrained_model_name_or_path")
     named = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), str(moved), "--pretrained_model_name_or_path", str(tiny_pipeline_dir)])
-    assert check_caches(named)[1] == []  # the same model family (by fingerprint), wherever it lives now
+    assert with_cache_settings(named)[1].problems == []  # the same model family (by fingerprint), wherever it lives now
 
 
 def test_train_config_rejects_dropout_percent_as_percent(train_config_class, capsys):

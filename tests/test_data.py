@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sdxl_trainer.cache import CachedItem, CacheSettings, ShardWriter, write_cache_info
-from sdxl_trainer.checkpoint import DataPosition
+from sdxl_trainer.data import DataPosition
 from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, collate, rank_slice, small_buckets
 
 # --- helpers ----------------------------------------------------------------------------------------------

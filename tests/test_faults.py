@@ -323,7 +323,7 @@ def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_st
     assert "continue it with --load_saved_state latest, start a new run with another --project_name, or start over in this folder with --overwrite_run" in refused.stderr
     assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(update) for update in (4, 8, 12)]
 
-    from sdxl_FSDP_train import earlier_run_problems
+    from sdxl_trainer.run_folder import earlier_run_problems
 
     (tmp_path / "exported_only" / "pipeline").mkdir(parents=True)
     assert "holds an earlier run (pipeline)" in earlier_run_problems(tmp_path / "exported_only")[0]

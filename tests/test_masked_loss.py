@@ -235,11 +235,11 @@ def test_masks_compose_with_huber_loss_per_element_before_the_mean():
 
 
 def test_masked_loss_is_refused_without_masks_in_any_cache(sample_cache_dir):
-    from sdxl_FSDP_train import TrainConfig, check_caches
+    from sdxl_FSDP_train import TrainConfig, with_cache_settings
     from sdxl_trainer.config import parse_config
 
     config = parse_config(TrainConfig, ["--cached_dataset_dirs", str(sample_cache_dir), "--masked_loss"])
-    assert check_caches(config)[1] == [
+    assert with_cache_settings(config)[1].problems == [
         "--masked_loss trains with the caches' loss masks, and none of the caches holds any: re-cache with sdxl_process_data_dir.py "
         "--mask_files (name.mask.png beside each image) or --alpha_mask (into a new --cache_dir), or drop --masked_loss"
     ]

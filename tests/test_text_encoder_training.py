@@ -105,20 +105,24 @@ def test_a_rate_of_zero_keeps_that_encoder_frozen_and_the_other_trains(tmp_path,
 
 
 def test_a_resume_keeps_which_encoders_train():
-    from sdxl_FSDP_train import TrainConfig, resume_problems
+    from sdxl_FSDP_train import TrainConfig
+    from sdxl_trainer.checkpointer import resume_problems
 
     def config(*flags: str) -> TrainConfig:
         return parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--encode_captions_each_step", "--train_text_encoder", *flags])
+
+    def problems_resuming(saved, run: TrainConfig) -> list[str]:
+        return resume_problems(saved, run.run_facts(world_size=1), run.set_seed)
 
     assert config("--learning_rate_te2", "3e-6").text_encoder_rates() == {"text_encoder": 1e-5, "text_encoder_2": 3e-6}
     assert config("--learning_rate_te2", "0").text_encoder_rates() == {"text_encoder": 1e-5}
     assert config("--learning_rate_te2", "0").frozen_text_encoder() == "text_encoder_2"
     both_trained = trainer_state_for(train_text_encoder=True)
-    assert resume_problems(both_trained, config()) == []
-    assert resume_problems(both_trained, config("--learning_rate_te2", "0")) == [
+    assert problems_resuming(both_trained, config()) == []
+    assert problems_resuming(both_trained, config("--learning_rate_te2", "0")) == [
         "the checkpoint trained text encoder 2: resume with --learning_rate_te2 above 0 (0 keeps it frozen)"
     ]
-    assert resume_problems(trainer_state_for(train_text_encoder=True, frozen_text_encoder="text_encoder"), config("--learning_rate_te2", "0")) == [
+    assert problems_resuming(trainer_state_for(train_text_encoder=True, frozen_text_encoder="text_encoder"), config("--learning_rate_te2", "0")) == [
         "the checkpoint kept text encoder 1 frozen: resume with --learning_rate_te1 0",
         "the checkpoint trained text encoder 2: resume with --learning_rate_te2 above 0 (0 keeps it frozen)",
     ]

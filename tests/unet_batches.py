@@ -9,7 +9,8 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
-from sdxl_trainer.checkpoint import DataPosition, TrainerState
+from sdxl_trainer.checkpoint import TrainerState
+from sdxl_trainer.data import DataPosition
 from sdxl_trainer.lr_schedule import LearningRateSchedule
 from sdxl_trainer.train_step import TrainStep
 
