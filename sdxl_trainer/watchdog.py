@@ -73,12 +73,17 @@ class JobWatchdog:
             self._store.set(f"host_of_rank_{rank}", socket.gethostname())
 
     def __enter__(self) -> JobWatchdog:
-        threading.Thread(target=self._watch, name="job-watchdog", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, name="job-watchdog", daemon=True)
+        self._thread.start()
         return self
 
     def __exit__(self, error_type, error, error_traceback) -> bool:
         self._finished.set()
         if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):
+            # The thread may be inside a store call. Left running into the interpreter's shutdown, it is ended
+            # there by a forced unwind through the store's C++ frames, which aborts the process ("terminate called
+            # without an active exception", SIGABRT) after a run that finished well.
+            self._thread.join(timeout=STORE_TIMEOUT.total_seconds() + POLL_S)
             return False
         message = self.describe(error)
         failed_rank = self.rank

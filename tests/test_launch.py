@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -117,6 +118,33 @@ def test_two_processes_refused_before_training_leave_the_refusal_last(tmp_path, 
     ]
     assert console.count("Cannot start training:") == 1  # printed once, by the first rank
     assert "Traceback" not in console and "ChildFailedError" not in console
+
+
+class StoreCallInFlight:
+    """A rendezvous store whose check blocks until released, as a TCPStore call of a loaded machine does."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.entered.set()
+        self.release.wait(30)
+        return False
+
+
+def test_a_run_that_ends_well_leaves_no_watchdog_thread_inside_a_store_call():
+    """A watchdog thread still inside a store call when the interpreter shuts down is ended there by a forced
+    unwind through the store's C++ frames, which aborted a finished run (SIGABRT, "terminate called without
+    an active exception", after its model was saved): a clean exit waits for the call to return."""
+    from sdxl_trainer.watchdog import JobWatchdog
+
+    watchdog = JobWatchdog(rank=0, world_size=1)
+    store = StoreCallInFlight()
+    watchdog._store = store  # a 2-process job's store, without a job
+    with watchdog:
+        assert store.entered.wait(30)  # the thread is inside the call now
+        threading.Timer(0.5, store.release.set).start()
+    assert [thread.name for thread in threading.enumerate() if thread.name == "job-watchdog"] == []
 
 
 OUTLIVES_ITS_SHELL = """
