@@ -14,8 +14,8 @@ JobWatchdog wraps a rank's whole run:
 - the same thread ends the rank when its launcher is gone (its parent process changed) or the store
   cannot be reached (the launcher on the first machine is gone).
 The failing rank's message is the last thing on its machine's console: it is printed once the other ranks
-have ended (or after ENDED_WAIT_S), on a line of its own, so neither their progress bar nor their output
-follows it. A SystemExit (a refusal or stop every rank reaches alike) is printed alone, any other error
+have stopped (or after ENDED_WAIT_S), on a line of its own, so neither their progress bar nor their output
+follows it; they exit only once it is printed, as a launcher stops every process when the first one exits. A SystemExit (a refusal or stop every rank reaches alike) is printed alone, any other error
 under one line saying the job stops; the other ranks end silently on that machine, and say in one line
 which rank failed on the other machines.
 DataLoader workers of an ending rank are killed first, as they ignore the signals a launcher sends.
@@ -38,15 +38,21 @@ POLL_S = 1.0
 ENDED_WAIT_S = 2 * POLL_S + 1.0  # the others notice a failure within POLL_S
 FIRST_FAILED_RANK = "first_failed_rank"
 ENDED_RANKS = "ended_ranks"
+FAILURE_REPORTED = "failure_reported"
 STORE_TIMEOUT = timedelta(seconds=60)
 EXIT_CODE = 1
 
 
-def _end_process(message: str) -> None:
-    """Print (if there is something to say), kill this rank's worker processes, and exit now (no cleanup that
-    could wait on other ranks)."""
+def _end_process(message: str, store: dist.Store | None = None) -> None:
+    """Print (if there is something to say), tell the other ranks through `store` that it is said, kill this
+    rank's worker processes, and exit now (no cleanup that could wait on other ranks)."""
     if message:
         print(message, file=sys.stderr, flush=True)
+    if store is not None:
+        try:
+            store.set(FAILURE_REPORTED, "1")
+        except Exception:  # noqa: BLE001 - the store may be gone with the launcher; the message is out
+            pass
     for child in multiprocessing.active_children():
         child.kill()
     sys.stdout.flush()
@@ -97,8 +103,8 @@ class JobWatchdog:
             self._wait_for_the_others_to_end()
             # A new line first: a progress bar may hold the current one.
             if isinstance(error, SystemExit) or self.world_size == 1:
-                _end_process(f"\n{message}")
-            _end_process(f"\n[rank {self.rank}] The whole job is stopping (exit code {EXIT_CODE}) after this error:\n{message}")
+                _end_process(f"\n{message}", self._store)
+            _end_process(f"\n[rank {self.rank}] The whole job is stopping (exit code {EXIT_CODE}) after this error:\n{message}", self._store)
         # Every rank reaches the same refusal or stop (SystemExit) alike; the first one prints it.
         self._end_after_another_rank(failed_rank, quietly=isinstance(error, SystemExit))
         return False  # not reached
@@ -123,13 +129,25 @@ class JobWatchdog:
         already (same machine) or `quietly`, else with one line naming it."""
         try:
             host = self._store.get(f"host_of_rank_{failed_rank}").decode() if self._store is not None else ""
-            if self._store is not None:
-                self._store.add(ENDED_RANKS, 1)
         except Exception:  # noqa: BLE001 - the store may be gone with the launcher
             host = ""
-        if quietly or host == socket.gethostname():
-            _end_process("")
-        _end_process(f"[rank {self.rank}] Stopping because rank {failed_rank}{f' on {host}' if host else ''} failed (its message is on that machine's console).")
+        if not (quietly or host == socket.gethostname()):
+            print(f"[rank {self.rank}] Stopping because rank {failed_rank}{f' on {host}' if host else ''} failed (its message is on that machine's console).", file=sys.stderr, flush=True)
+        self._wait_for_the_failure_report()
+        _end_process("")
+
+    def _wait_for_the_failure_report(self) -> None:
+        """Say this rank has ended, then stay until the failed rank has printed its message: a launcher stops
+        the whole job when the first of its processes exits (torchrun within 0.1 s), and the failed rank,
+        waiting for this one to end, must not be stopped before its message is out."""
+        deadline = time.monotonic() + ENDED_WAIT_S + POLL_S
+        try:
+            if self._store is not None:
+                self._store.add(ENDED_RANKS, 1)
+            while self._store is not None and not self._store.check([FAILURE_REPORTED]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store may be gone with the launcher
+            pass
 
     def _watch(self) -> None:
         while not self._finished.wait(POLL_S):
