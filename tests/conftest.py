@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sdxl_trainer.parallel import free_port
+from warm_launch import WarmLauncher
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATASET = REPO_ROOT / "sample_dataset"
@@ -81,12 +83,22 @@ def process_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO_ROOT))
 
 
+@functools.cache
+def warm_launcher() -> WarmLauncher:
+    return WarmLauncher(process_env())
+
+
 def run_processes(
-    num_processes: int, script: Path, args: list[str], timeout: float = 600, expect_success: bool = True, prefix: tuple[str, ...] = ()
+    num_processes: int, script: Path, args: list[str], timeout: float = 600, expect_success: bool = True, prefix: tuple[str, ...] = (),
+    through_launcher: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run `script` on num_processes CPU processes (gloo) with torchrun, as train.sh does; `prefix` wraps the launcher."""
-    command = [*prefix, *launcher_command(num_processes, script, args)]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=timeout)
+    """Run `script` on num_processes CPU processes (gloo), as train.sh does: forked from the session's warm
+    launcher (warm_launch.py), or `through_launcher`, or with a `prefix` that wraps the launcher, with torchrun."""
+    if through_launcher or prefix:
+        command = [*prefix, *launcher_command(num_processes, script, args)]
+        result = subprocess.run(command, cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=timeout)
+    else:
+        result = warm_launcher().run(num_processes, script, args, process_env(), REPO_ROOT, timeout)
     if expect_success:
         assert result.returncode == 0, f"{script.name} failed on {num_processes} processes:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result
@@ -224,9 +236,10 @@ def table_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
 
 
 @pytest.fixture
-def public_tmp_path(tmp_path_factory) -> Path:
+def public_tmp_path() -> Path:
     """A temporary folder an ordinary user can enter (pytest's own are private to the user who runs the tests)."""
-    path = Path(tempfile.mkdtemp(prefix="public-", dir=tmp_path_factory.getbasetemp().parent.parent))
+    # In the system's temporary folder itself: pytest's own folder above the base is private too.
+    path = Path(tempfile.mkdtemp(prefix="public-", dir=tempfile.gettempdir()))
     path.chmod(0o777)
     yield path
     shutil.rmtree(path, ignore_errors=True)

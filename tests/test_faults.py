@@ -378,7 +378,7 @@ def test_an_error_in_one_rank_ends_every_process_at_once_with_its_message_printe
     started = time.monotonic()
     result = run_processes(
         2, TRAINER, train_flags(cache, tiny_pipeline_dir, tmp_path, "--no-validation_image", "--dataloader_num_workers", "2", "--no-save_diffusers"),
-        expect_success=False, timeout=300,
+        expect_success=False, timeout=300, through_launcher=True,
     )
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr

@@ -1,0 +1,62 @@
+"""The suite's torchrun stand-in (warm_launch.py) gives ranks what torchrun gives them, and ends a job as it does."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from conftest import run_processes
+
+REPORT_ENVIRONMENT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+names = sorted(name for name in os.environ if name.startswith(("RANK", "LOCAL_", "GROUP_", "ROLE_", "WORLD_", "MASTER_", "TORCHELASTIC_", "TORCH_NCCL", "OMP_")))
+report = {"rank": dist.get_rank(), "total": total.item(), "names": names, "argv": sys.argv[1:], "name": __name__}
+with open(sys.argv[-1] + f"/rank{dist.get_rank()}.json", "w") as file:
+    json.dump(report, file)
+dist.destroy_process_group()
+"""
+
+ONE_RANK_FAILS = """
+import os, signal, sys, time
+if os.environ["RANK"] == "1":
+    print("rank 1 gives up", file=sys.stderr)
+    sys.exit(3)
+signal.signal(signal.SIGTERM, lambda *_: (print("rank 0 was told to stop", flush=True), sys.exit(0)))
+time.sleep(300)
+"""
+
+
+def reports(folder: Path) -> list[dict]:
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_ranks_get_torchruns_environment_and_form_a_group(tmp_path):
+    script = tmp_path / "report.py"
+    script.write_text(REPORT_ENVIRONMENT)
+    (tmp_path / "warm").mkdir()
+    (tmp_path / "real").mkdir()
+    run_processes(2, script, ["--flag", str(tmp_path / "warm")])
+    run_processes(2, script, ["--flag", str(tmp_path / "real")], through_launcher=True)
+    warm, real = reports(tmp_path / "warm"), reports(tmp_path / "real")
+    assert [report["total"] for report in warm] == [3.0, 3.0]  # 1 + 2, summed over the two ranks
+    assert [report["argv"] for report in warm] == [["--flag", str(tmp_path / "warm")]] * 2 and {report["name"] for report in warm} == {"__main__"}
+    # Every variable torchrun sets for its workers' rendezvous and identity, and no other.
+    assert [report["names"] for report in warm] == [report["names"] for report in real]
+
+
+def test_the_first_failing_rank_ends_the_job_with_its_exit_code(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(ONE_RANK_FAILS)
+    started = time.monotonic()
+    result = run_processes(2, script, [], expect_success=False)
+    assert result.returncode == 3
+    assert result.stderr.strip().splitlines()[-1] == "rank 1 gives up"
+    assert "rank 0 was told to stop" in result.stdout  # SIGTERM, as torchrun sends it, not a kill
+    assert time.monotonic() - started < 20
