@@ -15,9 +15,10 @@ JobWatchdog wraps a rank's whole run:
   cannot be reached (the launcher on the first machine is gone).
 The failing rank's message is the last thing on its machine's console: it is printed once the other ranks
 have stopped (or after ENDED_WAIT_S), on a line of its own, so neither their progress bar nor their output
-follows it; they exit only once it is printed, as a launcher stops every process when the first one exits. A SystemExit (a refusal or stop every rank reaches alike) is printed alone, any other error
-under one line saying the job stops; the other ranks end silently on that machine, and say in one line
-which rank failed on the other machines.
+follows it; they exit only once it is printed, as a launcher stops every process when the first one exits.
+A SystemExit (a refusal or stop every rank reaches alike) is printed alone, any other error under one line
+saying the job stops; the other ranks end silently on that machine, and say in one line which rank failed
+on the other machines.
 DataLoader workers of an ending rank are killed first, as they ignore the signals a launcher sends.
 """
 

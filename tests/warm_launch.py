@@ -2,11 +2,11 @@
 
 Every rank the suite starts would spend some 10 s importing torch, diffusers and transformers before it
 does a few seconds of tiny-model work; with some 70 launches that was a third of the suite's time. Here one
-server process (multiprocessing's forkserver) imports those modules once per test session, and each rank
+server process (multiprocessing's forkserver) imports those modules once per pytest worker, and each rank
 is a fork of it that runs the script as `python script.py ARGS` would, in the environment torchrun gives
 its workers: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT of a rendezvous store that this process hosts
-(torchrun's agent store, TORCHELASTIC_USE_AGENT_STORE=True), the TORCHELASTIC_* variables. Like torchrun, it stops
-the other ranks as soon as one fails and reports the first failure's exit code; the ranks' output goes to
+(torchrun's agent store, TORCHELASTIC_USE_AGENT_STORE=True), the TORCHELASTIC_* variables. Like torchrun,
+it stops the other ranks as soon as one fails and reports the first failure's exit code; the ranks' output goes to
 one stdout and one stderr, as under torchrun. One process is started as train.sh starts it: no launcher
 environment at all (the trainer forms its own one-process group).
 
@@ -94,10 +94,10 @@ class WarmLauncher:
 
         with tempfile.TemporaryDirectory(prefix="warm-launch-") as folder:
             stdout_path, stderr_path = Path(folder) / "stdout", Path(folder) / "stderr"
-            store = None
             rank_envs = [dict(env) for _ in range(num_processes)]
             if num_processes > 1:
-                store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, timeout=timedelta(seconds=300), wait_for_workers=False)
+                store = dist.TCPStore(  # lives as long as the job: the ranks' rendezvous
+                    "127.0.0.1", 0, world_size=None, is_master=True, timeout=timedelta(seconds=300), wait_for_workers=False)
                 for rank, rank_env in enumerate(rank_envs):
                     rank_env.update(
                         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
@@ -120,7 +120,6 @@ class WarmLauncher:
                     if rank.exitcode is None:
                         rank.kill()
                         rank.join()
-                del store
             return subprocess.CompletedProcess(
                 [str(script), *args], return_code, stdout_path.read_text(errors="replace"), stderr_path.read_text(errors="replace")
             )
