@@ -15,7 +15,7 @@ bash sdxl_process_data_dir.sh \
     --data_dir sample_dataset \
     --cache_dir "$OUTPUT_DIR/cache" \
     --pretrained_model_name_or_path "$OUTPUT_DIR/tiny_sdxl" \
-    --min_resolution 256 --max_resolution 512
+    --min_resolution 256 --max_resolution 320
 bash train.sh \
     --cached_dataset_dirs "$OUTPUT_DIR/cache" \
     --num_train_epochs 2 --learning_rate 1e-4 --set_seed 123 \

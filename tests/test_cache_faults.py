@@ -12,18 +12,15 @@ import time
 from collections import Counter
 
 import sdxl_process_data_dir
-from conftest import REPO_ROOT, SAMPLE_DATASET, process_env, small_filesystem_prefix, unprivileged
+from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_env, small_filesystem_prefix, unprivileged
 from sdxl_trainer.cache import EMPTY_PROMPT_FILE, WorkerLock, load_manifest
 from sdxl_trainer.files import SHAREABLE_MODE
 from test_process_data_dir import make_dataset, run_cache
 
-SAMPLE_FLAGS = ["--min_resolution", "256", "--max_resolution", "512"]
-
-
 def test_a_real_full_disk_stops_with_the_message_and_a_rerun_after_freeing_space_resumes(tmp_path, tiny_pipeline_dir):
     mounted, copied = tmp_path / "disk", tmp_path / "copied"
     command = [sys.executable, str(REPO_ROOT / "sdxl_process_data_dir.py"), "--data_dir", str(SAMPLE_DATASET), "--cache_dir", str(mounted / "cache"),
-               "--pretrained_model_name_or_path", str(tiny_pipeline_dir), "--items_per_shard", "4", *SAMPLE_FLAGS]
+               "--pretrained_model_name_or_path", str(tiny_pipeline_dir), "--items_per_shard", "4", *SAMPLE_RESOLUTION_FLAGS]
     # Readable by the namespace's root: the tiny pipeline sits in pytest's private folder.
     result = subprocess.run([*small_filesystem_prefix(mounted, copied, "512k"), *command], cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
@@ -34,7 +31,7 @@ def test_a_real_full_disk_stops_with_the_message_and_a_rerun_after_freeing_space
     assert 0 < committed < 28
     assert not [path for path in (copied / "cache").rglob("*") if path.name.endswith(".tmp")]
     # Space freed (here: the same cache on a disk with room): the re-run caches only the rest.
-    assert run_cache(SAMPLE_DATASET, copied / "cache", tiny_pipeline_dir, "--items_per_shard", "4", "--max_resolution", "512") == 0
+    assert run_cache(SAMPLE_DATASET, copied / "cache", tiny_pipeline_dir, "--items_per_shard", "4", *SAMPLE_RESOLUTION_FLAGS) == 0
     assert len(load_manifest(copied / "cache")) == 28
 
 
@@ -42,7 +39,7 @@ def test_an_unreadable_caption_is_skipped_in_a_dry_run_with_its_reason(public_tm
     data_dir = make_dataset(public_tmp_path / "data", 3)
     (data_dir / "img001.txt").chmod(0)
     with unprivileged():
-        code = sdxl_process_data_dir.main(["--data_dir", str(data_dir), "--cache_dir", str(public_tmp_path / "cache"), "--dry_run", *SAMPLE_FLAGS])
+        code = sdxl_process_data_dir.main(["--data_dir", str(data_dir), "--cache_dir", str(public_tmp_path / "cache"), "--dry_run", *SAMPLE_RESOLUTION_FLAGS])
     assert code == 0
     assert "would cache 2 (upscaled: 0); would skip 1 (unreadable caption: 1)" in capsys.readouterr().out
 

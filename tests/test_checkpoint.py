@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
+from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars, trainer_flags
 from sdxl_trainer.checkpoint import (
     METADATA_FILE,
     TRAINER_STATE_FILE,
@@ -331,7 +331,7 @@ def test_the_vae_a_cache_was_encoded_with_is_the_one_exported(tmp_path, tiny_pip
     cache_dir = tmp_path / "cache"
     assert sdxl_process_data_dir.main(
         ["--data_dir", str(REPO_ROOT / "sample_dataset"), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-         "--vae_name_or_path", str(other_vae), "--min_resolution", "256", "--max_resolution", "512"]
+         "--vae_name_or_path", str(other_vae), *SAMPLE_RESOLUTION_FLAGS]
     ) == 0
     run_processes(1, TRAINER, trainer_flags(cache_dir, tiny_pipeline_dir, tmp_path, "other_vae", "--num_train_epochs", "1", "--optimizer", "adamw",
                                             "--no-save_state", "--no-validation_loss"))

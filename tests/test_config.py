@@ -283,7 +283,7 @@ def test_the_trainer_takes_the_model_and_resolution_range_from_its_cache(train_c
     parsed = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir)])
     config, caches = with_cache_settings(parsed)
     assert caches.problems == []
-    assert (config.min_resolution, config.max_resolution) == (256, 512)  # what the conftest cache was made with
+    assert (config.min_resolution, config.max_resolution) == (256, 320)  # what the conftest cache was made with
     assert config.pretrained_model_name_or_path == str(tiny_pipeline_dir)
     assert (parsed.min_resolution, parsed.max_resolution, parsed.pretrained_model_name_or_path) == (None, None, None)  # parsed stays as parsed
 
@@ -291,7 +291,7 @@ def test_the_trainer_takes_the_model_and_resolution_range_from_its_cache(train_c
 def test_a_resolution_flag_that_contradicts_the_cache_is_refused_naming_the_cache_and_the_fix(train_config_class, sample_cache_dir):
     from sdxl_FSDP_train import with_cache_settings
 
-    agreeing = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), "--min_resolution", "256", "--max_resolution", "512"])
+    agreeing = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), "--min_resolution", "256", "--max_resolution", "320"])
     assert with_cache_settings(agreeing)[1].problems == []
     config = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), "--min_resolution", "512"])
     assert with_cache_settings(config)[1].problems == [

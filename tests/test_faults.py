@@ -21,6 +21,7 @@ import pytest
 
 from conftest import (
     REPO_ROOT,
+    SAMPLE_RESOLUTION_FLAGS,
     launcher_command,
     process_env,
     run_processes,
@@ -53,7 +54,8 @@ def train_flags(cache_dir: Path, pipeline_dir: Path, output_dir: Path, *extra: s
 def saved_run(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> Path:
     """A finished 2-process run of 12 updates with checkpoints after updates 4, 8 and 12."""
     output_dir = tmp_path_factory.mktemp("saved_run")
-    run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, "--save_state_every_n_updates", "4", "--checkpoints_total_limit", "0", "--no-save_diffusers"))
+    run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, "--save_state_every_n_updates", "4", "--checkpoints_total_limit", "0",
+                                          "--max_train_updates", "12", "--no-save_diffusers"))
     return output_dir / "run"
 
 
@@ -196,7 +198,7 @@ def test_latest_skips_damaged_checkpoints_says_so_and_resumes_from_the_newest_in
     plant_pickle(run / "checkpoints" / checkpoint_name(12), marker)
     damage(run / "checkpoints" / checkpoint_name(8), "truncated shard")
     assert find_latest_checkpoint(run / "checkpoints")[0] == run / "checkpoints" / checkpoint_name(4)
-    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers"))
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--max_train_updates", "12", "--no-save_diffusers"))
     assert f"Skipping damaged checkpoint {run / 'checkpoints' / checkpoint_name(12)}" in result.stdout
     assert f"Skipping damaged checkpoint {run / 'checkpoints' / checkpoint_name(8)}" in result.stdout
     assert f"Resumed from {run / 'checkpoints' / checkpoint_name(4)}" in result.stdout
@@ -360,7 +362,7 @@ def one_item_per_shard_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
     cache_dir = tmp_path_factory.mktemp("cache") / "one_per_shard"
     assert sdxl_process_data_dir.main(
         ["--data_dir", str(REPO_ROOT / "sample_dataset"), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-         "--min_resolution", "256", "--max_resolution", "512", "--items_per_shard", "1"]
+         *SAMPLE_RESOLUTION_FLAGS, "--items_per_shard", "1"]
     ) == 0
     return cache_dir
 
@@ -438,7 +440,7 @@ def test_a_full_disk_warns_at_state_saves_keeps_the_last_checkpoint_and_stops_cl
     after update 4 fits, the one after update 8 does not, and neither does the export."""
     mounted, copied = tmp_path / "disk", tmp_path / "copied"
     result = run_processes(
-        2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, mounted, "--save_state_every_n_updates", "4", "--checkpoints_total_limit", "0"),
+        2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, mounted, "--save_state_every_n_updates", "4", "--checkpoints_total_limit", "0", "--max_train_updates", "12"),
         expect_success=False, prefix=small_filesystem_prefix(mounted, copied, "24m"),
     )
     output = result.stdout + result.stderr

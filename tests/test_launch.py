@@ -113,7 +113,7 @@ def test_two_processes_refused_before_training_leave_the_refusal_last(tmp_path, 
     assert process.returncode == 1
     assert console.rstrip().splitlines()[-2:] == [
         "Cannot start training:",
-        f"  --max_resolution 1024 does not match the caches: {sample_cache_dir} was made with --max_resolution 512; drop the flag "
+        f"  --max_resolution 1024 does not match the caches: {sample_cache_dir} was made with --max_resolution 320; drop the flag "
         "(the trainer takes the range from the caches) or re-cache with --max_resolution 1024",
     ]
     assert console.count("Cannot start training:") == 1  # printed once, by the first rank
