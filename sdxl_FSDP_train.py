@@ -783,9 +783,11 @@ def build_run(config: TrainConfig, world: World) -> Run:
     data = load_training_data(config.data_settings(), run_dir, seed, world.world_size, world.is_main)
     empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cached_dataset_dirs[0]))
     models, caption_encoder = build_models(config, world, data.dataset, seed, compute_dtype, caches.caption_chunks)
+    # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
+    scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
     optimizer = build_optimizer(
         config.optimizer, models.parameter_groups(config.learning_rate, config.text_encoder_rates()), config.learning_rate, config.weight_decay,
-        (config.adam_beta1, config.adam_beta2), config.adam_epsilon,
+        (config.adam_beta1, config.adam_beta2), config.adam_epsilon, loss_scaling=scaler is not None,
     )
     ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
     position = resume(config, world, resume_dir, saved, models, optimizer, ema, run_dir)
@@ -803,8 +805,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     train_step = TrainStep(
         models.unet, optimizer, learning_rate_schedule(config, total_updates), noise_scheduler, config.noise_settings(), empty_prompt, seed,
         config.max_grad_norm,
-        # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
-        scaler=ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None,
+        scaler=scaler,
         ema=ema,
         reduce_every_microbatch=reduce_every_microbatch(config, world.device),
         caption_encoder=caption_encoder,

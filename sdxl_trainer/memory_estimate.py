@@ -290,7 +290,7 @@ def _build_run(settings: EstimateSettings, world: World, unet_config: dict, text
         trained = TrainedModels(unet, dict(zip(TEXT_ENCODER_NAMES, encoders)))
         caption_encoder = StepCaptionEncoder((sdxl_tokenizers(), encoders), [ESTIMATE_CAPTION], CaptionVariation(), 0, 1, world.device, trains=True)
     groups = trained.parameter_groups(1e-5, dict.fromkeys(TEXT_ENCODER_NAMES, 1e-5)) if trained is not unet else unet.parameters()
-    optimizer = build_optimizer(settings.optimizer, groups, 1e-5, 1e-2, (0.9, None), 1e-8)
+    optimizer = build_optimizer(settings.optimizer, groups, 1e-5, 1e-2, (0.9, None), 1e-8, loss_scaling=settings.compute_dtype == torch.float16)
     ema = ShardedEMA(unet, 0.9999, on_cpu=settings.ema_on_cpu) if settings.use_ema else None
     empty_prompt = (torch.zeros(TEXT_MAX_LENGTH, unet.config.cross_attention_dim), torch.zeros(_pooled_width(unet)))
     train_step = TrainStep(

@@ -133,11 +133,12 @@ DEFAULT_BETA2 = {"adamw8bit": 0.999, "adamw": 0.999, "lion": 0.99}
 
 
 def build_optimizer(
-    name: str, parameters: Iterable[torch.nn.Parameter] | list[dict], learning_rate: float, weight_decay: float, betas: tuple[float, float | None], eps: float
+    name: str, parameters: Iterable[torch.nn.Parameter] | list[dict], learning_rate: float, weight_decay: float, betas: tuple[float, float | None], eps: float,
+    loss_scaling: bool = False,
 ) -> torch.optim.Optimizer:
     """`parameters`: parameters, or param groups (dicts with their own "lr"). betas and eps apply to the
     AdamW variants; Lion uses betas; Adafactor uses neither. A beta2 of None takes the optimizer's default
-    (DEFAULT_BETA2)."""
+    (DEFAULT_BETA2). `loss_scaling`: fp16 training, stepped through a ShardedGradScaler."""
     parameters = list(parameters)
     betas = (betas[0], DEFAULT_BETA2.get(name, 0.999) if betas[1] is None else betas[1])
     if name == "adamw8bit":
@@ -152,7 +153,11 @@ def build_optimizer(
         # The fused kernel (torchtitan's default) works on DTensor shards in one op per update: the multi-tensor
         # path's dozen ops each cost DTensor a sharding propagation over every parameter at the first update
         # (measured on 2 CPU processes, tiny UNet: 8.9 s first update against 2.2 s fused; later ones equal).
-        return torch.optim.AdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+        # With loss scaling the scaler hands a fused kernel its overflow flag, and ShardedGradScaler's (shape
+        # [1]) fails there ("output with shape [] doesn't match the broadcast shape [1]"): the multi-tensor
+        # path is skipped by the scaler instead.
+        implementation = {"foreach": True} if loss_scaling else {"fused": True}
+        return torch.optim.AdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay, **implementation)
     if name == "adafactor":
         return Adafactor(parameters, lr=learning_rate, weight_decay=weight_decay)
     if name == "lion":

@@ -209,11 +209,17 @@ def test_nonfinite_update_is_skipped_without_touching_weights_or_state_but_count
     assert (step.skipped_updates, step.consecutive_skipped_updates) == (1, 0)
 
 
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fp16_scaler_overflow_lowers_the_scale_and_skips_the_step(world, tiny_pipeline_dir, layout):
+def test_fp16_scaler_overflow_lowers_the_scale_and_skips_the_step(world, tiny_pipeline_dir, layout, optimizer_name):
+    """Also with --optimizer adamw as an fp16 run builds it: torch's fused AdamW failed on the sharded scaler's
+    overflow flag, so loss scaling takes the multi-tensor path."""
     unet = unet_in_layout(layout, tiny_pipeline_dir, world, param_dtype=torch.float16)
     before = weights(unet)
-    optimizer = torch.optim.SGD(unet.parameters(), lr=1e-3)
+    if optimizer_name == "sgd":
+        optimizer = torch.optim.SGD(unet.parameters(), lr=1e-3)
+    else:
+        optimizer = build_optimizer(optimizer_name, unet.parameters(), 1e-3, 1e-2, (0.9, None), 1e-8, loss_scaling=True)
     step = make_train_step(unet, optimizer, tiny_pipeline_dir)
     step.scaler = ShardedGradScaler("cpu", init_scale=2.0**40)  # fp16 backward overflows at 65504
     result = step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0)
