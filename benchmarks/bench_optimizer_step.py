@@ -4,14 +4,16 @@ measured side by side in one process run. Prints figures.
 
     venv/bin/python benchmarks/bench_optimizer_step.py            # 1 process
     venv/bin/torchrun --nproc_per_node 2 benchmarks/bench_optimizer_step.py
-    venv/bin/python benchmarks/bench_optimizer_step.py --sdxl_tensor_count
+    venv/bin/python benchmarks/bench_optimizer_step.py --sdxl_tensor_count [--sharded]
 
 --sdxl_tensor_count steps over as many parameter tensors as the full-size SDXL UNet has (1,680: 864 of at
 least 4,096 values, which the 8-bit optimizers keep in 8 bits, and 816 smaller), each small, once at
 4,096 / 320 values and once at twice that: the difference is the cost of the values, the rest the cost per
 tensor that a faster device does not remove (Python, dispatch, kernel launches), which every rank pays
 for all 1,680 tensors however many ranks share the UNet. The first step's time (kernels compiled, or
-loaded from the compile cache) is printed too.
+loaded from the compile cache) is printed too. With --sharded those tensors are DTensor shards (dim 0 split
+over the processes), as FSDP2 hands them to the optimizer: the cost per tensor then includes what DTensor
+costs an optimizer that steps through it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from diffusers import UNet2DConditionModel  # noqa: E402
+from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit  # noqa: E402
 
 from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer  # noqa: E402
@@ -72,20 +75,26 @@ def tiny_unet_parameters(world) -> tuple[list[torch.nn.Parameter], str]:
     return list(unet.parameters()), "tiny UNet, sharded with FSDP2"
 
 
-def sdxl_count_parameters(size_factor: int) -> list[torch.nn.Parameter]:
+def sdxl_count_parameters(size_factor: int, mesh=None) -> list[torch.nn.Parameter]:
+    """SDXL_TENSORS' tensors of size_factor times their size; DTensor shards over `mesh` when given."""
     torch.manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(size * size_factor)) for size, count in SDXL_TENSORS.items() for _ in range(count)]
+    tensors = [torch.randn(size * size_factor) for size, count in SDXL_TENSORS.items() for _ in range(count)]
+    if mesh is not None:
+        tensors = [distribute_tensor(tensor, mesh, [Shard(0)]) for tensor in tensors]
+    return [torch.nn.Parameter(tensor) for tensor in tensors]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sdxl_tensor_count", action="store_true", help="1,680 small tensors (SDXL's count) instead of the tiny UNet")
+    parser.add_argument("--sharded", action="store_true", help="with --sdxl_tensor_count: DTensor shards, as FSDP2 gives them")
     args = parser.parse_args()
     world = init_distributed()
     if args.sdxl_tensor_count:
-        parameters = sdxl_count_parameters(1)
-        results, doubled = every_optimizer(parameters), every_optimizer(sdxl_count_parameters(2))
-        what = "as many tensors as SDXL's UNet, each small, not sharded"
+        mesh = world.mesh if args.sharded else None
+        parameters = sdxl_count_parameters(1, mesh)
+        results, doubled = every_optimizer(parameters), every_optimizer(sdxl_count_parameters(2, mesh))
+        what = f"as many tensors as SDXL's UNet, each small, {'DTensor shards' if args.sharded else 'not sharded'}"
     else:
         parameters, what = tiny_unet_parameters(world)
         results, doubled = every_optimizer(parameters), None
@@ -97,7 +106,7 @@ def main() -> None:
                 per_tensor = (2 * seconds - doubled[name][1]) / len(parameters)
                 line += f", {doubled[name][1] * 1e3:8.1f} ms at twice the values: {per_tensor * 1e6:6.1f} us per tensor"
             print(line)
-        print(f"  adamw: the multi-tensor path is {results[FOR_LOOP_ADAMW][1] / results['adamw'][1]:.2f}x faster than the for-loop")
+        print(f"  adamw: the fused step is {results[FOR_LOOP_ADAMW][1] / results['adamw'][1]:.2f}x faster than the for-loop")
         print(f"  adamw8bit: ours is {results[TORCHAO_ADAMW8BIT][1] / results['adamw8bit'][1]:.2f}x faster than torchao's per-tensor step")
     shutdown_distributed()
 

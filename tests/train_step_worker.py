@@ -1,7 +1,7 @@
 """Run under torchrun (2 CPU processes) by test_train_step_distributed.py. Writes rank{N}.json with:
 - per optimizer: the largest difference between "2 updates straight" and "1 update, save, restore into a
   fresh model and optimizer, 1 update", and the bytes of parameters and optimizer state this rank holds;
-- reduce-scatter counts of one update with 1 and with 2 microbatches;
+- reduce-scatter counts of one update with 1 and with 2 microbatches; all-reduces of one Adafactor step;
 - the share of the EMA this rank holds."""
 
 from __future__ import annotations
@@ -73,6 +73,18 @@ def reduce_scatters_per_update(pipeline_dir: Path, world, microbatches: int, eve
     return sum(event.name == "c10d::_reduce_scatter_base_" for event in profile.events()), full_weights(unet)
 
 
+def all_reduces_per_adafactor_step(pipeline_dir: Path, world) -> int:
+    """How many all-reduces one Adafactor step over the sharded UNet's 212 parameters makes (its state exists)."""
+    unet = sharded_unet(pipeline_dir, world)
+    optimizer = build_optimizer("adafactor", unet.parameters(), 1e-3, 0.0, (0.9, None), 1e-8)
+    for parameter in unet.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    optimizer.step()
+    with torch.profiler.profile() as profile:
+        optimizer.step()
+    return sum(event.name == "c10d::allreduce_" for event in profile.events())
+
+
 def main(pipeline_dir: str, output_dir: str) -> None:
     world = init_distributed()
     pipeline, output = Path(pipeline_dir), Path(output_dir)
@@ -81,6 +93,7 @@ def main(pipeline_dir: str, output_dir: str) -> None:
         report["optimizers"][name] = optimizer_round_trip(name, pipeline, output / f"checkpoint_{name}", world)
     # bf16 weights with stochastic rounding, through the 8-bit step (uneven shards: small ones keep fp32 moments)
     report["bf16_weights"] = optimizer_round_trip("adamw8bit", pipeline, output / "checkpoint_bf16", world, torch.bfloat16)
+    report["adafactor_all_reduces"] = all_reduces_per_adafactor_step(pipeline, world)
     report["reduce_scatters"] = {count: reduce_scatters_per_update(pipeline, world, count)[0] for count in (1, 2)}
     once, once_weights = reduce_scatters_per_update(pipeline, world, 3)
     every, every_weights = reduce_scatters_per_update(pipeline, world, 3, every_microbatch=True)
