@@ -66,8 +66,7 @@ def sample_cache_dir(tmp_path_factory, tiny_pipeline_dir) -> Path:
             "--data_dir", str(SAMPLE_DATASET),
             "--cache_dir", str(cache_dir),
             "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-            "--min_resolution", str(MIN_RESOLUTION),
-            "--max_resolution", str(MAX_RESOLUTION),
+            *SAMPLE_RESOLUTION_FLAGS,
         ]
     )
     assert exit_code == 0
@@ -119,7 +118,7 @@ def train_sample_run(num_processes: int, per_rank_batch: int, cache_dir: Path | 
             "--learning_rate_scheduler", "cosine", "--percent_lr_warm_up_steps", "0.25",
             "--cached_dataset_dirs", str(cache_dir),
             "--pretrained_model_name_or_path", str(pipeline_dir),
-            "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
+            *SAMPLE_RESOLUTION_FLAGS,
             "--train_batch_size", str(per_rank_batch),
             "--gradient_accumulation_steps", "2",
             "--num_train_epochs", "1",
@@ -209,7 +208,7 @@ def tag_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
     cache_dir = root / "cache"
     assert sdxl_process_data_dir.main(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-         "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION)]
+         *SAMPLE_RESOLUTION_FLAGS]
     ) == 0
     return cache_dir
 
@@ -236,7 +235,7 @@ def table_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
     cache_dir = root / "cache"
     assert sdxl_process_data_dir.main(
         ["--data_dir", str(images), "--metadata_table", str(root / "meta.parquet"), "--score_tags", "300", "100", "--cache_dir", str(cache_dir),
-         "--pretrained_model_name_or_path", str(tiny_pipeline_dir), "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION)]
+         "--pretrained_model_name_or_path", str(tiny_pipeline_dir), *SAMPLE_RESOLUTION_FLAGS]
     ) == 0
     return cache_dir
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, run_processes, scalars, trainer_flags
+from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars, trainer_flags
 from sdxl_trainer.cache import LOG_DIR, load_manifest
 from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder, caption_generator, vary_caption
 from sdxl_trainer.data import CachedDataset, collate
@@ -91,7 +91,7 @@ def test_a_caches_caption_prefix_is_in_its_embeddings_and_around_every_varied_ca
 
     prefixed = tmp_path / "prefixed"
     flags = ["--data_dir", str(SAMPLE_DATASET), "--cache_dir", str(prefixed), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-             "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION)]
+             *SAMPLE_RESOLUTION_FLAGS]
     assert sdxl_process_data_dir.main([*flags, "--caption_prefix", "ohwx,", "--caption_suffix", "by someone"]) == 0
     dataset = CachedDataset([tag_cache, prefixed])
     from_prefixed = dataset.cache_index == 1

@@ -13,7 +13,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, run_processes, scalars
+from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars
 
 
 def test_each_rank_holds_half_of_the_unet(tmp_path, tiny_pipeline_dir):
@@ -64,7 +64,7 @@ def test_updates_that_keep_failing_stop_the_run_after_saving_state(tmp_path, sam
         [
             "--cached_dataset_dirs", str(sample_cache_dir),
             "--pretrained_model_name_or_path", str(unet_only),
-            "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
+            *SAMPLE_RESOLUTION_FLAGS,
             "--optimizer", "adamw", "--learning_rate", "1e30", "--learning_rate_scheduler", "constant",
             "--mixed_precision", "fp32", "--no-save_samples", "--no-validation_image", "--dataloader_num_workers", "0", "--set_seed", "1",
             "--max_consecutive_skipped_updates", "2", "--no-save_diffusers",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sdxl_process_data_dir
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, run_processes, trainer_flags
+from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, run_processes, trainer_flags
 from sdxl_trainer.buckets import plan_crop
 from sdxl_trainer.cache import FLIPPED_KEY, MANIFEST_DIR, CacheReader, load_manifest
 from sdxl_trainer.data import CachedDataset, choose_views, collate, flip_draws
@@ -25,7 +25,7 @@ from sdxl_trainer.sources import SourcePair, prepare_item
 def flip_cache(tmp_path_factory, tiny_pipeline_dir):
     cache_dir = tmp_path_factory.mktemp("flip") / "cache"
     flags = ["--data_dir", str(SAMPLE_DATASET), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-             "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION), "--flip_aug"]
+             *SAMPLE_RESOLUTION_FLAGS, "--flip_aug"]
     assert sdxl_process_data_dir.main(flags) == 0
     return cache_dir
 

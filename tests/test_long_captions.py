@@ -13,7 +13,7 @@ from diffusers import StableDiffusionXLPipeline
 from safetensors import safe_open
 
 import sdxl_process_data_dir
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, run_processes, trainer_flags
+from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, run_processes, trainer_flags
 from sdxl_trainer.cache import LOG_DIR, SHARD_DIR, read_cache_info, read_empty_prompt
 from sdxl_trainer.encoding import encode_prompts
 
@@ -96,7 +96,7 @@ def long_caption_dataset(folder: Path) -> Path:
 def cache_with(data_dir: Path, cache_dir: Path, pipeline_dir: Path, max_token_length: int) -> int:
     return sdxl_process_data_dir.main(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(pipeline_dir),
-         "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION), "--max_token_length", str(max_token_length)]
+         *SAMPLE_RESOLUTION_FLAGS, "--max_token_length", str(max_token_length)]
     )
 
 

@@ -17,7 +17,7 @@ from diffusers import DDPMScheduler
 from PIL import Image
 
 import sdxl_process_data_dir
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET, scalars
+from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, scalars
 from sdxl_trainer.buckets import LATENT_DOWNSCALE, plan_crop
 from sdxl_trainer.cache import LOSS_MASK_KEY, CacheReader, load_manifest, sha256_bytes
 from sdxl_trainer.data import CachedDataset, choose_views, collate, flip_draws
@@ -26,7 +26,7 @@ from sdxl_trainer.images import resize_and_crop, to_latent_mask
 from sdxl_trainer.sources import SkippedItem, SourcePair, mask_image, read_mask_file
 from test_resume_schedules import RESUME_AT, exported_unet, resumed_copy, train
 
-CACHE_FLAGS = ("--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION), "--flip_aug")
+CACHE_FLAGS = (*SAMPLE_RESOLUTION_FLAGS, "--flip_aug")
 
 
 def copy_pair(name: str, folder, new_stem: str | None = None) -> None:

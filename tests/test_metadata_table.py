@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import sdxl_process_data_dir
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET
+from conftest import SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS
 from sdxl_trainer.cache import LOG_DIR, load_manifest
 from sdxl_trainer.metadata import TableError, TableFilters, parse_column_names, read_text_replacements, scan_table
 
@@ -65,7 +65,7 @@ def test_a_table_caches_its_rows_with_tags_edited_and_filtered(tmp_path, tiny_pi
     cache_dir = tmp_path / "cache"
     exit_code = sdxl_process_data_dir.main(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-         "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION), "--metadata_table", str(table),
+         *SAMPLE_RESOLUTION_FLAGS, "--metadata_table", str(table),
          "--min_score", "5", "--exclude_tags", "nsfw", "--tag_replacements", str(replacements),
          "--tag_text_replacements", str(text_replacements), "--score_tags", "9", "7", "8.5", "--allowed_ratings", "General", "sensitive"]
     )
@@ -309,7 +309,7 @@ def test_rows_whose_path_no_file_can_have_or_that_leads_outside_through_a_symlin
     cache_dir = tmp_path / "cache"
     exit_code = sdxl_process_data_dir.main(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-         "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION), "--metadata_table", str(table),
+         *SAMPLE_RESOLUTION_FLAGS, "--metadata_table", str(table),
          "--num_shards", "1", "--shard_index", "0"]
     )
     assert exit_code == 0

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import sdxl_process_data_dir
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET, train_sample_run
+from conftest import SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, train_sample_run
 from s3_server import make_bucket, s3_server
 from test_tar_sources import cache_tars, pack, sample_members
 from sdxl_trainer.cache import (
@@ -44,7 +44,7 @@ def cache_to(url: str, pipeline_dir, data_dir=SAMPLE_DATASET) -> int:
     return sdxl_process_data_dir.main(
         [
             "--data_dir", str(data_dir), "--cache_dir", url, "--pretrained_model_name_or_path", str(pipeline_dir),
-            "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
+            *SAMPLE_RESOLUTION_FLAGS,
         ]
     )
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import sdxl_process_data_dir
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET
+from conftest import SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS
 from sdxl_trainer.cache import SHARD_DIR, CacheReader, load_manifest, sha256_file
 from sdxl_trainer.sources import scan_images
 from sdxl_trainer.tar_sources import json_caption, scan_tar_shards, split_key
@@ -91,7 +91,7 @@ def test_tar_cache_equals_the_folder_cache(tmp_path, sample_cache_dir, tiny_pipe
     for name, shard_members in shards.items():
         pack(data_dir / name, shard_members)
     cache_dir = tmp_path / "cache"
-    assert cache_tars(data_dir, cache_dir, tiny_pipeline_dir, "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION)) == 0
+    assert cache_tars(data_dir, cache_dir, tiny_pipeline_dir, *SAMPLE_RESOLUTION_FLAGS) == 0
     assert not any(path.is_dir() for path in data_dir.iterdir())  # nothing unpacked
 
     folder_rows = load_manifest(sample_cache_dir).to_pylist()

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, run_processes
+from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, run_processes
 from metric_networks import write_metric_weights
 from sdxl_trainer.data import CachedDataset
 from sdxl_trainer.holdout import HOLDOUT_FILE
@@ -35,7 +35,7 @@ def run(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
     def flags(epochs: int) -> list[str]:
         return [
             "--cached_dataset_dirs", str(sample_cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-            "--min_resolution", str(MIN_RESOLUTION), "--max_resolution", str(MAX_RESOLUTION),
+            *SAMPLE_RESOLUTION_FLAGS,
             "--output_dir", str(output_dir), "--project_name", "run", "--num_train_epochs", str(epochs),
             "--train_batch_size", "1", "--optimizer", "adamw", "--mixed_precision", "fp32", "--set_seed", "3",
             "--dataloader_num_workers", "0", "--no-save_diffusers", "--load_saved_state", "latest",
