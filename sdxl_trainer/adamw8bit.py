@@ -23,7 +23,7 @@ AdamWFp32Moments is the same step with every moment in fp32: --optimizer adamw o
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.subclass_8bit import OptimState8bit
 
+from .optimizers import runs_of_at_most
 from .stochastic_rounding import round_to_bf16, rounding_key
 
 # Values per chunk: the kernel's temporaries are about 16 bytes per value (270 MB at this size) and a
@@ -99,20 +100,6 @@ class _Shard(NamedTuple):
     exp_avg_sq: torch.Tensor
 
 
-def _chunks(shards: list[_Shard]) -> Iterable[list[_Shard]]:
-    """Consecutive runs of shards of at most CHUNK_VALUES values together (a larger shard alone)."""
-    chunk, chunk_values = [], 0
-    for shard in shards:
-        numel = shard.param.numel()
-        if chunk and chunk_values + numel > CHUNK_VALUES:
-            yield chunk
-            chunk, chunk_values = [], 0
-        chunk.append(shard)
-        chunk_values += numel
-    if chunk:
-        yield chunk
-
-
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([tensor.reshape(-1) for tensor in tensors])
 
@@ -174,7 +161,7 @@ class AdamW8bit(TorchaoAdamW8bit):
         eager = is_in_torch_dispatch_mode()
         step_8bit_moments = _step_8bit_moments if eager else _compiled_step_8bit_moments
         adamw = _adamw if eager else _compiled_adamw
-        chunks = list(_chunks(shards))
+        chunks = list(runs_of_at_most(shards, [shard.param.numel() for shard in shards], CHUNK_VALUES))
         for chunk_number, chunk in enumerate(chunks, start=first_chunk):
             params, grads, exp_avgs, exp_avg_sqs = (list(tensors) for tensors in zip(*chunk))
             if is_8bit:

@@ -89,17 +89,18 @@ def _entries_per_group(optimizer: torch.optim.Optimizer, new_state) -> Iterable[
             yield group, entries
 
 
-def _chunks(entries: list[_Entry]) -> Iterable[list[_Entry]]:
-    """Consecutive runs of entries of at most CHUNK_VALUES local values together (a larger one alone)."""
-    chunk, values = [], 0
-    for entry in entries:
-        if chunk and values + entry.weights.numel() > CHUNK_VALUES:
-            yield chunk
-            chunk, values = [], 0
-        chunk.append(entry)
-        values += entry.weights.numel()
-    if chunk:
-        yield chunk
+def runs_of_at_most(items: list, sizes: list[int], max_size: int) -> Iterable[list]:
+    """Consecutive runs of `items` whose `sizes` add up to at most max_size (a larger item alone); the 8-bit
+    AdamW step chunks its shards with it too."""
+    run, total = [], 0
+    for item, size in zip(items, sizes):
+        if run and total + size > max_size:
+            yield run
+            run, total = [], 0
+        run.append(item)
+        total += size
+    if run:
+        yield run
 
 
 def _step_counts(entries: list[_Entry]) -> list[float]:
@@ -147,7 +148,7 @@ class Lion(torch.optim.Optimizer):
         for group, entries in _entries_per_group(self, self._new_state):
             beta1, beta2 = group["betas"]
             steps = dict(zip((entry.index for entry in entries), _step_counts(entries)))
-            for chunk in _chunks(entries):
+            for chunk in runs_of_at_most(entries, [entry.weights.numel() for entry in entries], CHUNK_VALUES):
                 grads = [entry.grad.float() for entry in chunk]
                 momenta = [_local(entry.state["exp_avg"]) for entry in chunk]
                 weights = torch._foreach_mul([entry.weights.float() for entry in chunk], 1 - group["lr"] * group["weight_decay"])
