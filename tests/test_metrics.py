@@ -12,6 +12,7 @@ import pytest
 import scipy.linalg
 import torch
 from PIL import Image
+from torch_fidelity.metric_fid import fid_features_to_statistics, fid_statistics_to_metric
 
 from metric_networks import TINY_CLIP, write_metric_weights
 from sdxl_trainer.metrics import (
@@ -21,6 +22,7 @@ from sdxl_trainer.metrics import (
     MetricSkipped,
     MetricWeights,
     MetricWeightsError,
+    frechet_distance,
     load_image_metrics,
 )
 
@@ -98,6 +100,18 @@ def test_fid_matches_the_textbook_formula(metrics):
     root = scipy.linalg.sqrtm(sigma1 @ sigma2).real
     expected = float(((mu1 - mu2) ** 2).sum() + np.trace(sigma1 + sigma2 - 2 * root))
     assert metrics.summarize(real, fake, None, None, None)["val/fid"] == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("real_count,fake_count,width", [(6, 9, 64), (50, 40, 64), (80, 100, 64)])
+def test_fid_is_torch_fidelitys_in_its_low_rank_form_and_beyond(real_count, fake_count, width):
+    """Sets smaller than the feature width take the exact low-rank form (the identity holds at any width; 64
+    keeps torch-fidelity's eigenvalues quick); (80, 100, 64) is torch-fidelity's own path."""
+    generator = torch.Generator().manual_seed(real_count)
+    real = torch.rand(real_count, width, generator=generator) * 3
+    fake = torch.rand(fake_count, width, generator=generator) * 3 + 0.1 * torch.randn(fake_count, width, generator=generator)
+    expected = fid_statistics_to_metric(*[fid_features_to_statistics(features) for features in (real, fake)], verbose=False)
+    assert frechet_distance(real, fake) == pytest.approx(expected["frechet_inception_distance"], rel=1e-6)
+    assert frechet_distance(real, real) == pytest.approx(0.0, abs=1e-9 * frechet_distance(real, fake))
 
 
 def test_inception_score_is_at_least_one_and_exactly_one_for_identical_images(metrics):
