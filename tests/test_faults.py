@@ -11,7 +11,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -217,7 +216,7 @@ def test_a_resume_whose_global_batch_no_bucket_fills_stops_before_the_model_load
     for weights in (no_unet / "unet").glob("*.safetensors"):
         weights.unlink()
     flags = train_flags(sample_cache_dir, no_unet, tmp_path, "--load_saved_state", str(run / "checkpoints" / checkpoint_name(4)), "--train_batch_size", "64")
-    result = subprocess.run([sys.executable, str(TRAINER), *flags], cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=300)
+    result = run_processes(1, TRAINER, flags, expect_success=False, timeout=300)
     assert result.returncode == 1
     assert "Cannot start training: no bucket holds one global batch of --train_batch_size 64 x 1 process = 64 items" in result.stderr
     assert "lower --train_batch_size or run on fewer processes" in result.stderr
@@ -487,9 +486,9 @@ def test_a_wrong_model_path_is_named_before_anything_loads(tmp_path, sample_cach
     assert "is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" in model_location_problem("someone/not-downloaded", "--flag")
     assert "is neither an existing file or folder nor a Hugging Face model id" in model_location_problem("bad name!", "--flag")
     missing = tmp_path / "models" / "sdxl.safetensors"
-    result = subprocess.run(
-        [sys.executable, str(TRAINER), "--cached_dataset_dirs", str(sample_cache_dir), "--pretrained_model_name_or_path", str(missing), "--output_dir", str(tmp_path)],
-        cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=300,
+    result = run_processes(
+        1, TRAINER, ["--cached_dataset_dirs", str(sample_cache_dir), "--pretrained_model_name_or_path", str(missing), "--output_dir", str(tmp_path)],
+        expect_success=False, timeout=300,
     )
     assert result.returncode == 1
     assert f"--pretrained_model_name_or_path {missing} does not exist" in result.stderr

@@ -1,7 +1,8 @@
 """Stop and resume is invisible: "k updates, stop, resume, N-k updates" on 2 processes equals "N updates
 straight" bitwise (weights, learning rate and loss of every update), on the richest schedule (warm-up,
-cosine decay and a restart) with every timestep-sampling and loss option; a --learning_rate changed on
-resume applies from the next update; the schedules are diffusers'. The schedule is a pure function of the
+cosine decay and a restart) with every timestep-sampling and loss option; on 1 process, a run capped by
+--max_train_updates resumes into a longer one exactly, and a --learning_rate changed on resume applies
+from the next update; the schedules are diffusers'. The schedule is a pure function of the
 update number, which the trainer computes the same way straight and resumed, so the other schedules are
 checked against the trainer's own function in this process rather than by 2-process runs of their own."""
 
@@ -103,12 +104,6 @@ def test_every_schedule_resumes_as_a_function_of_the_update_alone(schedule):
         assert straight_rates[0] == 0.0 and len(set(straight_rates)) > 2  # a warm-up from 0, then it moves
 
 
-def test_a_learning_rate_lowered_on_resume_applies_from_the_next_update(straight, tmp_path, sample_cache_dir, tiny_pipeline_dir):
-    resumed_copy(straight, tmp_path / "lowered")
-    lowered = train(tmp_path / "lowered", sample_cache_dir, tiny_pipeline_dir, RESUMED_SCHEDULE, *OBJECTIVE_OPTIONS, "--load_saved_state", "latest", "--learning_rate", "5e-5")
-    assert scalars(lowered, "train/lr") == pytest.approx([rate / 2 for rate in scalars(straight, "train/lr")[RESUME_AT:]], rel=1e-6)
-
-
 @pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 def test_schedules_match_diffusers(schedule):
     peak, warmup, total = 3e-4, 7, 40
@@ -122,24 +117,41 @@ def test_schedules_match_diffusers(schedule):
         reference.step()
 
 
-def test_a_run_of_so_many_updates_stops_inside_an_epoch_validates_exports_and_a_longer_resume_goes_on_exactly(tmp_path, sample_cache_dir, tiny_pipeline_dir):
-    """--max_train_updates (kohya's --max_train_steps), 1 process, constant schedule: 5 updates (an epoch has
-    more than 20), then the same run resumed with --max_train_updates 9 equals 9 straight in its last 4
-    losses and its weights (the schedule spans the cap; like --learning_rate, a resume may change it)."""
+def capped_run(run_root: Path, cache_dir: Path, pipeline_dir: Path, max_updates: int, *extra: str) -> Path:
+    """--max_train_updates (kohya's --max_train_steps) on 1 process, constant schedule, in an epoch of more than 20 updates."""
+    flags = trainer_flags(cache_dir, pipeline_dir, run_root, "run", "--optimizer", "adamw", "--learning_rate_scheduler", "constant",
+                          "--max_train_updates", str(max_updates), "--num_train_epochs", "1", *extra)
+    result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags)
+    assert f"until update {max_updates} (--max_train_updates; in 1 epoch)" in result.stdout
+    return run_root / "run"
 
-    def run(name: str, max_updates: int, *extra: str) -> Path:
-        flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, name, "--optimizer", "adamw", "--learning_rate_scheduler", "constant",
-                              "--max_train_updates", str(max_updates), "--num_train_epochs", "1", *extra)
-        result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags)
-        assert f"until update {max_updates} (--max_train_updates; in 1 epoch)" in result.stdout
-        return tmp_path / name
 
-    short = run("capped", 5)
+@pytest.fixture(scope="module")
+def capped_and_longer(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> tuple[Path, Path]:
+    """A run capped at update 5 and the same run capped at 9, straight."""
+    return (capped_run(tmp_path_factory.mktemp("capped"), sample_cache_dir, tiny_pipeline_dir, 5),
+            capped_run(tmp_path_factory.mktemp("longer"), sample_cache_dir, tiny_pipeline_dir, 9))
+
+
+def test_a_run_of_so_many_updates_stops_inside_an_epoch_validates_exports_and_a_longer_resume_goes_on_exactly(
+    capped_and_longer, tmp_path, sample_cache_dir, tiny_pipeline_dir
+):
+    """5 updates, then the same run resumed with --max_train_updates 9 equals 9 straight in its last 4 losses
+    and its weights (the schedule spans the cap; like --learning_rate, a resume may change it)."""
+    short, straight = capped_and_longer
     assert len(scalars(short, "train/loss")) == 5
     assert len(scalars(short, "val/loss")) == 2  # the base model's, and after update 5 (inside epoch 1)
     assert (short / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
     assert (short / "checkpoints" / "update_00000005").is_dir()
-    straight = run("straight", 9)
-    resumed = run("capped", 9, "--load_saved_state", "latest")
+    shutil.copytree(short, tmp_path / "run")
+    resumed = capped_run(tmp_path, sample_cache_dir, tiny_pipeline_dir, 9, "--load_saved_state", "latest")
     assert scalars(resumed, "train/loss")[5:] == scalars(straight, "train/loss")[5:]
     assert all(torch.equal(weight, exported_unet(straight)[key]) for key, weight in exported_unet(resumed).items())
+
+
+def test_a_learning_rate_lowered_on_resume_applies_from_the_next_update(capped_and_longer, tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    short, straight = capped_and_longer
+    shutil.copytree(short, tmp_path / "run")
+    lowered = capped_run(tmp_path, sample_cache_dir, tiny_pipeline_dir, 9, "--load_saved_state", "latest", "--learning_rate", "5e-5")
+    assert scalars(lowered, "train/lr") == pytest.approx(scalars(straight, "train/lr")[:5] + [5e-5] * 4, rel=1e-6)
+    assert scalars(straight, "train/lr") == pytest.approx([1e-4] * 9, rel=1e-6)

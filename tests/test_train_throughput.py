@@ -7,8 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -54,10 +52,7 @@ def assert_measured(row: dict[str, str]) -> None:
 
 def test_sweep_on_one_process(tmp_path):
     output, figures = tmp_path / "results" / "tiny.md", tmp_path / "results" / "tiny.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--sweep", "--output", str(output), "--json", str(figures)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-6000:]
+    result = run_processes(1, SCRIPT, [*TINY, "--sweep", "--output", str(output), "--json", str(figures)], timeout=300)
     rows = table_rows(result.stdout)
     assert [(row["batch"], row["checkpointing"], row["path"]) for row in rows] == [
         (batch, checkpointing, path)
@@ -158,11 +153,8 @@ def test_bf16_weights_start_from_the_fp32_weights_rounded(bench):
 def test_numerics_compare_each_precision_with_fp32(tmp_path):
     """gpu_numerics.py on the tiny UNet (fp16 only on a GPU): the same start and draws in every precision."""
     output = tmp_path / "numerics.json"
-    env = dict(os.environ, PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_numerics.py"), "--model", "tiny", "--resolution", "32",
-                             "--updates", "2", "--optimizer", "adamw", "--output", str(output)],
-                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-6000:]
+    result = run_processes(1, REPO_ROOT / "benchmarks" / "gpu_numerics.py",
+                  ["--model", "tiny", "--resolution", "32", "--updates", "2", "--optimizer", "adamw", "--output", str(output)], timeout=300)
     rows = {row["precision"]: row for row in json.loads(output.read_text())["rows"]}
     assert list(rows) == ["fp32", "bf16", "bf16 weights"]
     assert rows["fp32"]["weight_change_error"] == rows["fp32"]["max_loss_difference"] == 0.0

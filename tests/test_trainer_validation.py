@@ -26,7 +26,7 @@ def tensorboard(run_dir: Path) -> EventAccumulator:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
-    """2 epochs with validation after each, then the same run resumed for a third epoch."""
+    """1 epoch with validation before and after it, then the same run resumed for a second epoch."""
     output_dir = tmp_path_factory.mktemp("validated")
     weights = write_metric_weights(output_dir / "metric_weights")
     prompts = output_dir / "prompts.txt"  # two shapes, two step counts (rank 1 pads the 3-step call), topped up with a caption
@@ -46,20 +46,20 @@ def run(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
             "--validation_source_dirs", str(SAMPLE_DATASET), "--handoff_dir", str(output_dir / "handoff"),
         ]
 
-    first = run_processes(2, REPO_ROOT / "sdxl_FSDP_train.py", flags(2))
+    first = run_processes(2, REPO_ROOT / "sdxl_FSDP_train.py", flags(1))
     split_after_first = (output_dir / "run" / HOLDOUT_FILE).read_text()
-    resumed = run_processes(2, REPO_ROOT / "sdxl_FSDP_train.py", flags(3))
+    resumed = run_processes(2, REPO_ROOT / "sdxl_FSDP_train.py", flags(2))
     return output_dir / "run", first.stdout + first.stderr, resumed.stdout + resumed.stderr, split_after_first
 
 
 def test_validation_runs_on_the_base_model_and_after_every_epoch(run):
     run_dir, first_log, resumed_log, _ = run
-    assert "Validation (base model" in first_log and "Validation (after epoch 2" in first_log
-    assert "Validation (base model" not in resumed_log and "Validation (after epoch 3" in resumed_log
+    assert "Validation (base model" in first_log and "Validation (after epoch 1" in first_log
+    assert "Validation (base model" not in resumed_log and "Validation (after epoch 2" in resumed_log
     events = tensorboard(run_dir)
     for tag in ("val/loss", "val/loss_t0-333", "val/loss_t333-667", "val/loss_t667-1000", "val/fid", "val/kid", "val/is", "val/lpips"):
         values = [event.value for event in events.Scalars(tag)]
-        assert len(values) == 4 and all(np.isfinite(values)), f"{tag}: {values}"  # base, epochs 1, 2, 3
+        assert len(values) == 3 and all(np.isfinite(values)), f"{tag}: {values}"  # base, epochs 1, 2
     steps = [event.step for event in events.Scalars("val/loss")]
     assert steps[0] == 0 and steps == sorted(steps)
     losses = [event.value for event in events.Scalars("val/loss")]
@@ -80,17 +80,17 @@ def test_sample_grid_grows_by_one_row_per_sample_epoch(run):
     with Image.open(run_dir / "samples" / "sample_grid.png") as grid:
         record = json.loads(grid.text[METADATA_KEY])
         pixels = np.asarray(grid.convert("RGB"))
-    assert record["labels"] == ["base", "epoch 1", "epoch 2", "epoch 3"]
+    assert record["labels"] == ["base", "epoch 1", "epoch 2"]
     # The prompt file's lines with their options, in file order, then a dataset caption; the same after the resume.
     assert record["prompts"][:2] == ["a red square", "a blue circle"] and len(record["prompts"]) == 3
     assert record["options"] == ["256x384, seed 7, 3 steps", "320x192, cfg 1, neg: green", ""]
     assert "prompts.txt:2: --h 200 rounded to 192 px" in first_log
-    assert pixels.shape[0] == header_height() + 4 * CELL_SIZE
-    for row in range(4):  # every cell holds an image of its column's shape, letterboxed: portrait, landscape, square
+    assert pixels.shape[0] == header_height() + 3 * CELL_SIZE
+    for row in range(3):  # every cell holds an image of its column's shape, letterboxed: portrait, landscape, square
         cells = [pixels[header_height() + row * CELL_SIZE :][:CELL_SIZE, LABEL_WIDTH + column * CELL_SIZE :][:, :CELL_SIZE] for column in range(3)]
         filled = [(cell != BACKGROUND).any(axis=-1) for cell in cells]
         assert filled[0][:, : CELL_SIZE // 7].sum() == 0 and filled[0][:, CELL_SIZE // 2].mean() > 0.9  # 256x384: bars left and right
         assert filled[1][: CELL_SIZE // 6].sum() == 0 and filled[1][CELL_SIZE // 2].mean() > 0.9  # 320x192: bars above and below
         assert filled[2][:, 0].mean() > 0.9 and filled[2][0].mean() > 0.9  # 512x512 fills its cell
-    assert len(tensorboard(run_dir).Images("samples/grid")) == 4
+    assert len(tensorboard(run_dir).Images("samples/grid")) == 3
     assert not list((run_dir.parent / "handoff").glob("sdxl_handoff_*"))  # handoff folders removed
