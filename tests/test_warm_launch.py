@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import run_processes
 
 REPORT_ENVIRONMENT = """
-import json, os, sys
+import json, multiprocessing, os, sys
 import torch
 import torch.distributed as dist
 
@@ -17,7 +17,8 @@ dist.init_process_group("gloo")
 total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)
 names = sorted(name for name in os.environ if name.startswith(("RANK", "LOCAL_", "GROUP_", "ROLE_", "WORLD_", "MASTER_", "TORCHELASTIC_", "TORCH_NCCL", "OMP_")))
-report = {"rank": dist.get_rank(), "total": total.item(), "names": names, "argv": sys.argv[1:], "name": __name__}
+report = {"rank": dist.get_rank(), "total": total.item(), "names": names, "argv": sys.argv[1:], "name": __name__,
+          "start_method": multiprocessing.get_start_method()}
 with open(sys.argv[-1] + f"/rank{dist.get_rank()}.json", "w") as file:
     json.dump(report, file)
 dist.destroy_process_group()
@@ -49,6 +50,8 @@ def test_ranks_get_torchruns_environment_and_form_a_group(tmp_path):
     assert [report["argv"] for report in warm] == [["--flag", str(tmp_path / "warm")]] * 2 and {report["name"] for report in warm} == {"__main__"}
     # Every variable torchrun sets for its workers' rendezvous and identity, and no other.
     assert [report["names"] for report in warm] == [report["names"] for report in real]
+    # DataLoader workers start as under torchrun (not from a server of their own that imports the script again).
+    assert [report["start_method"] for report in warm] == [report["start_method"] for report in real]
 
 
 def test_the_first_failing_rank_ends_the_job_with_its_exit_code(tmp_path):

@@ -59,6 +59,10 @@ def _run_rank(script: str, args: list[str], env: dict[str, str], cwd: str, stdou
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    # A forkserver's child inherits "forkserver" as its default start method, so the script's DataLoader
+    # workers would each wait for a new server to import the script again; `python script.py` starts with
+    # the platform's default (fork on Linux before Python 3.14).
+    multiprocessing.set_start_method(None, force=True)
     for fd, path in ((1, stdout_path), (2, stderr_path)):
         opened = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         os.dup2(opened, fd)
