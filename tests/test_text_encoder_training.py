@@ -37,14 +37,17 @@ def bitwise_equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor
 
 def test_trained_encoders_resume_bitwise_and_are_exported(tmp_path, tag_cache, table_cache, tiny_pipeline_dir):
     """Multi-line tag captions and a Parquet table's tags (with score tags, repeated 2.5 times an epoch),
-    shuffled and dropped, train the UNet and both encoders on 2 processes."""
+    shuffled and dropped, train the UNet and both encoders on 2 processes: 4 updates of 5 microbatches
+    (inside the first epoch), resumed after the second."""
     caches = [tag_cache, table_cache]
     assert any(caption.startswith("scr300, table, ") for caption in load_manifest(table_cache).column("caption").to_pylist())
-    flags = (*VARIATION_FLAGS, "--train_text_encoder", "--learning_rate_te2", "5e-5", "--save_single_file", "--dataset_repeats", "1", "2.5")
+    flags = (*VARIATION_FLAGS, "--train_text_encoder", "--learning_rate_te2", "5e-5", "--save_single_file", "--dataset_repeats", "1", "2.5",
+             "--max_train_updates", "4")
     straight = train(tmp_path / "straight", caches, tiny_pipeline_dir, "cosine", *flags)
     resumed_copy(straight, tmp_path / "resumed")
     resumed = train(tmp_path / "resumed", caches, tiny_pipeline_dir, "cosine", *flags, "--load_saved_state", "latest")
 
+    assert len(scalars(straight, "train/loss")) == 4
     assert scalars(resumed, "train/loss") == scalars(straight, "train/loss")[RESUME_AT:]
     assert bitwise_equal(exported_unet(straight), exported_unet(resumed))
     trained, base = exported_text_encoders(straight / "pipeline"), exported_text_encoders(tiny_pipeline_dir)

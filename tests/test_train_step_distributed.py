@@ -54,7 +54,7 @@ def test_gradients_are_reduced_once_per_update_whatever_the_accumulation(reports
     for report in reports:
         counts = report["reduce_scatters"]
         assert counts["1"] > 0
-        assert counts["2"] == counts["1"], f"2 microbatches reduce-scattered {counts['2']} times, 1 microbatch {counts['1']} times"
+        assert counts["3"] == counts["1"], f"3 microbatches reduce-scattered {counts['3']} times, 1 microbatch {counts['1']} times"
 
 
 def test_reducing_every_microbatch_reduces_three_times_as_often_and_trains_the_same(reports):
