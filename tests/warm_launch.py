@@ -31,8 +31,12 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-# What a rank of the trainer or of a test worker imports before its first line of work.
-PRELOADED_MODULES = ["sdxl_FSDP_train", "sdxl_process_data_dir", "sdxl_trainer.tiny_model", "torch.distributed.checkpoint"]
+# What a rank of the trainer or of a test worker imports before its first line of work, and what they import
+# later on most runs: the compiler (the 8-bit AdamW step), TensorBoard, the metric libraries.
+PRELOADED_MODULES = [
+    "sdxl_FSDP_train", "sdxl_process_data_dir", "sdxl_trainer.tiny_model", "torch.distributed.checkpoint",
+    "torch._inductor.compile_fx", "torch.utils.tensorboard", "torchmetrics", "metric_networks",
+]
 # torchrun's grace between SIGTERM and SIGKILL for the ranks left when one failed.
 STOP_GRACE_S = 30
 POLL_S = 0.05
