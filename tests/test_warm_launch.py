@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from conftest import run_processes
+from warm_launch import PRELOADED_MODULES
 
 REPORT_ENVIRONMENT = """
 import json, multiprocessing, os, sys
@@ -31,6 +32,24 @@ if os.environ["RANK"] == "1":
     sys.exit(3)
 signal.signal(signal.SIGTERM, lambda *_: (print("rank 0 was told to stop", flush=True), sys.exit(0)))
 time.sleep(300)
+"""
+
+
+PRELOADED_AND_COMPILED = """
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+from sdxl_trainer.adamw8bit import AdamW8bit
+
+compiled_before = counters["stats"]["unique_graphs"]
+for dtype in (torch.float32, torch.bfloat16):
+    parameters = [torch.nn.Parameter(torch.randn(values, dtype=dtype)) for values in (4096 * 3, 77)]
+    optimizer = AdamW8bit(parameters, lr=3e-5, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
+    for parameter in parameters:
+        parameter.grad = torch.randn_like(parameter)
+    optimizer.step()
+print(json.dumps({"missing": [name for name in sys.argv[1:] if name not in sys.modules],
+                  "compiled_before": compiled_before, "compiled_here": counters["stats"]["unique_graphs"] - compiled_before}))
 """
 
 
@@ -63,3 +82,13 @@ def test_the_first_failing_rank_ends_the_job_with_its_exit_code(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == "rank 1 gives up"
     assert "rank 0 was told to stop" in result.stdout  # SIGTERM, as torchrun sends it, not a kill
     assert time.monotonic() - started < 20
+
+
+def test_a_rank_starts_with_every_preloaded_module_and_the_optimizer_kernels_compiled(tmp_path):
+    script = tmp_path / "preloaded.py"
+    script.write_text(PRELOADED_AND_COMPILED)
+    report = json.loads(run_processes(1, script, PRELOADED_MODULES).stdout.splitlines()[-1])
+    assert report["missing"] == []
+    # The 8-bit step, the fp32 step of small shards and the rounding to bf16, compiled by the server for fp32
+    # and bf16 weights: other shard sizes, learning rate, epsilon and weight decay compile nothing in a rank.
+    assert report["compiled_before"] == 5 and report["compiled_here"] == 0

@@ -32,10 +32,11 @@ from datetime import timedelta
 from pathlib import Path
 
 # What a rank of the trainer or of a test worker imports before its first line of work, and what they import
-# later on most runs: the compiler (the 8-bit AdamW step), TensorBoard, the metric libraries.
+# later on most runs: the compiler (the 8-bit AdamW step), TensorBoard, the metric libraries; then the
+# optimizer kernels a rank would compile on its first update (warm_kernels.py).
 PRELOADED_MODULES = [
     "sdxl_FSDP_train", "sdxl_process_data_dir", "sdxl_trainer.tiny_model", "torch.distributed.checkpoint",
-    "torch._inductor.compile_fx", "torch.utils.tensorboard", "torchmetrics", "metric_networks",
+    "torch._inductor.compile_fx", "torch.utils.tensorboard", "torchmetrics", "metric_networks", "warm_kernels",
 ]
 # torchrun's grace between SIGTERM and SIGKILL for the ranks left when one failed.
 STOP_GRACE_S = 30
@@ -50,6 +51,9 @@ def _forkserver_context(server_env: dict[str, str]) -> multiprocessing.context.B
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(server_env)
+    # Python 3.11's server ignores the sys.path it is sent and skips a module it cannot import without a word:
+    # this folder's modules (metric_networks, warm_kernels) must be on its PYTHONPATH.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), server_env.get("PYTHONPATH")]))
     try:
         multiprocessing.forkserver.ensure_running()
     finally:

@@ -1,0 +1,55 @@
+"""Imported by the warm launcher's server (warm_launch.PRELOADED_MODULES): compiles the optimizer kernels the
+trainer compiles on its first update, so that every rank forked from the server inherits them.
+
+The 8-bit AdamW step, its fp32 step for small shards and the stochastic rounding to bf16 are compiled with
+dynamic shapes, once per weights dtype and beta2 (a guard of the compiled step): tracing them again took
+each rank 3-4 s of its ~10 s on the tiny model, even with inductor's cache on disk. Here they run once,
+through the trainer's own optimizer with its default settings, on fp32 and on bf16 weights (what
+--weights_dtype gives). A rank compiles for itself what it meets beyond these (another beta2, --compile's
+UNet blocks), as does every rank started through the real launcher (test_launch.py tests the compile cache
+in a fresh process).
+
+Forking after OpenMP has run its thread pool hangs the child, so the server must compute on one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from sdxl_FSDP_train import TrainConfig
+from sdxl_trainer.optimizers import build_optimizer
+from sdxl_trainer.parallel import compile_cache_root
+
+if torch.get_num_threads() != 1:
+    raise RuntimeError(f"warm_kernels runs with OMP_NUM_THREADS=1 (now {torch.get_num_threads()} threads): forked ranks would hang in OpenMP")
+
+DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+# Values: one shard stepped with 8-bit moments (a multiple of the 256-value block, at least 4,096 values)
+# and one small enough for fp32 moments.
+_QUANTISED_SHARD, _SMALL_SHARD = 8192, 300
+
+
+def _step(weights_dtype: torch.dtype) -> None:
+    parameters = [torch.nn.Parameter(torch.randn(values, dtype=weights_dtype)) for values in (_QUANTISED_SHARD, _SMALL_SHARD)]
+    optimizer = build_optimizer(
+        "adamw8bit", parameters, DEFAULTS["learning_rate"], DEFAULTS["weight_decay"], (DEFAULTS["adam_beta1"], DEFAULTS["adam_beta2"]),
+        DEFAULTS["adam_epsilon"],
+    )
+    for parameter in parameters:
+        parameter.grad = torch.randn_like(parameter)
+    optimizer.step()
+
+
+_saved_cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_root() / "warm_launcher")  # kept across sessions
+try:
+    for weights_dtype in (torch.float32, torch.bfloat16):
+        _step(weights_dtype)
+finally:
+    if _saved_cache_dir is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _saved_cache_dir
