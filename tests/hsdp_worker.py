@@ -27,7 +27,7 @@ OPTIMIZER_NAMES = ("adamw", "adamw8bit")
 def fresh(pipeline_dir: Path, mesh, optimizer_name: str):
     unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
     shard_unet(unet, mesh, param_dtype=None)
-    optimizer = build_optimizer(optimizer_name, unet.parameters(), 1e-3, 1e-2, (0.9, 0.99), 1e-8)
+    optimizer = build_optimizer(optimizer_name, unet.parameters(), 1e-3, 1e-2, (0.9, None), 1e-8)
     return unet, optimizer, make_train_step(unet, optimizer, pipeline_dir)
 
 

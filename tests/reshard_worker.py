@@ -45,7 +45,7 @@ def full_optimizer_state(unet, optimizer) -> dict[str, torch.Tensor]:
 
 def fresh(name: str, pipeline_dir: Path, world):
     unet = prepare_unet(UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet"), world, param_dtype=None)
-    optimizer = build_optimizer(name, unet.parameters(), LEARNING_RATES[name], 1e-2, (0.9, 0.99), 1e-8)
+    optimizer = build_optimizer(name, unet.parameters(), LEARNING_RATES[name], 1e-2, (0.9, None), 1e-8)
     ema = ShardedEMA(unet, decay=0.9, on_cpu=False)
     return unet, optimizer, ema, make_train_step(unet, optimizer, pipeline_dir, ema=ema)
 

@@ -44,7 +44,7 @@ def full_weights(unet) -> dict[str, torch.Tensor]:
 def optimizer_round_trip(name: str, pipeline_dir: Path, checkpoint_dir: Path, world, weights_dtype: torch.dtype = torch.float32) -> dict:
     def fresh():
         unet = sharded_unet(pipeline_dir, world, weights_dtype)
-        optimizer = build_optimizer(name, unet.parameters(), LEARNING_RATES[name], 1e-2, (0.9, 0.99), 1e-8)
+        optimizer = build_optimizer(name, unet.parameters(), LEARNING_RATES[name], 1e-2, (0.9, None), 1e-8)
         return unet, optimizer, make_train_step(unet, optimizer, pipeline_dir)
 
     unet, optimizer, step = fresh()
