@@ -2,10 +2,11 @@
 # Create or update the virtual env, then run the whole test suite (offline, CPU only).
 # Extra arguments go to pytest, e.g.: bash run_tests.sh -k buckets
 # The test files are shared among TEST_WORKERS pytest processes (default 2: on 2 cores the suite's work is
-# CPU-bound and takes 1.4x less time than on one; a worker and its warm launcher hold some 3 GB).
+# CPU-bound and takes 1.4x less time than on one; a worker and its warm launcher hold some 3 GB), the
+# longest files first (conftest.LONGEST_FILES; --no-loadscope-reorder keeps that order).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV_DIR=${VENV_DIR:-venv}
 bash create_venv.sh
 export HF_HUB_OFFLINE=1
-exec "$VENV_DIR/bin/python" -m pytest tests -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+exec "$VENV_DIR/bin/python" -m pytest tests -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
