@@ -9,15 +9,21 @@ through the trainer's own optimizer with its default settings, on fp32 and on bf
 UNet blocks), as does every rank started through the real launcher (test_launch.py tests the compile cache
 in a fresh process).
 
-Forking after OpenMP has run its thread pool hangs the child, so the server must compute on one thread.
+The server must fork from one thread: a lock another thread holds at the fork stays held in the child
+forever. OpenMP's pool hangs a forked child outright, so the server computes on one thread; tqdm's monitor
+thread, which the first tqdm bar starts (torch.fx's interpreter opens a disabled one while compiling), takes
+tqdm's lock every 10 s, and a rank forked in that instant hung at its own first compile (seen once in CI, a
+600 s timeout): the compile here starts no monitor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import torch
+from tqdm import tqdm
 
 from sdxl_FSDP_train import TrainConfig
 from sdxl_trainer.optimizers import build_optimizer
@@ -43,13 +49,19 @@ def _step(weights_dtype: torch.dtype) -> None:
     optimizer.step()
 
 
-_saved_cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+_saved_cache_dir, _saved_monitor_interval = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), tqdm.monitor_interval
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_root() / "warm_launcher")  # kept across sessions
+tqdm.monitor_interval = 0  # no monitor thread; a rank's own bars start one in the rank
 try:
     for weights_dtype in (torch.float32, torch.bfloat16):
         _step(weights_dtype)
 finally:
+    tqdm.monitor_interval = _saved_monitor_interval
     if _saved_cache_dir is None:
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
     else:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = _saved_cache_dir
+
+_other_threads = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
+if _other_threads:
+    raise RuntimeError(f"the warm launcher's server would fork with other threads running ({_other_threads}): a lock they hold would hang the ranks")
