@@ -54,6 +54,20 @@ print(json.dumps({"missing": [name for name in sys.argv[1:] if name not in sys.m
                   "compiled_before": compiled_before, "monitor_from_the_server": monitor_from_the_server, "compiled_here": counters["stats"]["unique_graphs"] - compiled_before}))
 """
 
+KILLED_HOLDING_TQDMS_LOCK = """
+import os, signal
+from tqdm import tqdm
+tqdm.get_lock().acquire()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+OPENS_A_BAR = """
+from tqdm import tqdm
+for _ in tqdm(range(3)):
+    pass
+print("bar done")
+"""
+
 
 def reports(folder: Path) -> list[dict]:
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -97,3 +111,12 @@ def test_a_rank_starts_with_every_preloaded_module_and_the_optimizer_kernels_com
     # The server forks from one thread: tqdm's monitor thread (started by the first bar, which compiling opens)
     # takes tqdm's lock every 10 s, and a rank forked while it held it hung at its first compile.
     assert report["monitor_from_the_server"] is False
+
+
+def test_a_rank_killed_while_holding_tqdms_lock_leaves_the_next_rank_free(tmp_path):
+    """The ranks share nothing the server made: tqdm's default lock, a semaphore shared by the processes
+    forked after its creation, once hung every rank after one killed while it held the lock."""
+    (tmp_path / "killed.py").write_text(KILLED_HOLDING_TQDMS_LOCK)
+    (tmp_path / "bar.py").write_text(OPENS_A_BAR)
+    assert "ended by SIGKILL" in run_processes(1, tmp_path / "killed.py", [], expect_success=False).stderr
+    assert run_processes(1, tmp_path / "bar.py", [], timeout=60).stdout.strip() == "bar done"

@@ -9,11 +9,14 @@ through the trainer's own optimizer with its default settings, on fp32 and on bf
 UNet blocks), as does every rank started through the real launcher (test_launch.py tests the compile cache
 in a fresh process).
 
-The server must fork from one thread: a lock another thread holds at the fork stays held in the child
-forever. OpenMP's pool hangs a forked child outright, so the server computes on one thread; tqdm's monitor
-thread, which the first tqdm bar starts (torch.fx's interpreter opens a disabled one while compiling), takes
-tqdm's lock every 10 s, and a rank forked in that instant hung at its own first compile (seen once in CI, a
-600 s timeout): the compile here starts no monitor.
+What the server holds when it forks, every rank inherits. A lock another thread holds at the fork stays
+held in the child forever, so the server forks from one thread: OpenMP's pool hangs a forked child
+outright (the server computes on one thread), and tqdm's monitor thread, which the first tqdm bar starts
+(torch.fx's interpreter opens a disabled one while compiling), takes tqdm's lock every 10 s (the compile
+here starts none). And tqdm's default lock is a cross-process semaphore created with the first bar: made
+here, it would be shared by every rank forked after, and one rank killed while holding it (tests kill
+ranks; a bar takes it at every refresh) would hang every later rank at its first bar, as CI saw once (a
+600 s timeout in test_adamw8bit). The server gives tqdm a lock of the process's own, which each rank copies.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def _step(weights_dtype: torch.dtype) -> None:
 _saved_cache_dir, _saved_monitor_interval = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), tqdm.monitor_interval
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_root() / "warm_launcher")  # kept across sessions
 tqdm.monitor_interval = 0  # no monitor thread; a rank's own bars start one in the rank
+tqdm.set_lock(threading.RLock())
 try:
     for weights_dtype in (torch.float32, torch.bfloat16):
         _step(weights_dtype)
