@@ -9,14 +9,16 @@ through the trainer's own optimizer with its default settings, on fp32 and on bf
 UNet blocks), as does every rank started through the real launcher (test_launch.py tests the compile cache
 in a fresh process).
 
-What the server holds when it forks, every rank inherits. A lock another thread holds at the fork stays
-held in the child forever, so the server forks from one thread: OpenMP's pool hangs a forked child
-outright (the server computes on one thread), and tqdm's monitor thread, which the first tqdm bar starts
-(torch.fx's interpreter opens a disabled one while compiling), takes tqdm's lock every 10 s (the compile
-here starts none). And tqdm's default lock is a cross-process semaphore created with the first bar: made
-here, it would be shared by every rank forked after, and one rank killed while holding it (tests kill
-ranks; a bar takes it at every refresh) would hang every later rank at its first bar, as CI saw once (a
-600 s timeout in test_adamw8bit). The server gives tqdm a lock of the process's own, which each rank copies.
+What the server holds when it forks, every rank inherits, and a lock another thread holds at the fork
+stays held in the child forever: the server forks from one thread. So it computes on one thread (a forked
+child hangs in OpenMP's pool) and compiles in-process: on a cache miss (a fresh clone, as in CI) inductor
+compiles in a pool (a thread and worker processes), and a rank that compiled anything more waited forever
+on the pool it inherited without its thread (a 600 s timeout in CI). No tqdm monitor thread either: the
+first tqdm bar starts one (torch.fx's interpreter opens a disabled bar while compiling), which takes tqdm's
+lock every 10 s. Nor tqdm's default lock, a cross-process semaphore made with the first bar: made here, it
+would be shared by every rank, and one rank killed while holding it (tests kill ranks; a bar takes it at
+each refresh) would hang every later rank at its first bar. The server gives tqdm a lock of its own, which
+each rank copies.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import threading
 
 import torch
+import torch._inductor.config
 from tqdm import tqdm
 
 from sdxl_FSDP_train import TrainConfig
@@ -57,8 +60,9 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_root() / "warm_launche
 tqdm.monitor_interval = 0  # no monitor thread; a rank's own bars start one in the rank
 tqdm.set_lock(threading.RLock())
 try:
-    for weights_dtype in (torch.float32, torch.bfloat16):
-        _step(weights_dtype)
+    with torch._inductor.config.patch(compile_threads=1):
+        for weights_dtype in (torch.float32, torch.bfloat16):
+            _step(weights_dtype)
 finally:
     tqdm.monitor_interval = _saved_monitor_interval
     if _saved_cache_dir is None:
