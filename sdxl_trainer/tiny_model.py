@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -120,10 +121,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def clip_bpe_vocabulary() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """CLIP's vocabulary and BPE merges, derived from the BPE file that open_clip ships."""
-    import open_clip
-
-    bpe_path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
+    """CLIP's vocabulary and BPE merges, derived from the BPE file that open_clip ships (found without
+    importing open_clip, which pulls in timm and wandb: 13 s of every tiny pipeline and memory estimate)."""
+    open_clip = importlib.util.find_spec("open_clip")
+    if open_clip is None:
+        raise ModuleNotFoundError("CLIP's BPE vocabulary comes with open_clip_torch: pip install -r requirements.txt")
+    bpe_path = Path(open_clip.submodule_search_locations[0]) / "bpe_simple_vocab_16e6.txt.gz"
     merge_lines = gzip.open(bpe_path, "rt", encoding="utf-8").read().split("\n")[1 : 49152 - 256 - 2 + 1]
     merges = [tuple(line.split()) for line in merge_lines]
     alphabet = list(_bytes_to_unicode().values())

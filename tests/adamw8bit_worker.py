@@ -40,8 +40,9 @@ def main(output_dir: str) -> None:
             grad = torch.randn(a.shape)
             a.grad = distribute_tensor(grad, world.mesh, a.placements)
             b.grad = distribute_tensor(grad.clone(), world.mesh, b.placements)
-        for optimizer in optimizers:
-            optimizer.step()
+        optimizers[0].step()
+        with torch.compiler.set_stance("force_eager"):  # torchao's per-shape compiles: see test_adamw8bit.py
+            optimizers[1].step()
     local_rows = [a.to_local().shape[0] for a in ours.parameters()]
     weight_difference = max(
         (a.to_local() - b.to_local()).abs().max().item() if a.to_local().numel() else 0.0 for a, b in zip(ours.parameters(), theirs.parameters())

@@ -1,4 +1,11 @@
-"""Our multi-tensor AdamW8bit against torchao's per-tensor AdamW8bit, whose state and checkpoints it keeps."""
+"""Our multi-tensor AdamW8bit against torchao's per-tensor AdamW8bit, whose state and checkpoints it keeps.
+
+torchao's step runs eagerly here (torch.compiler.set_stance("force_eager")): it compiles one graph per
+tensor shape, minutes of the suite on a cold compile cache, and its arithmetic is the same eagerly. Its
+rounding is not quite: the fused kernels (ours) and the eager ops differ by an ulp here and there, which
+now and then rounds an 8-bit moment code the other way, and the weight it steps then moves by up to one
+code's share of the update.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,8 @@ from conftest import REPO_ROOT, run_processes
 from sdxl_trainer.adamw8bit import AdamW8bit
 
 SETTINGS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+# Values of order 1 computed by the two: an ulp or two apart (see above).
+ROUNDING = dict(rtol=1e-6, atol=1e-6)
 # 8-bit state (4,096 values and more, a multiple of 256) and fp32 state (fewer, or not a multiple), mixed.
 SHAPES = [(64, 64), (320, 4, 3, 3), (300,), (4096,), (17, 256), (33, 100), (1280, 20)] * 3
 
@@ -34,9 +43,17 @@ def run_updates(optimizer: torch.optim.Optimizer, params: list[torch.nn.Paramete
         optimizer.step()
 
 
+def torchao_updates(optimizer: TorchaoAdamW8bit, params: list[torch.nn.Parameter], updates: range) -> None:
+    with torch.compiler.set_stance("force_eager"):
+        run_updates(optimizer, params, updates)
+
+
 def assert_same_state(ours: torch.optim.Optimizer, ours_params, theirs: torch.optim.Optimizer, their_params) -> None:
+    weights_off, weights = 0, 0
     for a, b in zip(ours_params, their_params):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=0.0)
+        weights_off += (~torch.isclose(a, b, **ROUNDING)).sum().item()
+        weights += a.numel()
+        assert (a - b).abs().max().item() < 1e-4  # measured: up to 2.8e-5, where a moment code rounded the other way
         state_a, state_b = ours.state[a], theirs.state[b]
         assert state_a["step"].item() == state_b["step"].item()
         for name in ("exp_avg", "exp_avg_sq"):
@@ -46,14 +63,15 @@ def assert_same_state(ours: torch.optim.Optimizer, ours_params, theirs: torch.op
                 assert (x.codes == y.codes).float().mean().item() > 0.9999
                 torch.testing.assert_close(x.scale, y.scale, rtol=1e-6, atol=0.0)
             else:
-                torch.testing.assert_close(x, y, rtol=1e-6, atol=0.0)
+                torch.testing.assert_close(x, y, **ROUNDING)
+    assert weights_off <= weights // 1000  # measured: 57 of 159,792
 
 
 def test_the_multi_tensor_step_gives_torchaos_weights_and_8bit_state():
     ours_params, their_params = parameters(), parameters()
     ours, theirs = AdamW8bit(ours_params, **SETTINGS), TorchaoAdamW8bit(their_params, **SETTINGS)
     run_updates(ours, ours_params, range(6))
-    run_updates(theirs, their_params, range(6))
+    torchao_updates(theirs, their_params, range(6))
     assert [ours.state[p]["step"].item() for p in ours_params[:2]] == [5.0, 6.0]  # parameter 0 skipped one update
     assert sum(isinstance(ours.state[p]["exp_avg"], OptimState8bit) for p in ours_params) == 15  # of 21: both kinds ran
     assert_same_state(ours, ours_params, theirs, their_params)
@@ -66,11 +84,12 @@ def test_a_state_saved_by_either_optimizer_resumes_in_the_other():
     for first, second in ((TorchaoAdamW8bit, AdamW8bit), (AdamW8bit, TorchaoAdamW8bit)):
         straight_params, switched_params = parameters(), parameters()
         straight, before_switch = first(straight_params, **SETTINGS), first(switched_params, **SETTINGS)
-        run_updates(straight, straight_params, range(6))
-        run_updates(before_switch, switched_params, range(3))
+        updates_by = {TorchaoAdamW8bit: torchao_updates, AdamW8bit: run_updates}
+        updates_by[first](straight, straight_params, range(6))
+        updates_by[first](before_switch, switched_params, range(3))
         after_switch = second(switched_params, **SETTINGS)
         after_switch.load_state_dict(before_switch.state_dict())
-        run_updates(after_switch, switched_params, range(3, 6))
+        updates_by[second](after_switch, switched_params, range(3, 6))
         assert_same_state(after_switch, switched_params, straight, straight_params)
 
 
