@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -106,15 +107,16 @@ def warm_launcher() -> WarmLauncher:
 
 def run_processes(
     num_processes: int, script: Path, args: list[str], timeout: float = 600, expect_success: bool = True, prefix: tuple[str, ...] = (),
-    through_launcher: bool = False,
+    through_launcher: bool = False, while_running: Callable[[list[int]], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `script` on num_processes CPU processes (gloo), as train.sh does: forked from the session's warm
-    launcher (warm_launch.py), or `through_launcher`, or with a `prefix` that wraps the launcher, with torchrun."""
+    launcher (warm_launch.py), or `through_launcher`, or with a `prefix` that wraps the launcher, with torchrun.
+    `while_running` (warm launcher only) gets the ranks' process ids while they run."""
     if through_launcher or prefix:
         command = [*prefix, *launcher_command(num_processes, script, args)]
         result = subprocess.run(command, cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=timeout)
     else:
-        result = warm_launcher().run(num_processes, script, args, process_env(), REPO_ROOT, timeout)
+        result = warm_launcher().run(num_processes, script, args, process_env(), REPO_ROOT, timeout, while_running)
     if expect_success:
         assert result.returncode == 0, f"{script.name} failed on {num_processes} processes:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result

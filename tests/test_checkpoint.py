@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +26,6 @@ from sdxl_trainer.checkpoint import (
 )
 from sdxl_trainer.data import EpochPlanner
 from sdxl_trainer.optimizers import OPTIMIZERS
-from sdxl_trainer.parallel import free_port
 
 TRAINER = REPO_ROOT / "sdxl_FSDP_train.py"
 WORKER = REPO_ROOT / "tests" / "reshard_worker.py"
@@ -204,19 +201,16 @@ def test_latest_skips_incomplete_checkpoints_and_pruning_removes_dead_saves(tmp_
 def test_sigterm_saves_state_and_exits_zero_then_latest_resumes(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "signalled", "--num_train_epochs", "20", "--optimizer", "adamw",
                           "--save_state_every_n_updates", "2", "--load_saved_state", "latest")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(TRAINER), *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO_ROOT))
-    launcher = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     checkpoints = tmp_path / "signalled" / "checkpoints"
-    deadline = time.monotonic() + 300
-    while find_latest_checkpoint(checkpoints)[0] is None and time.monotonic() < deadline and launcher.poll() is None:
-        time.sleep(0.5)
-    assert find_latest_checkpoint(checkpoints)[0] is not None, "training never saved its first checkpoint"
-    workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()]
-    os.kill(workers[-1], signal.SIGTERM)  # one rank only: the ranks must agree to stop together
-    output, _ = launcher.communicate(timeout=300)
-    assert launcher.returncode == 0, output[-3000:]
-    stopped_at = int(output.split("Stopped on request after update ")[1].split(".")[0])
+
+    def stop_one_rank_after_the_first_save(pids: list[int]) -> None:
+        deadline = time.monotonic() + 300
+        while find_latest_checkpoint(checkpoints)[0] is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        os.kill(pids[-1], signal.SIGTERM)  # one rank only: the ranks must agree to stop together
+
+    stopped = run_processes(2, TRAINER, flags, while_running=stop_one_rank_after_the_first_save)
+    stopped_at = int(stopped.stdout.split("Stopped on request after update ")[1].split(".")[0])
     assert stopped_at >= 2
     assert find_latest_checkpoint(checkpoints)[0].name == checkpoint_name(stopped_at)
     assert not (tmp_path / "signalled" / "pipeline").exists()

@@ -30,6 +30,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 # What a rank of the trainer or of a test worker imports before its first line of work, and what they import
 # later on most runs: the compiler (the 8-bit AdamW step), TensorBoard, the metric libraries; then the
@@ -100,8 +101,13 @@ class WarmLauncher:
     def __init__(self, server_env: dict[str, str]):
         self._context = _forkserver_context(server_env)
 
-    def run(self, num_processes: int, script: Path, args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-        """Run the ranks to their end, as `subprocess.run(torchrun ..., capture_output=True, text=True)` would."""
+    def run(
+        self, num_processes: int, script: Path, args: list[str], env: dict[str, str], cwd: Path, timeout: float,
+        while_running: Callable[[list[int]], None] | None = None,
+    ) -> subprocess.CompletedProcess:
+        """Run the ranks to their end, as `subprocess.run(torchrun ..., capture_output=True, text=True)` would;
+        `while_running`, given the ranks' process ids once they started, acts on the job (a signal to a rank)
+        before the wait for its end."""
         import torch.distributed as dist
 
         with tempfile.TemporaryDirectory(prefix="warm-launch-") as folder:
@@ -126,6 +132,8 @@ class WarmLauncher:
             for rank in ranks:
                 rank.start()
             try:
+                if while_running is not None:
+                    while_running([rank.pid for rank in ranks])
                 return_code = self._wait(ranks, timeout, [str(script), *args], stderr_path)
             finally:
                 for rank in ranks:
