@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 from types import SimpleNamespace
 
@@ -93,7 +94,9 @@ def test_two_processes_compare_with_the_fsdp2_loop(tmp_path):
         assert 0 < summary["optimizer_host_ms_per_step"] < summary["wall_ms_per_step"], summary
         assert summary["device_busy_ms_per_step"] is summary["optimizer_kernel_ms_per_step"] is None
         operators = (profiles / f"{label}.txt").read_text()
-        assert "Optimizer.step#AdamW.step" in operators and "aten::convolution" in operators
+        assert "aten::convolution" in operators
+        # The optimizer step's line of its own: its self-time row fell out of the table's 40 under load.
+        assert re.search(r"^Optimizer\.step#AdamW\.step: 2 calls, [0-9.]+ ms of host time in all$", operators, re.MULTILINE), operators[-500:]
 
 
 def test_time_split_counts_overlapping_kernels_once_and_the_optimizer_inside_its_gpu_span(bench):
