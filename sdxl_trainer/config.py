@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
+import time
 import tomllib
 import types
 import typing
@@ -92,16 +94,30 @@ def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
     return value
 
 
+# How long a quiet rank (every rank of a job but the first) waits on a bad configuration before it ends the
+# job: torchrun stops every rank at the first failure, so a quiet rank exiting at once could stop the first
+# rank, which reads the same flags, before it printed why (a test saw nothing at all on screen). A rank whose
+# flags alone fail (a --config file missing on its machine) says why itself after the wait.
+QUIET_RANK_GRACE_S = 30.0
+
+
 class _QuietParser(argparse.ArgumentParser):
-    """Exits like ArgumentParser but prints nothing (help, usage, errors)."""
+    """Prints no help or usage; on an error it leaves the first rank QUIET_RANK_GRACE_S to say it and end
+    the job, then says it itself and exits as ArgumentParser would."""
 
     def _print_message(self, message: str, file: Any = None) -> None:
         pass
 
+    def exit(self, status: int = 0, message: str | None = None) -> typing.NoReturn:
+        if status and message:
+            time.sleep(QUIET_RANK_GRACE_S)
+            sys.stderr.write(message)
+        sys.exit(status)
+
 
 def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, description: str = "", quiet: bool = False) -> ConfigT:
     """Build `config_class` from defaults, then `--config FILE.toml`, then command-line flags. With `quiet`
-    (every process of a job but one), a bad configuration exits without printing the same message again."""
+    (every process of a job but one), a bad configuration is left to that one to print (see _QuietParser)."""
     hints = typing.get_type_hints(config_class)
     fields = dataclasses.fields(config_class)  # type: ignore[arg-type]
     parser_class = _QuietParser if quiet else argparse.ArgumentParser

@@ -4,12 +4,14 @@ configs of the two scripts."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import pytest
 
+import sdxl_trainer.config
 from sdxl_trainer.config import config_to_dict, option, parse_config, write_resolved_config
 
 # --- helpers ----------------------------------------------------------------------------------------------
@@ -379,3 +381,20 @@ def test_a_run_without_a_seed_records_the_one_it_drew(tmp_path, sample_cache_dir
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())["set_seed"]
     state = read_trainer_state(next((tmp_path / "run" / "checkpoints").glob("update_*")))
     assert isinstance(recorded, int) and recorded == state.seed
+
+
+def test_a_quiet_rank_leaves_the_first_rank_time_to_name_a_bad_flag_then_names_it_itself(monkeypatch, capsys):
+    """torchrun stops every rank at the first failure: a quiet rank that exited at once could stop the first
+    rank before it printed, leaving a bad flag with no message on screen."""
+    from sdxl_FSDP_train import TrainConfig
+
+    monkeypatch.setattr(sdxl_trainer.config, "QUIET_RANK_GRACE_S", 0.5)
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as stopped:
+        parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--learning_rate", "-1"], quiet=True)
+    assert stopped.value.code == 2 and time.monotonic() - started >= 0.5
+    message = capsys.readouterr().err.splitlines()
+    assert message[-2].endswith(": error: invalid configuration:") and message[-1] == "  --learning_rate must be > 0, got -1.0"
+    with pytest.raises(SystemExit) as stopped:  # --help: nothing from a quiet rank, no wait
+        parse_config(TrainConfig, ["--help"], quiet=True)
+    assert stopped.value.code == 0 and capsys.readouterr() == ("", "")
