@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import multiprocessing.process
 import os
 import shutil
 import subprocess
@@ -107,11 +108,11 @@ def warm_launcher() -> WarmLauncher:
 
 def run_processes(
     num_processes: int, script: Path, args: list[str], timeout: float = 600, expect_success: bool = True, prefix: tuple[str, ...] = (),
-    through_launcher: bool = False, while_running: Callable[[list[int]], None] | None = None,
+    through_launcher: bool = False, while_running: Callable[[list[multiprocessing.process.BaseProcess]], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `script` on num_processes CPU processes (gloo), as train.sh does: forked from the session's warm
     launcher (warm_launch.py), or `through_launcher`, or with a `prefix` that wraps the launcher, with torchrun.
-    `while_running` (warm launcher only) gets the ranks' process ids while they run."""
+    `while_running` (warm launcher only) gets the ranks' processes while they run."""
     if through_launcher or prefix:
         command = [*prefix, *launcher_command(num_processes, script, args)]
         result = subprocess.run(command, cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=timeout)

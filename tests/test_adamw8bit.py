@@ -81,10 +81,10 @@ def test_the_multi_tensor_step_gives_torchaos_weights_and_8bit_state():
 
 def test_a_state_saved_by_either_optimizer_resumes_in_the_other():
     """The state objects are torchao's, so checkpoints written before the multi-tensor step still resume."""
+    updates_by = {TorchaoAdamW8bit: torchao_updates, AdamW8bit: run_updates}
     for first, second in ((TorchaoAdamW8bit, AdamW8bit), (AdamW8bit, TorchaoAdamW8bit)):
         straight_params, switched_params = parameters(), parameters()
         straight, before_switch = first(straight_params, **SETTINGS), first(switched_params, **SETTINGS)
-        updates_by = {TorchaoAdamW8bit: torchao_updates, AdamW8bit: run_updates}
         updates_by[first](straight, straight_params, range(6))
         updates_by[first](before_switch, switched_params, range(3))
         after_switch = second(switched_params, **SETTINGS)

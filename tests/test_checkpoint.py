@@ -4,6 +4,7 @@ folder, single-file export/import, and the pipeline handoff. Distributed parts r
 from __future__ import annotations
 
 import json
+import multiprocessing.process
 import os
 import signal
 import time
@@ -203,11 +204,12 @@ def test_sigterm_saves_state_and_exits_zero_then_latest_resumes(tmp_path, sample
                           "--save_state_every_n_updates", "2", "--load_saved_state", "latest")
     checkpoints = tmp_path / "signalled" / "checkpoints"
 
-    def stop_one_rank_after_the_first_save(pids: list[int]) -> None:
+    def stop_one_rank_after_the_first_save(ranks: list[multiprocessing.process.BaseProcess]) -> None:
         deadline = time.monotonic() + 300
-        while find_latest_checkpoint(checkpoints)[0] is None and time.monotonic() < deadline:
+        while find_latest_checkpoint(checkpoints)[0] is None and time.monotonic() < deadline and all(rank.exitcode is None for rank in ranks):
             time.sleep(0.5)
-        os.kill(pids[-1], signal.SIGTERM)  # one rank only: the ranks must agree to stop together
+        assert find_latest_checkpoint(checkpoints)[0] is not None, "training never saved its first checkpoint"
+        os.kill(ranks[-1].pid, signal.SIGTERM)  # one rank only: the ranks must agree to stop together
 
     stopped = run_processes(2, TRAINER, flags, while_running=stop_one_rank_after_the_first_save)
     stopped_at = int(stopped.stdout.split("Stopped on request after update ")[1].split(".")[0])

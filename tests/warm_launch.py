@@ -103,11 +103,11 @@ class WarmLauncher:
 
     def run(
         self, num_processes: int, script: Path, args: list[str], env: dict[str, str], cwd: Path, timeout: float,
-        while_running: Callable[[list[int]], None] | None = None,
+        while_running: Callable[[list[multiprocessing.process.BaseProcess]], None] | None = None,
     ) -> subprocess.CompletedProcess:
         """Run the ranks to their end, as `subprocess.run(torchrun ..., capture_output=True, text=True)` would;
-        `while_running`, given the ranks' process ids once they started, acts on the job (a signal to a rank)
-        before the wait for its end."""
+        `while_running`, given the ranks' processes (pid, exitcode) once they started, acts on the job (a
+        signal to a rank) before the wait for its end."""
         import torch.distributed as dist
 
         with tempfile.TemporaryDirectory(prefix="warm-launch-") as folder:
@@ -133,7 +133,7 @@ class WarmLauncher:
                 rank.start()
             try:
                 if while_running is not None:
-                    while_running([rank.pid for rank in ranks])
+                    while_running(ranks)
                 return_code = self._wait(ranks, timeout, [str(script), *args], stderr_path)
             finally:
                 for rank in ranks:
