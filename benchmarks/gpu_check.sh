@@ -15,7 +15,7 @@
 # Each part has its own time limit: one that fails or runs out of time is logged and the next one runs.
 #   PYTHON           the interpreter (default: venv/bin/python, else python3)
 #   GPU_CHECK_PARTS  the parts to run, by name (default: all of sweep memory plain_reference torchao_adamw8bit
-#                    compile_unet numerics; together about 12 minutes, so one 10-minute loan takes a choice)
+#                    compile_unet numerics; together at most 19 minutes, so one 10-minute command takes a choice)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-venv/bin/python}
@@ -64,8 +64,8 @@ part 120 sweep $throughput --sweep --reference none --json "$parts/sweep.json"
 estimates=()
 [ -f benchmarks/results/memory_estimates.json ] && estimates=(--estimates benchmarks/results/memory_estimates.json)
 part 230 memory benchmarks/gpu_memory_check.py --measure "${estimates[@]}" --output "$parts/memory.json"
-part 90 plain_reference $throughput --batch_size 4 --reference plain --profile "$OUTPUT_DIR/profile" --json "$parts/plain_reference.json"
-part 170 torchao_adamw8bit $throughput --batch_size 4 --reference none --optimizer torchao_adamw8bit --json "$parts/torchao_adamw8bit.json"
+part 180 plain_reference $throughput --batch_size 4 --reference plain --profile "$OUTPUT_DIR/profile" --json "$parts/plain_reference.json"
+part 300 torchao_adamw8bit $throughput --batch_size 4 --reference none --optimizer torchao_adamw8bit --json "$parts/torchao_adamw8bit.json"
 part 200 compile_unet $throughput --batch_size 4 --reference none --compile --profile "$OUTPUT_DIR/profile" --json "$parts/compile_unet.json"
 part 75 numerics benchmarks/gpu_numerics.py --output "$parts/numerics.json"
 echo "Written: $log and $OUTPUT_DIR/gpu_check.json"
