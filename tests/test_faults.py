@@ -5,6 +5,7 @@ names the file or flag, and never loses what was already saved. Distributed part
 from __future__ import annotations
 
 import json
+import multiprocessing.process
 import os
 import pickle
 import shutil
@@ -295,24 +296,26 @@ def test_an_unreadable_record_of_a_checkpoint_without_checksums_is_refused_namin
 
 def test_a_second_run_into_the_same_folder_is_refused_on_every_rank_naming_the_first(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     flags = train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers")
-    first = subprocess.Popen(launcher_command(2, TRAINER, [*flags, "--num_train_epochs", "50"]), cwd=REPO_ROOT, env=process_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        log = tmp_path / "run" / "train.log"
+    log = tmp_path / "run" / "train.log"
+
+    def start_a_second_run_while_the_first_trains(first: list[multiprocessing.process.BaseProcess]) -> None:
         deadline = time.monotonic() + 240
-        while not (log.is_file() and "First update done" in log.read_text()) and time.monotonic() < deadline and first.poll() is None:
+        while not (log.is_file() and "First update done" in log.read_text()) and time.monotonic() < deadline and all(rank.exitcode is None for rank in first):
             time.sleep(0.5)
         assert log.is_file() and "First update done" in log.read_text(), "the first run never got going"
-        workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()]
-        second = run_processes(2, TRAINER, flags, expect_success=False, timeout=300)
-        output = second.stdout + second.stderr
-        assert second.returncode == 1, output[-3000:]
-        assert output.count(f"{tmp_path / 'run'} is in use by another run") == 1, output[-3000:]
-        assert any(f"(process {pid} on {socket.gethostname()}" in output for pid in workers), (workers, output[-3000:])
-        assert first.poll() is None  # the first run trains on
-    finally:
-        first.send_signal(signal.SIGTERM)  # it saves and ends
-        first.wait(timeout=300)
+        try:
+            second = run_processes(2, TRAINER, flags, expect_success=False, timeout=300)
+            output = second.stdout + second.stderr
+            assert second.returncode == 1, output[-3000:]
+            assert output.count(f"{tmp_path / 'run'} is in use by another run") == 1, output[-3000:]
+            assert any(f"(process {rank.pid} on {socket.gethostname()}" in output for rank in first), output[-3000:]
+            assert all(rank.exitcode is None for rank in first)  # the first run trains on
+        finally:
+            for rank in first:
+                os.kill(rank.pid, signal.SIGTERM)  # it saves and ends
+
+    first = run_processes(2, TRAINER, [*flags, "--num_train_epochs", "50"], while_running=start_a_second_run_while_the_first_trains)
+    assert "Stopped on request after update" in first.stdout
 
 
 def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_starts_over(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
