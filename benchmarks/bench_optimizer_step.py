@@ -1,6 +1,7 @@
 """Optimizer step time over the FSDP2-sharded tiny UNet's parameters, for every optimizer (and AdamW with
-and without torch's multi-tensor path, and torchao's own per-tensor AdamW8bit, which ours replaced),
-measured side by side in one process run. Prints figures.
+and without torch's multi-tensor path, and torchao's own per-tensor AdamW8bit, which ours replaced), and
+the gradient clipping before it (the trainer's clip_gradients on local shards against torch's
+clip_grad_norm_), measured side by side in one process run. Prints figures.
 
     venv/bin/python benchmarks/bench_optimizer_step.py            # 1 process
     venv/bin/torchrun --nproc_per_node 2 benchmarks/bench_optimizer_step.py
@@ -23,8 +24,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -35,24 +38,29 @@ from torchao.optim import AdamW8bit as TorchaoAdamW8bit  # noqa: E402
 from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer  # noqa: E402
 from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed  # noqa: E402
 from sdxl_trainer.tiny_model import save_tiny_pipeline  # noqa: E402
+from sdxl_trainer.train_step import clip_gradients  # noqa: E402
 
 WARMUP_STEPS, MEASURED_STEPS = 3, 20
 SDXL_TENSORS = {4096: 864, 320: 816}  # values per tensor -> count, standing in for the full-size UNet's 1,680 tensors
 FOR_LOOP_ADAMW = "adamw, for-loop (torch's default on CPU)"
 TORCHAO_ADAMW8BIT = "adamw8bit, torchao's per-tensor step"
+OUR_CLIPPING = "clipping: clip_gradients (local shards)"
+TORCH_CLIPPING = "clipping: torch's clip_grad_norm_"
 SETTINGS = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
 
 
-def step_seconds(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
-    """(first step, mean of the measured steps) in seconds; the first compiles the 8-bit kernels."""
+def seconds(call: Callable[[], object]) -> tuple[float, float]:
+    """(first call, mean of the measured calls) in seconds; the first compiles the 8-bit kernels. The ranks
+    start together: a collective in the call would otherwise time the other rank's lag."""
+    dist.barrier()
     started = time.perf_counter()
-    optimizer.step()
+    call()
     first = time.perf_counter() - started
     for _ in range(WARMUP_STEPS - 1):
-        optimizer.step()
+        call()
     started = time.perf_counter()
     for _ in range(MEASURED_STEPS):
-        optimizer.step()
+        call()
     return first, (time.perf_counter() - started) / MEASURED_STEPS
 
 
@@ -61,9 +69,11 @@ def every_optimizer(parameters: list[torch.nn.Parameter]) -> dict[str, tuple[flo
         parameter.grad = torch.randn_like(parameter)
     results = {}
     for name in OPTIMIZERS:
-        results[name] = step_seconds(build_optimizer(name, parameters, SETTINGS["lr"], 0.0, (0.9, None), 1e-8))
-    results[TORCHAO_ADAMW8BIT] = step_seconds(TorchaoAdamW8bit(parameters, **SETTINGS))
-    results[FOR_LOOP_ADAMW] = step_seconds(torch.optim.AdamW(parameters, **SETTINGS, foreach=False))
+        results[name] = seconds(build_optimizer(name, parameters, SETTINGS["lr"], 0.0, (0.9, None), 1e-8).step)
+    results[TORCHAO_ADAMW8BIT] = seconds(TorchaoAdamW8bit(parameters, **SETTINGS).step)
+    results[FOR_LOOP_ADAMW] = seconds(torch.optim.AdamW(parameters, **SETTINGS, foreach=False).step)
+    results[OUR_CLIPPING] = seconds(lambda: clip_gradients(parameters, 1.0))
+    results[TORCH_CLIPPING] = seconds(lambda: torch.nn.utils.clip_grad_norm_(parameters, 1.0))
     return results
 
 
@@ -108,6 +118,7 @@ def main() -> None:
             print(line)
         print(f"  adamw: the fused step is {results[FOR_LOOP_ADAMW][1] / results['adamw'][1]:.2f}x faster than the for-loop")
         print(f"  adamw8bit: ours is {results[TORCHAO_ADAMW8BIT][1] / results['adamw8bit'][1]:.2f}x faster than torchao's per-tensor step")
+        print(f"  clipping: ours is {results[TORCH_CLIPPING][1] / results[OUR_CLIPPING][1]:.2f}x faster than torch's clip_grad_norm_")
     shutdown_distributed()
 
 

@@ -18,7 +18,7 @@ from sdxl_trainer.checkpoint import load_training_state, save_training_state
 from sdxl_trainer.optimizers import build_optimizer
 from sdxl_trainer.parallel import device_mesh, init_distributed, local_parameter_bytes, shard_unet, shutdown_distributed
 from train_step_worker import full_weights, rank_batch  # the same global batch in every layout
-from unet_batches import make_train_step, saved_state_of
+from unet_batches import clipping_against_torch, make_train_step, saved_state_of
 
 GROUPS = 2
 OPTIMIZER_NAMES = ("adamw", "adamw8bit")
@@ -69,6 +69,8 @@ def main(pipeline_dir: str, output_dir: str) -> None:
             step(rank_batch(unet, world, 1), epoch=0)
             result[f"resumed_as_{layout}_vs_hsdp"] = largest_difference(full_weights(unet), hsdp)
         report[name] = result
+    unet, _, _ = fresh(pipeline, meshes["hsdp"], "adamw")
+    report["clipping"] = clipping_against_torch(unet, seed=world.rank % (world.world_size // GROUPS))  # replicas hold the same gradients
     (output / f"rank{world.rank}.json").write_text(json.dumps(report))
     shutdown_distributed()
 

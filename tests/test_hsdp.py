@@ -43,6 +43,15 @@ def test_each_rank_holds_its_groups_share_and_the_same_shard_as_its_replica(repo
         assert checksums[0] != checksums[1]
 
 
+def test_clipping_on_local_shards_gives_torchs_norm_and_gradients_under_hsdp(reports):
+    for report in reports:
+        for max_norm, result in report["clipping"].items():
+            assert result["ours"] == pytest.approx(result["torch"], rel=1e-6), max_norm
+            assert result["gradient_difference"] <= 1e-7, max_norm
+        assert report["clipping"]["1.0"]["torch"] > 10  # the seeded gradients were clipped
+    assert reports[0]["clipping"]["1.0"]["ours"] == reports[2]["clipping"]["1.0"]["ours"]
+
+
 def test_groups_that_do_not_divide_the_processes_are_refused():
     with pytest.raises(SystemExit, match=r"--replicate_groups 3 does not divide the 4 processes into equal groups"):
         device_mesh("cpu", 4, 3)

@@ -64,6 +64,18 @@ def test_reducing_every_microbatch_reduces_three_times_as_often_and_trains_the_s
         assert result["weights_max_difference"] < 1e-6  # the same sum, reduced in another order
 
 
+def test_clipping_on_local_shards_gives_torchs_norm_and_gradients(reports):
+    """clip_gradients sums the local shards' norms with one all-reduce; torch's clip_grad_norm_ over DTensors
+    gives the reference."""
+    norms = {report["clipping"]["1.0"]["ours"] for report in reports}
+    assert len(norms) == 1  # every rank gets the global norm
+    for report in reports:
+        for max_norm, result in report["clipping"].items():
+            assert result["ours"] == pytest.approx(result["torch"], rel=1e-6), max_norm
+            assert result["gradient_difference"] <= 1e-7, max_norm
+        assert report["clipping"]["1.0"]["torch"] > 10  # the seeded gradients were clipped
+
+
 def test_ema_is_sharded(reports):
     for report in reports:
         assert report["ema_local_bytes"] == report["param_local_bytes"]  # fp32 copy of this rank's shard only

@@ -21,7 +21,7 @@ from sdxl_trainer.checkpoint import load_training_state, save_training_state
 from sdxl_trainer.ema import ShardedEMA
 from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer, local_optimizer_state_bytes
 from sdxl_trainer.parallel import init_distributed, local_parameter_bytes, shard_unet, shutdown_distributed
-from unet_batches import make_train_step, saved_state_of, synthetic_batch
+from unet_batches import clipping_against_torch, make_train_step, saved_state_of, synthetic_batch
 
 LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4}
 
@@ -123,6 +123,7 @@ def main(pipeline_dir: str, output_dir: str) -> None:
     ema = ShardedEMA(unet, decay=0.9, on_cpu=True)
     report["ema_local_bytes"] = sum(shadow.numel() * shadow.element_size() for shadow in ema.shadow)
     report["param_local_bytes"] = local_parameter_bytes(unet)
+    report["clipping"] = clipping_against_torch(unet, seed=world.rank)
     (output / f"rank{world.rank}.json").write_text(json.dumps(report))
     shutdown_distributed()
 

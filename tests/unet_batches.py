@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import math
+
 import torch
 from diffusers import UNet2DConditionModel
+from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
 from sdxl_trainer.checkpoint import TrainerState
 from sdxl_trainer.data import DataPosition
 from sdxl_trainer.lr_schedule import LearningRateSchedule
-from sdxl_trainer.train_step import TrainStep
+from sdxl_trainer.train_step import TrainStep, clip_gradients
 
 TEXT_LENGTH = 77
 
@@ -82,3 +85,34 @@ def trainer_state_for(**fields) -> TrainerState:
         update=3, epoch=0, updates_in_epoch=3, seed=5, optimizer="adamw8bit", use_ema=False, ema_updates=0, world_size=2,
         global_batch_size=2, gradient_accumulation_steps=1, skipped_updates=0, consecutive_skipped_updates=0, loss_scaler=None, **fields,
     )
+
+
+def clipping_against_torch(unet: torch.nn.Module, seed: int = 0) -> dict[str, dict[str, float]]:
+    """Seeded gradients (large enough to be clipped at 1) on every parameter, clipped by clip_gradients and
+    by torch.nn.utils.clip_grad_norm_: per max_norm, both norms and the largest difference of the results."""
+    parameters = list(unet.parameters())
+    generator = torch.Generator().manual_seed(seed)
+    originals = []
+    for parameter in parameters:
+        local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+        values = torch.randn(local.shape, generator=generator, dtype=local.dtype)
+        originals.append(values)
+    report = {}
+    for max_norm in (1.0, math.inf):
+        clipped = {}
+        for name, clip in (("ours", clip_gradients), ("torch", torch.nn.utils.clip_grad_norm_)):
+            for parameter, values in zip(parameters, originals):
+                local = values.clone()
+                parameter.grad = DTensor.from_local(local, parameter.device_mesh, parameter.placements) if isinstance(parameter, DTensor) else local
+            norm = clip(parameters, max_norm)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            local_grads = [parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad for parameter in parameters]
+            clipped[name] = (norm.item(), local_grads)
+        (ours_norm, ours), (torch_norm, theirs) = clipped["ours"], clipped["torch"]
+        report[str(max_norm)] = {
+            "ours": ours_norm, "torch": torch_norm,
+            "gradient_difference": max((mine - reference).abs().max().item() for mine, reference in zip(ours, theirs)),
+        }
+    for parameter in parameters:
+        parameter.grad = None
+    return report
