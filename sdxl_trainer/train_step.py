@@ -159,6 +159,7 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> tor
         by_dtype.setdefault(shard.dtype, []).append(shard)
     squares = torch.stack([norm.float() for shards in by_dtype.values() for norm in torch._foreach_norm(shards, 2.0)]).square().sum()
     for mesh, placements in layouts:
+        squares = squares.to(mesh.device_type)  # with --cpu_offload the shards are in host memory, NCCL reduces on the GPU
         for dim, placement in enumerate(placements):
             if placement.is_shard():
                 dist.all_reduce(squares, group=mesh.get_group(dim))
@@ -166,5 +167,5 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> tor
     if math.isfinite(max_norm):
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for shards in by_dtype.values():
-            torch._foreach_mul_(shards, scale)
+            torch._foreach_mul_(shards, scale.to(shards[0].device))
     return norm
