@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from diffusers import DDPMScheduler
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from .captions import StepCaptionEncoder
 from .data import choose_views

@@ -3,9 +3,8 @@ for tests that exercise the update without a cache."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import math
+from pathlib import Path
 
 import torch
 from diffusers import UNet2DConditionModel
@@ -116,3 +115,11 @@ def clipping_against_torch(unet: torch.nn.Module, seed: int = 0) -> dict[str, di
     for parameter in parameters:
         parameter.grad = None
     return report
+
+
+def assert_clipped_as_torch(report: dict[str, dict[str, float]]) -> None:
+    """clipping_against_torch's report: the same norm and gradients, and the seeded gradients were clipped."""
+    for max_norm, result in report.items():
+        assert math.isclose(result["ours"], result["torch"], rel_tol=1e-6), (max_norm, result)
+        assert result["gradient_difference"] <= 1e-7, max_norm
+    assert report["1.0"]["torch"] > 10
