@@ -447,25 +447,39 @@ def test_cpu_offload_trains_exactly_like_keeping_everything_on_the_device(world,
 LEARNING_RATE = 1e-3
 
 
-def three_updates(unet, optimizer_name: str, pipeline_dir) -> tuple[dict[str, torch.Tensor], list]:
-    """Three updates of 2 microbatches (3 items) with clipping and EMA; the weights and each UpdateResult."""
+def three_updates(unet, optimizer_name: str, pipeline_dir, stepped_gradients: list | None = None) -> tuple[dict[str, torch.Tensor], list, list]:
+    """Three updates of 2 microbatches (3 items) with clipping and EMA: the weights, each UpdateResult and
+    the (clipped) gradients each update stepped with. With `stepped_gradients` (another run's), every update
+    steps with those instead of its own, so the two runs start every update from the same weights."""
     optimizer = build_optimizer(optimizer_name, unet.parameters(), LEARNING_RATE, 1e-2, (0.9, None), 1e-8)
+    parameters = list(unet.parameters())
+    stepped = []
+
+    def record_or_replace(optimizer, args, kwargs) -> None:
+        local_grads = [parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad for parameter in parameters]
+        if stepped_gradients is not None:
+            torch._foreach_copy_(local_grads, stepped_gradients[len(stepped)])
+        stepped.append([grad.clone() for grad in local_grads])
+
+    optimizer.register_step_pre_hook(record_or_replace)
     step = make_train_step(unet, optimizer, pipeline_dir, NoiseSettings(0.3), ema=ShardedEMA(unet, decay=0.9, on_cpu=False))
     results = [step([synthetic_batch(unet, [u, u + 5], seed=3), synthetic_batch(unet, [u + 10], seed=3)], epoch=0) for u in range(3)]
-    return weights(unet), results
+    return weights(unet), results, stepped
 
 
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 def test_one_process_trains_a_plain_unet_like_the_sharded_one(world, tiny_pipeline_dir, optimizer_name):
-    """prepare_unet leaves the UNet unsharded on one process. Same losses and gradient norms to fp32
-    rounding (the two layouts round a few gradients 1 ulp apart); Adam's early steps are about
-    lr * sign(gradient), which turns such rounding of near-zero gradients into a fraction of lr."""
-    sharded_weights, sharded = three_updates(sharded_unet(tiny_pipeline_dir, world), optimizer_name, tiny_pipeline_dir)
-    plain_weights, plain = three_updates(unet_in_layout("plain", tiny_pipeline_dir, world), optimizer_name, tiny_pipeline_dir)
+    """prepare_unet leaves the UNet unsharded on one process. Its losses and gradient norms are the sharded
+    UNet's to fp32 rounding (the layouts round some gradients an ulp apart), and the optimizer steps its
+    plain tensors exactly as the shards. The plain run steps with the sharded run's gradients: left to
+    their own gradients, the runs' ulps can compound through the optimizer: on CI's machine (not on this
+    one) their adamw8bit losses came 1e-3 apart within three updates (2026-11-27)."""
+    sharded_weights, sharded, stepped_gradients = three_updates(sharded_unet(tiny_pipeline_dir, world), optimizer_name, tiny_pipeline_dir)
+    plain_weights, plain, _ = three_updates(unet_in_layout("plain", tiny_pipeline_dir, world), optimizer_name, tiny_pipeline_dir, stepped_gradients)
     for a, b in zip(sharded, plain):
         assert a.stepped and b.stepped
         assert b.loss == pytest.approx(a.loss, rel=1e-6) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-6)
-    assert largest_difference(sharded_weights, plain_weights) < 0.5 * LEARNING_RATE
+    assert largest_difference(sharded_weights, plain_weights) == 0.0
 
 
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
