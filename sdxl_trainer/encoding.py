@@ -19,7 +19,7 @@ import torch
 from diffusers import AutoencoderKL
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from .single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_pipeline
+from .single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_pipeline, load_tokenizers
 from .tiny_model import TEXT_MAX_LENGTH
 
 TOKENS_PER_CHUNK = TEXT_MAX_LENGTH - 2  # CLIP's positions less <start> and <end>
@@ -131,10 +131,7 @@ def _text_side(model_name_or_path: str, single_file_config: str, text_dtype: tor
     if is_single_file(model_name_or_path):
         pipeline = load_pipeline(model_name_or_path, single_file_config, torch.float32)
         return ((pipeline.tokenizer, pipeline.tokenizer_2), (pipeline.text_encoder, pipeline.text_encoder_2)), pipeline.vae
-    tokenizers = (
-        CLIPTokenizer.from_pretrained(model_name_or_path, subfolder="tokenizer"),
-        CLIPTokenizer.from_pretrained(model_name_or_path, subfolder="tokenizer_2"),
-    )
+    tokenizers = load_tokenizers(model_name_or_path)
     text_encoders = (
         CLIPTextModel.from_pretrained(model_name_or_path, subfolder="text_encoder", dtype=text_dtype),
         CLIPTextModelWithProjection.from_pretrained(model_name_or_path, subfolder="text_encoder_2", dtype=text_dtype),

@@ -62,6 +62,23 @@ def test_tokenizers_load_from_the_files_the_slow_tokenizer_reads(fp16_export, tm
             assert from_vocabulary(prompt, **settings).input_ids == exported(prompt, **settings).input_ids, (name, prompt)
 
 
+def test_a_process_reads_a_models_tokenizers_once_until_their_files_change(tiny_pipeline_dir, tmp_path):
+    from sdxl_trainer.single_file import load_pipeline, load_tokenizers
+
+    model = shutil.copytree(tiny_pipeline_dir, tmp_path / "model")
+    pipeline = load_pipeline(str(model), str(model), torch.float32)
+    first = load_tokenizers(str(model))
+    assert first == (pipeline.tokenizer, pipeline.tokenizer_2)  # the same objects: read once
+    assert load_pipeline(str(model), str(model), torch.float32).tokenizer is first[0]
+    settings_file = model / "tokenizer_2" / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text(encoding="utf-8"))
+    assert settings["model_max_length"] == 77
+    settings_file.write_text(json.dumps({**settings, "model_max_length": 60}), encoding="utf-8")
+    changed = load_tokenizers(str(model))
+    assert changed[1] is not first[1] and changed[1].model_max_length == 60  # read again: its file changed
+    assert first[1].model_max_length == 77
+
+
 def test_text_encoder_weights_have_the_names_transformers_4_loads(fp16_export, tiny_pipeline_dir):
     """transformers 4.x's CLIPTextModel holds its layers under `text_model.` (as its save_pretrained and the
     SDXL base repository write them); without the prefix 4.x loads CLIP-L with random weights and only warns.
