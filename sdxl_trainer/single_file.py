@@ -265,11 +265,12 @@ def load_tokenizers(model_name_or_path: str) -> tuple[CLIPTokenizer, CLIPTokeniz
     run loads its pipeline for every sample grid, export and handoff (about 6% of the test suite's CPU
     time went there). Tokenizers only read their vocabulary, so one pair serves every pipeline."""
     folder = Path(model_name_or_path)
-    stamp = tuple(
-        (str(path), path.stat().st_mtime_ns, path.stat().st_size)
-        for name in TOKENIZER_FOLDERS if (folder / name).is_dir() for path in sorted((folder / name).iterdir()) if path.is_file()
-    )
-    return _tokenizers(model_name_or_path, stamp)
+    stamp = []
+    for name in TOKENIZER_FOLDERS:
+        for path in sorted((folder / name).iterdir()) if (folder / name).is_dir() else []:
+            stat = path.stat()
+            stamp.append((str(path), stat.st_mtime_ns, stat.st_size))
+    return _tokenizers(model_name_or_path, tuple(stamp))
 
 
 @functools.lru_cache(maxsize=4)
