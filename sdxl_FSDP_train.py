@@ -45,7 +45,7 @@ from sdxl_trainer.lr_schedule import LearningRateSchedule, ScheduleName
 from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError
 from sdxl_trainer.monitor import ConsoleLog, MetricsWriter, TrainingMonitor, WandbSettings
 from sdxl_trainer.optimizers import build_optimizer
-from sdxl_trainer.parallel import World, broadcast_text, init_distributed, prepare_text_encoder, prepare_unet, shutdown_distributed, uses_sharding
+from sdxl_trainer.parallel import World, broadcast_text, exempt_live_objects_from_garbage_collection, init_distributed, prepare_text_encoder, prepare_unet, shutdown_distributed, uses_sharding
 from sdxl_trainer.run_folder import RunFolderBusy, RunFolderLock, earlier_run_outputs, earlier_run_problems
 from sdxl_trainer.sample_prompts import DEFAULT_SAMPLE_PROMPTS, read_prompts
 from sdxl_trainer.sampling import GenerationSettings
@@ -710,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         return print_memory_estimate(config)
     hide_library_progress_bars()
     world = init_distributed(config.replicate_groups)
+    exempt_live_objects_from_garbage_collection()
     # Any error on any rank ends every process of the job (see watchdog.py).
     # Rank 0's console also goes to train.log in the run folder (the watchdog's last words included).
     run_dir = config.output_dir / config.project_name

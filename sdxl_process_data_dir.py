@@ -71,6 +71,7 @@ from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
 from sdxl_trainer.library_noise import hide_library_progress_bars
 from sdxl_trainer.files import write_error_reason
+from sdxl_trainer.parallel import exempt_live_objects_from_garbage_collection
 from sdxl_trainer.metadata import (
     TABLE_SUFFIXES, TableError, TableFilters, parse_column_names, read_tag_replacements, read_text_replacements, scan_table,
 )
@@ -526,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.verify:
         return run_verify(config.cache_dir)
     hide_library_progress_bars()
+    exempt_live_objects_from_garbage_collection()
     worker_name = f"w{config.shard_index:04d}of{config.num_shards:04d}"
     started = time.perf_counter()
     def mine(relative_path: str) -> bool:  # tar shards are split whole, by scan_tar_shards

@@ -200,3 +200,35 @@ def test_a_stop_signal_is_announced_by_one_rank_only(capsys):
             stop.restore_handlers()
         assert stop.signal_name == "SIGTERM"
         assert capsys.readouterr().out.count("SIGTERM received: finishing the current update") == (1 if announce else 0)
+
+
+def test_objects_alive_after_the_imports_are_left_out_of_later_garbage_collections():
+    """The trainer and the caching script freeze what their imports made: a full collection then walks only
+    what was created since, and still frees that."""
+    import gc
+    import weakref
+
+    from sdxl_trainer.parallel import exempt_live_objects_from_garbage_collection
+
+    class Node:
+        pass
+
+    alive = [[index] for index in range(1000)]
+    def walked_by_a_full_collection() -> int:
+        oldest = {id(obj) for obj in gc.get_objects(generation=2)}
+        return sum(id(item) in oldest for item in alive)
+
+    gc.collect()  # moves them to the oldest generation
+    assert walked_by_a_full_collection() == len(alive)
+    try:
+        exempt_live_objects_from_garbage_collection()
+        assert gc.get_freeze_count() >= len(alive)
+        assert walked_by_a_full_collection() == 0
+        cycle = Node()
+        cycle.itself = cycle
+        made_after = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert made_after() is None
+    finally:
+        gc.unfreeze()
