@@ -5,7 +5,7 @@ Which implementation, and why (each was tried on 2 gloo ranks with FSDP2 paramet
   have no DTensor sharding rule (`NotImplementedError: ... optimizer_update_32bit ... does not have a
   sharding strategy registered`), while torchao's quantized state lives in DTensor shards and DCP saves
   and reshards it (docs/design.md §2).
-- adamw: torch.optim.AdamW (fused), fp32 state.
+- adamw: torch's fused AdamW kernel on each rank's local shards (ShardAdamW), torch AdamW's fp32 state.
 - adafactor: our own, below. torch.optim.Adafactor fails on DTensors (an in-place pow_ on a partial
   norm) and transformers' Adafactor mixes plain tensors into DTensor ops.
 - lion: our own, below. The only 8-bit Lion (bitsandbytes) has the same missing DTensor rule as its
@@ -26,6 +26,7 @@ from typing import Iterable, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+from torch.optim.adamw import adamw
 
 from .stochastic_rounding import rounding_key, store_weights
 
@@ -122,6 +123,42 @@ def _store_all(entries: list[_Entry], new_values: list[torch.Tensor], steps: lis
     for entry, values, step in zip(entries, new_values, steps):
         if entry.weights.dtype != torch.float32:
             store_weights(entry.weights, values, rounding_key(int(step), entry.index))
+
+
+def _zeros_like_shard(param: torch.Tensor) -> torch.Tensor:
+    """fp32 zeros laid out as `param` (sharded alike), made from its local shard: DTensor's zeros_like would
+    work out its sharding first, as each DTensor op does (see ShardAdamW)."""
+    zeros = torch.zeros_like(_local(param), dtype=torch.float32)
+    if isinstance(param, DTensor):
+        zeros = DTensor.from_local(zeros, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return zeros
+
+
+class ShardAdamW(torch.optim.AdamW):
+    """torch's fused AdamW (torch.optim.adamw.adamw, fused=True) run on each rank's local shards, with torch
+    AdamW's state (step, exp_avg, exp_avg_sq) and so its checkpoints. Called on DTensors, the same kernel
+    first works out how every one of its ~1,000 arguments is sharded: 1.4 s of a CPU core for the tiny UNet
+    at a run's first update and again when a resume sets up the state. AdamW is elementwise, so the local
+    shards give the same values bit for bit. No amsgrad, no loss scaling (fp16 steps torch's AdamW)."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
+        for group, entries in _entries_per_group(self, self._new_state):
+            beta1, beta2 = group["betas"]
+            adamw(
+                [entry.weights for entry in entries], [entry.grad for entry in entries],
+                [_local(entry.state["exp_avg"]) for entry in entries], [_local(entry.state["exp_avg_sq"]) for entry in entries],
+                [], [entry.state["step"] for entry in entries],
+                fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            )  # fmt: skip
+
+    @staticmethod
+    def _new_state(param: torch.Tensor) -> dict:
+        # The step count as torch's fused AdamW keeps it: a float32 scalar on the parameters' device.
+        return {"step": torch.zeros((), dtype=torch.float32, device=_local(param).device), "exp_avg": _zeros_like_shard(param), "exp_avg_sq": _zeros_like_shard(param)}
 
 
 class Lion(torch.optim.Optimizer):
@@ -281,14 +318,12 @@ def build_optimizer(
             from .adamw8bit import AdamWFp32Moments
 
             return AdamWFp32Moments(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
-        # The fused kernel (torchtitan's default) works on DTensor shards in one op per update: the multi-tensor
-        # path's dozen ops each cost DTensor a sharding propagation over every parameter at the first update
-        # (measured on 2 CPU processes, tiny UNet: 8.9 s first update against 2.2 s fused; later ones equal).
+        if not loss_scaling:
+            return ShardAdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
         # With loss scaling the scaler hands a fused kernel its overflow flag, and ShardedGradScaler's (shape
-        # [1]) fails there ("output with shape [] doesn't match the broadcast shape [1]"): the multi-tensor
-        # path is skipped by the scaler instead.
-        implementation = {"foreach": True} if loss_scaling else {"fused": True}
-        return torch.optim.AdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay, **implementation)
+        # [1]) fails there ("output with shape [] doesn't match the broadcast shape [1]"): the scaler skips
+        # the multi-tensor step instead (over DTensors; its first update costs seconds more on a CPU).
+        return torch.optim.AdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
     if name == "adafactor":
         return Adafactor(parameters, lr=learning_rate, weight_decay=weight_decay)
     if name == "lion":

@@ -1,6 +1,7 @@
 """Our Adafactor and Lion against their references: transformers' Adafactor with the settings kohya
 sd-scripts users pass, and Lion's update as the paper writes it; Lion's multi-tensor step in chunks
-equals one over all parameters. (Sharded steps: test_train_step.py and test_train_step_distributed.py.)"""
+equals one over all parameters; our AdamW on local shards is torch's fused AdamW over DTensors.
+(Sharded steps: test_train_step.py and test_train_step_distributed.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from transformers.optimization import Adafactor as TransformersAdafactor
 
 from sdxl_trainer import optimizers
-from sdxl_trainer.optimizers import Adafactor, Lion
+from sdxl_trainer.optimizers import Adafactor, Lion, ShardAdamW
 
 STEPS = 4
 
@@ -88,3 +89,31 @@ def test_lion_stepped_in_chunks_equals_one_step_over_all_parameters(monkeypatch,
     for whole_weight, chunked_weight, start in zip(whole, chunked, weights):
         assert torch.equal(whole_weight, chunked_weight)
         assert not torch.equal(whole_weight, start)
+
+
+def test_adamw_on_local_shards_is_torchs_fused_adamw_over_dtensors_bit_for_bit(world):
+    """Same weights and same state (DTensors laid out as the weights, the step a float32 scalar), so a
+    checkpoint of either resumes on the other."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    weights, gradients = weights_and_gradients()
+    settings = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    runs = {}
+    for name, make in {"ours": ShardAdamW, "torch": lambda parameters, **kw: torch.optim.AdamW(parameters, fused=True, **kw)}.items():
+        parameters = [torch.nn.Parameter(distribute_tensor(weight.clone(), world.mesh, [Shard(0)])) for weight in weights]
+        optimizer = make(parameters, **settings)
+        for step_gradients in gradients:
+            for parameter, gradient in zip(parameters, step_gradients):
+                parameter.grad = distribute_tensor(gradient.clone(), world.mesh, [Shard(0)])
+            optimizer.step()
+        runs[name] = (parameters, optimizer)
+    (ours, our_optimizer), (reference, torch_optimizer) = runs["ours"], runs["torch"]
+    assert all(not torch.equal(parameter.full_tensor(), weight) for parameter, weight in zip(ours, weights))  # trained
+    for parameter, expected in zip(ours, reference):
+        assert torch.equal(parameter.full_tensor(), expected.full_tensor())
+        state, expected_state = our_optimizer.state[parameter], torch_optimizer.state[expected]
+        assert set(state) == set(expected_state) == {"step", "exp_avg", "exp_avg_sq"}
+        assert state["step"].dtype == expected_state["step"].dtype == torch.float32 and state["step"].item() == STEPS
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(state[key], DTensor) and state[key].placements == expected_state[key].placements
+            assert torch.equal(state[key].full_tensor(), expected_state[key].full_tensor())
