@@ -96,7 +96,7 @@ def test_two_processes_compare_with_the_fsdp2_loop(tmp_path):
         operators = (profiles / f"{label}.txt").read_text()
         assert "aten::convolution" in operators
         # The optimizer step's line of its own: its self-time row fell out of the table's 40 under load.
-        assert re.search(r"^Optimizer\.step#AdamW\.step: 2 calls, [0-9.]+ ms of host time in all$", operators, re.MULTILINE), operators[-500:]
+        assert re.search(r"^Optimizer\.step#ShardAdamW\.step: 2 calls, [0-9.]+ ms of host time in all$", operators, re.MULTILINE), operators[-500:]
 
 
 def test_time_split_counts_overlapping_kernels_once_and_the_optimizer_inside_its_gpu_span(bench):
