@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.subclass_8bit import OptimState8bit
 
-from .optimizers import runs_of_at_most
+from .optimizers import fp32_zeros_like, runs_of_at_most
 from .stochastic_rounding import round_to_bf16, rounding_key
 
 # Values per chunk: the kernel's temporaries are about 16 bytes per value (270 MB at this size) and a
@@ -190,4 +190,4 @@ class AdamWFp32Moments(AdamW8bit):
     multi-tensor step: --optimizer adamw over bf16 weights, which torch's AdamW would round to nearest."""
 
     def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:  # noqa: ARG002 - moments are never quantised
-        return torch.zeros_like(p, dtype=torch.float32)
+        return fp32_zeros_like(p)

@@ -125,9 +125,9 @@ def _store_all(entries: list[_Entry], new_values: list[torch.Tensor], steps: lis
             store_weights(entry.weights, values, rounding_key(int(step), entry.index))
 
 
-def _zeros_like_shard(param: torch.Tensor) -> torch.Tensor:
+def fp32_zeros_like(param: torch.Tensor) -> torch.Tensor:
     """fp32 zeros laid out as `param` (sharded alike), made from its local shard: DTensor's zeros_like would
-    work out its sharding first, as each DTensor op does (see ShardAdamW)."""
+    work out its sharding first, as each DTensor op does (see ShardAdamW). Every optimizer's new state."""
     zeros = torch.zeros_like(_local(param), dtype=torch.float32)
     if isinstance(param, DTensor):
         zeros = DTensor.from_local(zeros, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
@@ -159,7 +159,7 @@ class ShardAdamW(torch.optim.AdamW):
     @staticmethod
     def _new_state(param: torch.Tensor) -> dict:
         # The step count as torch's fused AdamW keeps it: a float32 scalar on the parameters' device.
-        return {"step": torch.zeros((), dtype=torch.float32, device=_local(param).device), "exp_avg": _zeros_like_shard(param), "exp_avg_sq": _zeros_like_shard(param)}
+        return {"step": torch.zeros((), dtype=torch.float32, device=_local(param).device), "exp_avg": fp32_zeros_like(param), "exp_avg_sq": fp32_zeros_like(param)}
 
 
 class Lion(torch.optim.Optimizer):
@@ -176,7 +176,7 @@ class Lion(torch.optim.Optimizer):
 
     @staticmethod
     def _new_state(param: torch.Tensor) -> dict:
-        state = {"exp_avg": torch.zeros_like(param, dtype=torch.float32)}
+        state = {"exp_avg": fp32_zeros_like(param)}
         if param.dtype != torch.float32:
             state["step"] = torch.tensor(0.0)
         return state
@@ -228,7 +228,7 @@ class Adafactor(torch.optim.Optimizer):
     def _new_state(param: torch.Tensor) -> dict:
         state = {"step": torch.tensor(0.0)}
         if param.ndim < 2:
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+            state["exp_avg_sq"] = fp32_zeros_like(param)
             return state
         local = _local(param)
         rows = torch.zeros(local.shape[0], dtype=torch.float32, device=local.device)
