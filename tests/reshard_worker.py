@@ -31,16 +31,29 @@ from train_step_worker import LEARNING_RATES, full_weights, rank_batch
 from unet_batches import make_train_step, saved_state_of
 
 
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """A state tensor gathered onto every rank, dequantised, as fp32.
+
+    An 8-bit moment is dequantised on each rank (its blocks never span ranks) and the fp32 values are
+    gathered: DTensor's full_tensor() of torchao's 8-bit subclass hands back codes and scales whose
+    collectives were never waited for (torch 2.14, torchao 0.18), and runs that used it died now and then
+    of a corrupted heap (about 1 launch in 20)."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    local = local.float() if type(local) is torch.Tensor else local.dequantize().float()
+    if not isinstance(value, DTensor):
+        return local
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()).full_tensor()
+
+
 def full_optimizer_state(unet, optimizer) -> dict[str, torch.Tensor]:
     """Every optimizer state tensor, whole and dequantised, keyed by parameter name."""
     names = {parameter: name for name, parameter in unet.named_parameters()}
-    full = {}
-    for parameter, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0:
-                whole = value.full_tensor() if isinstance(value, DTensor) else value
-                full[f"{names[parameter]}/{key}"] = whole.float().clone() if type(whole) is torch.Tensor else whole.dequantize().float()
-    return full
+    return {
+        f"{names[parameter]}/{key}": whole(value).clone()
+        for parameter, state in optimizer.state.items()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor) and value.ndim > 0
+    }
 
 
 def fresh(name: str, pipeline_dir: Path, world):
