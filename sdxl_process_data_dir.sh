@@ -14,9 +14,8 @@ SCRIPT_DIR=$(cd "$(dirname "$0")" && pwd)
 VENV_DIR=${VENV_DIR:-$SCRIPT_DIR/venv}
 [ -x "$VENV_DIR/bin/python" ] || (cd "$SCRIPT_DIR" && bash create_venv.sh)
 
-# torch's count honours CUDA_VISIBLE_DEVICES (nvidia-smi would list every GPU of the machine).
-GPU_COUNT=$("$VENV_DIR/bin/python" -c "import torch; print(torch.cuda.device_count())")
-NUM_WORKERS=${NUM_WORKERS:-$(( GPU_COUNT > 0 ? GPU_COUNT : 1 ))}
+NUM_WORKERS=${NUM_WORKERS:-$(bash "$SCRIPT_DIR/tools/gpu_count.sh" "$VENV_DIR")}
+[ "$NUM_WORKERS" -gt 0 ] || NUM_WORKERS=1
 NUM_MACHINES=${NUM_MACHINES:-1}
 MACHINE_RANK=${MACHINE_RANK:-0}
 NUM_SHARDS=$(( NUM_WORKERS * NUM_MACHINES ))
