@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -19,7 +20,7 @@ import pytest
 from PIL import Image
 
 import sdxl_process_data_dir
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, run_processes
 from sdxl_trainer import cache
 from sdxl_trainer.buckets import Bucket, nearest_aspect_bucket
 from sdxl_trainer.cache import MANIFEST_DIR, SHARD_DIR, CacheReader, load_manifest, sha256_file
@@ -54,17 +55,19 @@ def shard_digests(cache_dir: Path) -> dict[str, str]:
 def test_killed_worker_resumes_without_redoing_finished_shards(tmp_path, tiny_pipeline_dir):
     data_dir = make_dataset(tmp_path / "data", 24)
     cache_dir = tmp_path / "cache"
-    command = [
-        sys.executable, str(REPO_ROOT / "sdxl_process_data_dir.py"), "--data_dir", str(data_dir), "--cache_dir", str(cache_dir),
-        "--pretrained_model_name_or_path", str(tiny_pipeline_dir), *RESOLUTION_FLAGS, "--items_per_shard", "2", "--batch_size", "2",
+    args = [
+        "--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+        *RESOLUTION_FLAGS, "--items_per_shard", "2", "--batch_size", "2",
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    worker = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while len(list((cache_dir / MANIFEST_DIR).glob("*.parquet"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    worker.send_signal(signal.SIGKILL)
-    assert worker.wait() == -signal.SIGKILL  # killed mid-run, not finished
+
+    def kill_after_two_shards(workers: list[multiprocessing.process.BaseProcess]) -> None:
+        deadline = time.monotonic() + 300
+        while len(list((cache_dir / MANIFEST_DIR).glob("*.parquet"))) < 2 and time.monotonic() < deadline and workers[0].exitcode is None:
+            time.sleep(0.01)
+        os.kill(workers[0].pid, signal.SIGKILL)
+
+    killed = run_processes(1, REPO_ROOT / "sdxl_process_data_dir.py", args, expect_success=False, while_running=kill_after_two_shards)
+    assert "was ended by SIGKILL" in killed.stderr  # killed mid-run, not finished
 
     committed = manifest_paths(cache_dir)
     assert 4 <= sum(committed.values()) < 24 and set(committed.values()) == {1}
