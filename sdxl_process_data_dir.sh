@@ -14,8 +14,10 @@ SCRIPT_DIR=$(cd "$(dirname "$0")" && pwd)
 VENV_DIR=${VENV_DIR:-$SCRIPT_DIR/venv}
 [ -x "$VENV_DIR/bin/python" ] || (cd "$SCRIPT_DIR" && bash create_venv.sh)
 
-NUM_WORKERS=${NUM_WORKERS:-$(bash "$SCRIPT_DIR/tools/gpu_count.sh" "$VENV_DIR")}
-[ "$NUM_WORKERS" -gt 0 ] || NUM_WORKERS=1
+if [ -z "${NUM_WORKERS:-}" ]; then
+    NUM_WORKERS=$(bash "$SCRIPT_DIR/tools/gpu_count.sh" "$VENV_DIR")
+    [ "$NUM_WORKERS" -gt 0 ] || NUM_WORKERS=1
+fi
 NUM_MACHINES=${NUM_MACHINES:-1}
 MACHINE_RANK=${MACHINE_RANK:-0}
 NUM_SHARDS=$(( NUM_WORKERS * NUM_MACHINES ))

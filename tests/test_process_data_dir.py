@@ -64,7 +64,8 @@ def test_killed_worker_resumes_without_redoing_finished_shards(tmp_path, tiny_pi
         deadline = time.monotonic() + 300
         while len(list((cache_dir / MANIFEST_DIR).glob("*.parquet"))) < 2 and time.monotonic() < deadline and workers[0].exitcode is None:
             time.sleep(0.01)
-        os.kill(workers[0].pid, signal.SIGKILL)
+        if workers[0].exitcode is None:
+            os.kill(workers[0].pid, signal.SIGKILL)
 
     killed = run_processes(1, REPO_ROOT / "sdxl_process_data_dir.py", args, expect_success=False, while_running=kill_after_two_shards)
     assert "was ended by SIGKILL" in killed.stderr  # killed mid-run, not finished
