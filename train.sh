@@ -13,11 +13,11 @@ set -euo pipefail
 cd "$(dirname "$0")"
 VENV_DIR=${VENV_DIR:-venv}
 [ -x "$VENV_DIR/bin/python" ] || bash create_venv.sh
-if [ -z "${NUM_PROCESSES:-}" ]; then
-    NUM_PROCESSES=$(bash tools/gpu_count.sh "$VENV_DIR")
-    [ "$NUM_PROCESSES" -gt 0 ] || NUM_PROCESSES=2
+processes=${NUM_PROCESSES:-}
+if [ -z "$processes" ]; then
+    processes=$(bash tools/gpu_count.sh "$VENV_DIR")
+    [ "$processes" -gt 0 ] || processes=2
 fi
-processes=$NUM_PROCESSES
 
 # glibc would hand the heap an update frees back to the OS and fault it in again in the next forward: keep
 # it. Tiny model, one CPU process: 6,862 page faults (27 MB) per update down to 9, CPU time per update 902 ms
