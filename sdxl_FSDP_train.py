@@ -708,7 +708,6 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(TrainConfig, argv, description=__doc__, quiet=os.environ.get("RANK", "0") != "0")
     if config.estimate_memory:
         return print_memory_estimate(config)
-    hide_library_progress_bars()
     world = init_distributed(config.replicate_groups)
     exempt_live_objects_from_garbage_collection()
     # Any error on any rank ends every process of the job (see watchdog.py).
@@ -775,6 +774,8 @@ def build_run(config: TrainConfig, world: World) -> Run:
     evaluator, checkpointer and exporter, each by its owner."""
     run_dir = config.output_dir / config.project_name
     config, caches, resume_dir, saved = check_before_start(config, run_dir, world)
+    # Only now the model libraries load (diffusers, transformers: 5-10 s), which a refused start never waits for.
+    hide_library_progress_bars()
     if world.is_main:
         prepare_checkpoints_dir(run_dir / "checkpoints", config.overwrite_run and bool(earlier_run_outputs(run_dir)), saved.update if saved else None)
     seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
@@ -784,6 +785,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     data = load_training_data(config.data_settings(), run_dir, seed, world.world_size, world.is_main)
     empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cached_dataset_dirs[0]))
     models, caption_encoder = build_models(config, world, data.dataset, seed, compute_dtype, caches.caption_chunks)
+    exempt_live_objects_from_garbage_collection()  # the model libraries' objects too, imported by now
     # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
     scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
     optimizer = build_optimizer(

@@ -66,7 +66,7 @@ from sdxl_trainer.cache import (
 )
 from sdxl_trainer.config import option, parse_config
 from sdxl_trainer.storage import StorageError, is_remote, open_store
-from sdxl_trainer.encoding import TOKENS_PER_CHUNK, Encoders, chunks_for, load_encoders, model_fingerprint
+from sdxl_trainer.encoding import TEXT_MAX_LENGTH, TOKENS_PER_CHUNK, Encoders, chunks_for, load_encoders, model_fingerprint
 from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
 from sdxl_trainer.library_noise import hide_library_progress_bars
@@ -79,7 +79,6 @@ from sdxl_trainer.sources import (
     PreparedItem, ScanProblem, SkippedItem, SourcePair, choose_bucket, prepare_item, read_caption, read_mask_file, read_source, scan_images, worker_of,
 )
 from sdxl_trainer.tar_sources import TAR_SUFFIX, find_tars, scan_tar_shards
-from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH
 from sdxl_trainer.upscale import Upscaler, load_upscaler, weights_problems
 
 
@@ -526,7 +525,6 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(CacheConfig, argv, description=__doc__)
     if config.verify:
         return run_verify(config.cache_dir)
-    hide_library_progress_bars()
     exempt_live_objects_from_garbage_collection()
     worker_name = f"w{config.shard_index:04d}of{config.num_shards:04d}"
     started = time.perf_counter()
@@ -587,7 +585,10 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.encode_dtype, device)
     vae_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.vae_dtype]
+    # Only now the model libraries load (diffusers, transformers: 5-10 s), which a dry run or a refusal never waits for.
+    hide_library_progress_bars()
     encoders = load_encoders(config.pretrained_model_name_or_path, config.vae_name_or_path, device, dtype, config.single_file_config, vae_dtype)
+    exempt_live_objects_from_garbage_collection()  # the model libraries' objects too, imported by now
     caption_chunks = chunks_for(config.max_token_length)
     settings = CacheSettings(
         pretrained_model_name_or_path=config.pretrained_model_name_or_path,

@@ -28,7 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
-from sdxl_trainer.tiny_model import TEXT_MAX_LENGTH, build_full_size_text_encoders  # noqa: E402
+from sdxl_trainer.encoding import TEXT_MAX_LENGTH  # noqa: E402
+from sdxl_trainer.tiny_model import build_full_size_text_encoders  # noqa: E402
 
 BATCH = 4
 SEED = 3

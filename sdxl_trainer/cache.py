@@ -37,10 +37,9 @@ import torch
 from safetensors.torch import load, save_file
 
 from .buckets import BUCKET_TABLE_VERSION, LATENT_DOWNSCALE
-from .encoding import TOKENS_PER_CHUNK, model_fingerprint
+from .encoding import TEXT_MAX_LENGTH, TOKENS_PER_CHUNK, model_fingerprint
 from .files import LockHeld, ProcessLock, make_shareable
 from .single_file import is_single_file, model_location_problem
-from .tiny_model import TEXT_MAX_LENGTH
 from .storage import (
     REMOTE_READ_THREADS,
     CacheError,

@@ -24,12 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .cache import captions_in
-from .encoding import TextSide, encode_prompts
+from .encoding import encode_prompts
+
+if TYPE_CHECKING:
+    from .encoding import TextSide
 
 TAG_SEPARATOR = ","
 CAPTION_STREAM = 7  # the 4th entry of the seed sequence: apart from the noise draws' (seed, epoch, sample)

@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
-from diffusers import DDPMScheduler
 
 from .cache import LOSS_MASK_KEY
+
+if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
+    from diffusers import DDPMScheduler
 
 PredictionType = Literal["epsilon", "v_prediction"]
 TimestepSampling = Literal["uniform", "logit_normal"]
@@ -77,6 +79,8 @@ def build_noise_scheduler(base_model: str, prediction_type: PredictionType, zero
     """The base model's training noise schedule, optionally rescaled to zero terminal SNR
     (Lin et al. 2024, "Common Diffusion Noise Schedules and Sample Steps are Flawed"), which needs
     v-prediction because epsilon is undefined at SNR 0."""
+    from diffusers import DDPMScheduler
+
     return DDPMScheduler.from_pretrained(
         base_model, subfolder="scheduler", prediction_type=prediction_type, rescale_betas_zero_snr=zero_terminal_snr
     )

@@ -14,15 +14,20 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import AutoencoderKL
-from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from .single_file import SDXL_CONFIG_SOURCE, config_source, is_single_file, load_pipeline, load_tokenizers
-from .tiny_model import TEXT_MAX_LENGTH
 
-TOKENS_PER_CHUNK = TEXT_MAX_LENGTH - 2  # CLIP's positions less <start> and <end>
+if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    TextSide = tuple[tuple[CLIPTokenizer, CLIPTokenizer], tuple[CLIPTextModel, CLIPTextModelWithProjection]]
+
+TEXT_MAX_LENGTH = 77  # CLIP's positions
+TOKENS_PER_CHUNK = TEXT_MAX_LENGTH - 2  # less <start> and <end>
 
 
 def _config_json(model_name_or_path: str, subfolder: str) -> dict:
@@ -123,11 +128,11 @@ class Encoders:
         return (posterior.mean.float() * self.latent_scaling_factor).cpu()
 
 
-TextSide = tuple[tuple[CLIPTokenizer, CLIPTokenizer], tuple[CLIPTextModel, CLIPTextModelWithProjection]]
-
-
 def _text_side(model_name_or_path: str, single_file_config: str, text_dtype: torch.dtype) -> tuple[TextSide, AutoencoderKL]:
     """Both tokenizers and text encoders (loaded in text_dtype), and the model's VAE (fp32); on the CPU."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
     if is_single_file(model_name_or_path):
         pipeline = load_pipeline(model_name_or_path, single_file_config, torch.float32)
         return ((pipeline.tokenizer, pipeline.tokenizer_2), (pipeline.text_encoder, pipeline.text_encoder_2)), pipeline.vae
@@ -169,6 +174,8 @@ def trainable_text_encoder(encoder: CLIPTextModel | CLIPTextModelWithProjection,
     """The encoder in train mode with gradients (load_text_encoders' trained ones; the memory estimate's), in
     place, each CLIP layer's activations recomputed in backward with checkpointed=True. CLIP-L's last layer
     and final norm stay frozen (see load_text_encoders)."""
+    from transformers import CLIPTextModel
+
     encoder.requires_grad_(True).train()
     if checkpointed:
         encoder.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint per layer
@@ -190,6 +197,8 @@ def load_encoders(
     for inference, from a diffusers folder / hub id or a single-file checkpoint."""
     (tokenizers, text_encoders), vae = _text_side(model_name_or_path, single_file_config, dtype)
     if vae_name_or_path:
+        from diffusers import AutoencoderKL
+
         vae = AutoencoderKL.from_pretrained(vae_name_or_path)
     if vae_dtype == torch.float16 and vae.config.get("force_upcast", False):
         # SDXL's original VAE overflows in fp16; its config asks for fp32 (the fp16-fix VAE does not).

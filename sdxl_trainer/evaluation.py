@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from diffusers import DDPMScheduler
 from tqdm import tqdm
 
 from .data import CachedDataset
@@ -37,6 +37,9 @@ from .sample_prompts import SamplePrompt, choose_sample_prompts, column_seeds, r
 from .sampling import GenerationSettings, ImageRequest, gather_images, generate, rank_share
 from .trained_models import TrainedModels
 from .validation import ImageValidator, validation_loss
+
+if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
+    from diffusers import DDPMScheduler
 
 
 @dataclass(frozen=True)

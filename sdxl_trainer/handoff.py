@@ -14,15 +14,18 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from diffusers import StableDiffusionXLPipeline
 from safetensors.torch import load_file, save_file
 
 from .parallel import broadcast_text
 from .single_file import load_pipeline
 from .trained_models import ComponentWeights
+
+if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
+    from diffusers import StableDiffusionXLPipeline
 
 def default_handoff_root() -> Path:
     shm = Path("/dev/shm")

@@ -50,12 +50,12 @@ except ImportError:  # torch before 2.12 (the lent GPUs' image has 2.11): import
 
 from .captions import CaptionVariation, StepCaptionEncoder
 from .diffusion import NoiseSettings
-from .encoding import trainable_text_encoder
+from .encoding import TEXT_MAX_LENGTH, trainable_text_encoder
 from .ema import ShardedEMA
 from .lr_schedule import LearningRateSchedule
 from .optimizers import build_optimizer, local_optimizer_state_bytes
 from .parallel import World, local_parameter_bytes, prepare_text_encoder, prepare_unet
-from .tiny_model import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, TEXT_MAX_LENGTH, build_full_size_text_encoders, sdxl_tokenizers
+from .tiny_model import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, build_full_size_text_encoders, sdxl_tokenizers
 from .trained_models import TEXT_ENCODER_NAMES, TrainedModels
 from .train_step import TrainStep
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from diffusers import AutoencoderKL, StableDiffusionXLPipeline
+
+if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
+    from diffusers import AutoencoderKL, StableDiffusionXLPipeline
 
 DUMMY_SIZE = 64  # px; the smallest image every SDXL-shaped UNet accepts (8x8 latents)
 MAX_STEPS = 1000  # inference steps per image at most (the noise schedule's training timesteps)

@@ -18,15 +18,18 @@ import functools
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors.torch import save_file
-from transformers import CLIPTokenizer
 
 from .files import make_shareable
+
+if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
+    from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTokenizer
 
 SDXL_CONFIG_SOURCE = "stabilityai/stable-diffusion-xl-base-1.0"
 UNET_PREFIX = "model.diffusion_model."
@@ -275,6 +278,8 @@ def load_tokenizers(model_name_or_path: str) -> tuple[CLIPTokenizer, CLIPTokeniz
 
 @functools.lru_cache(maxsize=4)
 def _tokenizers(model_name_or_path: str, files_stamp: tuple) -> tuple[CLIPTokenizer, CLIPTokenizer]:  # noqa: ARG001 - part of the cache key
+    from transformers import CLIPTokenizer
+
     first, second = (CLIPTokenizer.from_pretrained(model_name_or_path, subfolder=name) for name in TOKENIZER_FOLDERS)
     return first, second
 
@@ -282,6 +287,8 @@ def _tokenizers(model_name_or_path: str, files_stamp: tuple) -> tuple[CLIPTokeni
 def load_pipeline(model_name_or_path: str, single_file_config: str, dtype: torch.dtype, vae_name_or_path: str | None = None) -> StableDiffusionXLPipeline:
     """A diffusers folder or hub id, or a single-file checkpoint described by `single_file_config`; with
     `vae_name_or_path`, that VAE in place of the model's own (the one a cache was encoded with)."""
+    from diffusers import AutoencoderKL, StableDiffusionXLPipeline
+
     if is_single_file(model_name_or_path):
         pipeline = StableDiffusionXLPipeline.from_single_file(model_name_or_path, config=single_file_config, dtype=dtype)
     else:
@@ -293,6 +300,8 @@ def load_pipeline(model_name_or_path: str, single_file_config: str, dtype: torch
 
 
 def load_unet(model_name_or_path: str, single_file_config: str, dtype: torch.dtype = torch.float32) -> UNet2DConditionModel:
+    from diffusers import UNet2DConditionModel
+
     if is_single_file(model_name_or_path):
         return UNet2DConditionModel.from_single_file(model_name_or_path, config=single_file_config, subfolder="unet", dtype=dtype)
     return UNet2DConditionModel.from_pretrained(model_name_or_path, subfolder="unet", dtype=dtype)

@@ -20,9 +20,8 @@ import torch
 from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
+from .encoding import TEXT_MAX_LENGTH
 from .library_noise import hide_library_progress_bars
-
-TEXT_MAX_LENGTH = 77
 
 # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json (the published architecture).
 SDXL_UNET_CONFIG = dict(

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from diffusers import DDPMScheduler
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
@@ -26,6 +26,9 @@ from .data import choose_views
 from .diffusion import NoiseSettings, training_loss
 from .ema import ShardedEMA
 from .lr_schedule import LearningRateSchedule, set_learning_rate
+
+if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
+    from diffusers import DDPMScheduler
 
 
 @dataclass

@@ -15,12 +15,14 @@ from __future__ import annotations
 import math
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 from PIL import Image
-from spandrel import ImageModelDescriptor, ModelLoader, UnsupportedModelError
+
+if TYPE_CHECKING:  # imported when an upscaler loads: a run without upscaling need not import it
+    from spandrel import ImageModelDescriptor
 
 # facexlib's detector and face-parsing weights, looked up by these names in --facexlib_weights_dir.
 FACEXLIB_WEIGHT_FILES = ("detection_Resnet50_Final.pth", "parsing_parsenet.pth")
@@ -34,6 +36,8 @@ class UpscalerError(ValueError):
 
 def load_image_model(path: Path, flag: str, purposes: tuple[str, ...]) -> ImageModelDescriptor:
     """Load a weight file through spandrel and check it is the kind of network `flag` asks for."""
+    from spandrel import ImageModelDescriptor, ModelLoader, UnsupportedModelError
+
     if not path.is_file():
         raise UpscalerError(f"{flag} {path} not found: give the path of a local weight file (.pth or .safetensors)")
     try:

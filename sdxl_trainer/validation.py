@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from diffusers import DDPMScheduler, StableDiffusionXLPipeline
 
 from .buckets import Bucket, crop_into
 from .cache import LOSS_MASK_KEY, sha256_bytes
@@ -39,6 +38,9 @@ from .encoding import CaptionEmbeddings
 from .images import UnreadableImage, decode_image, resize_and_crop
 from .metrics import NEEDS_REFERENCE, ImageMetrics
 from .sampling import GenerationSettings, ImageRequest, decode_latents, gather_rows, generate, rank_share
+
+if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
+    from diffusers import DDPMScheduler, StableDiffusionXLPipeline
 
 # Stand-ins for the epoch in sample_seed(seed, key, item): training epochs never reach these.
 VALIDATION_LOSS_KEY = 1_000_001

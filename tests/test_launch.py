@@ -179,6 +179,36 @@ def test_a_trainer_started_without_a_launcher_outlives_the_shell_that_started_it
     assert marker.exists(), "the trainer ended with the shell that started it"
 
 
+REFUSED_START_AFTER_A_DRY_RUN = """
+import importlib.abc, sys
+
+class SayWhenImported(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name in ('diffusers', 'transformers', 'torchao', 'spandrel'):
+            print(f"imported {name}", flush=True)
+        return None  # the usual finders import it
+
+sys.meta_path.insert(0, SayWhenImported())
+import sdxl_FSDP_train, sdxl_process_data_dir
+cache_dir, output_dir = sys.argv[1:]
+assert sdxl_process_data_dir.main(["--data_dir", "sample_dataset", "--cache_dir", output_dir + "/cache", "--dry_run"]) == 0
+sdxl_FSDP_train.main(["--cached_dataset_dirs", cache_dir, "--min_resolution", "512", "--output_dir", output_dir])  # refused: the process ends
+"""
+
+
+def test_a_dry_run_and_a_refused_start_never_import_the_model_libraries(tmp_path, sample_cache_dir):
+    """A start refused for its flags, caches or run folder, and a dry run of the caching script, end before the
+    model libraries load: in the seconds torch takes to import, not the 10-15 s a full start takes on a CPU core."""
+    result = subprocess.run(
+        [sys.executable, "-c", REFUSED_START_AFTER_A_DRY_RUN, str(sample_cache_dir), str(tmp_path)],
+        cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1
+    assert "would cache 25 (upscaled: 0); would skip 5 (too small: 5)" in result.stdout
+    assert result.stderr.rstrip().splitlines()[-1].startswith("  --min_resolution 512 does not match the caches")
+    assert [line for line in result.stdout.splitlines() if line.startswith("imported ")] == []
+
+
 IMPORTS_THE_TRAINER_AND_MAKES_TOKENIZERS = """
 import sys, sdxl_FSDP_train
 from sdxl_trainer.tiny_model import sdxl_tokenizers

@@ -34,11 +34,13 @@ from pathlib import Path
 from typing import Callable
 
 # What a rank of the trainer or of a test worker imports before its first line of work, and what they import
-# later on most runs: the compiler (the 8-bit AdamW step), TensorBoard, the metric libraries; then the
-# optimizer kernels a rank would compile on its first update (warm_kernels.py).
+# later on most runs: the model libraries (once a run's checks pass), the compiler (the 8-bit AdamW step),
+# TensorBoard, the metric libraries; then the optimizer kernels a rank would compile on its first update
+# (warm_kernels.py).
 PRELOADED_MODULES = [
-    "sdxl_FSDP_train", "sdxl_process_data_dir", "sdxl_trainer.tiny_model", "torch.distributed.checkpoint",
-    "torch._inductor.compile_fx", "torch.utils.tensorboard", "torchmetrics", "metric_networks", "warm_kernels",
+    "sdxl_FSDP_train", "sdxl_process_data_dir", "sdxl_trainer.tiny_model", "diffusers.schedulers.scheduling_ddpm",
+    "torch.distributed.checkpoint", "torch._inductor.compile_fx", "torch.utils.tensorboard", "torchmetrics", "metric_networks",
+    "warm_kernels",
 ]
 # torchrun's grace between SIGTERM and SIGKILL for the ranks left when one failed.
 STOP_GRACE_S = 30
