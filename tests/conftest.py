@@ -1,8 +1,9 @@
-"""Shared fixtures: the tiny SDXL pipeline and a cache of sample_dataset/ made with it (built once per run)."""
+"""Shared fixtures: the tiny SDXL pipeline and a cache of sample_dataset/ made with it (made once per run, see made_once)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import multiprocessing.process
 import os
@@ -62,28 +63,44 @@ def world():
             os.environ[name] = value
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder `name`, made by make(folder) once for the whole run: the first pytest worker to ask makes it
+    while the others wait, instead of each worker making its own (the tiny pipeline, the sample caches and the
+    reference runs: some 10-40 s each). Tests read these folders and never write into them."""
+    # A worker's base folder is pytest-N/popen-gwK: its parent is this run's alone. Without workers, the
+    # parent holds earlier runs' folders, so the base itself is used.
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if make() fails
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed to make it left
+            make(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_pipeline_dir(tmp_path_factory) -> Path:
     from sdxl_trainer.tiny_model import save_tiny_pipeline
 
-    return save_tiny_pipeline(tmp_path_factory.mktemp("tiny") / "tiny_sdxl", seed=0)
+    return made_once(tmp_path_factory, "tiny", lambda folder: save_tiny_pipeline(folder / "tiny_sdxl", seed=0)) / "tiny_sdxl"
+
+
+def cache_sample_dataset(cache_dir: Path, pipeline_dir: Path) -> None:
+    import sdxl_process_data_dir
+
+    exit_code = sdxl_process_data_dir.main(
+        ["--data_dir", str(SAMPLE_DATASET), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(pipeline_dir), *SAMPLE_RESOLUTION_FLAGS]
+    )
+    assert exit_code == 0
 
 
 @pytest.fixture(scope="session")
 def sample_cache_dir(tmp_path_factory, tiny_pipeline_dir) -> Path:
-    import sdxl_process_data_dir
-
-    cache_dir = tmp_path_factory.mktemp("cache") / "sample_cache"
-    exit_code = sdxl_process_data_dir.main(
-        [
-            "--data_dir", str(SAMPLE_DATASET),
-            "--cache_dir", str(cache_dir),
-            "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-            *SAMPLE_RESOLUTION_FLAGS,
-        ]
-    )
-    assert exit_code == 0
-    return cache_dir
+    return made_once(tmp_path_factory, "sample_cache", lambda folder: cache_sample_dataset(folder, tiny_pipeline_dir))
 
 
 def launcher_command(num_processes: int, script: Path, args: list[str]) -> list[str]:
@@ -104,6 +121,12 @@ def process_env() -> dict[str, str]:
 @functools.cache
 def warm_launcher() -> WarmLauncher:
     return WarmLauncher(process_env())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def start_the_warm_launcher_early() -> None:
+    """Its server imports (some 30 s) while this worker makes or waits for the shared folders (made_once)."""
+    warm_launcher()
 
 
 def run_processes(
@@ -150,9 +173,12 @@ def train_sample_run(num_processes: int, per_rank_batch: int, cache_dir: Path | 
 @pytest.fixture(scope="session")
 def runs_on_one_and_two_processes(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> dict[int, Path]:
     """train_sample_run on 1 process (batch 2) and on 2 (batch 1 each): the run folders."""
-    output_dir = tmp_path_factory.mktemp("one_vs_two")
-    train_sample_run(1, 2, sample_cache_dir, tiny_pipeline_dir, output_dir / "one")
-    train_sample_run(2, 1, sample_cache_dir, tiny_pipeline_dir, output_dir / "two")
+
+    def train_both(output_dir: Path) -> None:
+        train_sample_run(1, 2, sample_cache_dir, tiny_pipeline_dir, output_dir / "one")
+        train_sample_run(2, 1, sample_cache_dir, tiny_pipeline_dir, output_dir / "two")
+
+    output_dir = made_once(tmp_path_factory, "one_vs_two", train_both)
     return {1: output_dir / "one" / "run", 2: output_dir / "two" / "run"}
 
 
@@ -212,19 +238,19 @@ def tag_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
     """sample_dataset/ with tag captions (every third file holds two, one per line), cached."""
     import sdxl_process_data_dir
 
-    root = tmp_path_factory.mktemp("tags")
-    data_dir = root / "data"
-    shutil.copytree(SAMPLE_DATASET, data_dir)
-    for index, caption_path in enumerate(sorted(data_dir.rglob("*.txt"))):
-        words = caption_path.read_text().replace(",", "").split()[:6]
-        tags = ", ".join(["sample", *words])
-        caption_path.write_text(f"{tags}\nsample, another caption {index}\n" if index % 3 == 0 else tags)
-    cache_dir = root / "cache"
-    assert sdxl_process_data_dir.main(
-        ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
-         *SAMPLE_RESOLUTION_FLAGS]
-    ) == 0
-    return cache_dir
+    def make(root: Path) -> None:
+        data_dir = root / "data"
+        shutil.copytree(SAMPLE_DATASET, data_dir)
+        for index, caption_path in enumerate(sorted(data_dir.rglob("*.txt"))):
+            words = caption_path.read_text().replace(",", "").split()[:6]
+            tags = ", ".join(["sample", *words])
+            caption_path.write_text(f"{tags}\nsample, another caption {index}\n" if index % 3 == 0 else tags)
+        assert sdxl_process_data_dir.main(
+            ["--data_dir", str(data_dir), "--cache_dir", str(root / "cache"), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+             *SAMPLE_RESOLUTION_FLAGS]
+        ) == 0
+
+    return made_once(tmp_path_factory, "tags", make) / "cache"
 
 
 @pytest.fixture(scope="session")
@@ -235,23 +261,23 @@ def table_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
 
     import sdxl_process_data_dir
 
-    root = tmp_path_factory.mktemp("table")
-    images = root / "images"
-    images.mkdir()
-    rows = []
-    for index in range(7):
-        for image in SAMPLE_DATASET.glob(f"sample_{index:02d}.*"):
-            if image.suffix != ".txt":
-                shutil.copy(image, images)
-                words = image.with_suffix(".txt").read_text().replace(",", "").split()[:5]
-                rows.append({"path": image.name, "tags": ["table", *words], "score": 100.0 * index})
-    pq.write_table(pa.Table.from_pylist(rows), root / "meta.parquet", row_group_size=3)
-    cache_dir = root / "cache"
-    assert sdxl_process_data_dir.main(
-        ["--data_dir", str(images), "--metadata_table", str(root / "meta.parquet"), "--score_tags", "300", "100", "--cache_dir", str(cache_dir),
-         "--pretrained_model_name_or_path", str(tiny_pipeline_dir), *SAMPLE_RESOLUTION_FLAGS]
-    ) == 0
-    return cache_dir
+    def make(root: Path) -> None:
+        images = root / "images"
+        images.mkdir(parents=True)
+        rows = []
+        for index in range(7):
+            for image in SAMPLE_DATASET.glob(f"sample_{index:02d}.*"):
+                if image.suffix != ".txt":
+                    shutil.copy(image, images)
+                    words = image.with_suffix(".txt").read_text().replace(",", "").split()[:5]
+                    rows.append({"path": image.name, "tags": ["table", *words], "score": 100.0 * index})
+        pq.write_table(pa.Table.from_pylist(rows), root / "meta.parquet", row_group_size=3)
+        assert sdxl_process_data_dir.main(
+            ["--data_dir", str(images), "--metadata_table", str(root / "meta.parquet"), "--score_tags", "300", "100", "--cache_dir", str(root / "cache"),
+             "--pretrained_model_name_or_path", str(tiny_pipeline_dir), *SAMPLE_RESOLUTION_FLAGS]
+        ) == 0
+
+    return made_once(tmp_path_factory, "table", make) / "cache"
 
 
 @pytest.fixture
