@@ -31,20 +31,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torchvision
-import torchvision.transforms.functional as TF
 from PIL import Image
 from torch import nn
-from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
-from torch_fidelity.metric_fid import fid_features_to_statistics, fid_statistics_to_metric
-from torch_fidelity.metric_isc import isc_features_to_metric
-from torch_fidelity.metric_kid import kid_features_to_metric
+
+# torchvision and torch-fidelity are imported where a metric network is built or a set is scored: a run
+# without image validation (and every refused start) does without their 0.6 s of imports.
 
 METRICS = ("fid", "kid", "is", "lpips", "hpsv2")
 NEEDS_REFERENCE = ("fid", "kid", "lpips")  # compared with the held-out real images
 
+# torch-fidelity's URL_INCEPTION_V3 and torchvision's AlexNet_Weights.IMAGENET1K_V1.url (tests/test_metrics.py
+# checks both against the installed libraries).
+URL_INCEPTION_V3 = "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
 INCEPTION_FILE = URL_INCEPTION_V3.rsplit("/", 1)[1]  # weights-inception-2015-12-05-6726825d.pth
-ALEXNET_URL = torchvision.models.AlexNet_Weights.IMAGENET1K_V1.url
+ALEXNET_URL = "https://download.pytorch.org/models/alexnet-owt-7be5be79.pth"
 ALEXNET_FILE = ALEXNET_URL.rsplit("/", 1)[1]  # alexnet-owt-7be5be79.pth
 HPS_REPO, HPS_FILE = "xswu/HPSv2", "HPS_v2.1_compressed.pt"
 HPS_ARCHITECTURE = "ViT-H-14"
@@ -161,6 +161,8 @@ def resolve_weights(network: _Network, explicit: Path | None, allow_download: bo
 
 def load_inception(path: Path) -> nn.Module:
     """torch-fidelity's InceptionV3 giving pool3 features (2048) and unbiased logits (1008) per uint8 image."""
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
     with torch_loads_weights_only():
         return FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"], feature_extractor_weights_path=str(path))
 
@@ -171,6 +173,7 @@ def load_lpips(path: Path) -> nn.Module:
     torchmetrics' public LPIPS metric fetches the backbone through torchvision itself and takes no file, so
     the module behind it is built with a random backbone and the file's weights are copied in; the LPIPS
     linear layers are the ones shipped inside torchmetrics."""
+    import torchvision
     from torchmetrics.functional.image.lpips import _NoTrainLpips
 
     with torch_loads_weights_only():
@@ -199,6 +202,8 @@ class HPSScorer(nn.Module):
         """uint8 (3, H, W) -> normalised (3, S, S) exactly as HPSv2's validation transform (its open_clip's
         ResizeMaxSize): the longest side resized to S (PIL bicubic), the rest padded with black, centred, so
         the whole image is scored whatever its bucket's aspect ratio (a centre crop would cut a wide image)."""
+        import torchvision.transforms.functional as TF
+
         pil = Image.fromarray(image.permute(1, 2, 0).cpu().numpy())
         size = self.image_size
         scale = size / max(pil.width, pil.height)
@@ -310,6 +315,9 @@ class ImageMetrics:
     ) -> dict[str, float]:
         """Set-level scores named like their TensorBoard tags; a metric is left out when it is off or its
         inputs are too few (FID and KID need 2 images on each side)."""
+        from torch_fidelity.metric_isc import isc_features_to_metric
+        from torch_fidelity.metric_kid import kid_features_to_metric
+
         scores = {}
         enabled = self.enabled
         comparable = real_pool is not None and fake_pool is not None and min(len(real_pool), len(fake_pool)) >= 2
@@ -349,6 +357,8 @@ def frechet_distance(real: torch.Tensor, fake: torch.Tensor) -> float:
     an n1 x n2 matrix: the same FID in milliseconds for validation sets smaller than the feature width.
     Larger sets go through torch-fidelity's own formula."""
     if min(len(real), len(fake)) >= real.shape[1]:
+        from torch_fidelity.metric_fid import fid_features_to_statistics, fid_statistics_to_metric
+
         statistics = [fid_features_to_statistics(features) for features in (real, fake)]
         return fid_statistics_to_metric(*statistics, verbose=False)["frechet_inception_distance"]
     real, fake = real.double(), fake.double()

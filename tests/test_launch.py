@@ -184,7 +184,7 @@ import importlib.abc, sys
 
 class SayWhenImported(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name in ('diffusers', 'transformers', 'torchao', 'spandrel'):
+        if name in ('diffusers', 'transformers', 'torchao', 'spandrel', 'torchvision', 'torch_fidelity'):
             print(f"imported {name}", flush=True)
         return None  # the usual finders import it
 
@@ -198,7 +198,8 @@ sdxl_FSDP_train.main(["--cached_dataset_dirs", cache_dir, "--min_resolution", "5
 
 def test_a_dry_run_and_a_refused_start_never_import_the_model_libraries(tmp_path, sample_cache_dir):
     """A start refused for its flags, caches or run folder, and a dry run of the caching script, end before the
-    model libraries load: in the seconds torch takes to import, not the 10-15 s a full start takes on a CPU core."""
+    model libraries (and the image-metric ones) load: in the seconds torch takes to import, not the 10-15 s a full
+    start takes on a CPU core."""
     result = subprocess.run(
         [sys.executable, "-c", REFUSED_START_AFTER_A_DRY_RUN, str(sample_cache_dir), str(tmp_path)],
         cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=300,

@@ -17,14 +17,25 @@ from torch_fidelity.metric_fid import fid_features_to_statistics, fid_statistics
 from metric_networks import TINY_CLIP, write_metric_weights
 from sdxl_trainer.metrics import (
     ALEXNET_FILE,
+    ALEXNET_URL,
     HPS_FILE,
     INCEPTION_FILE,
     MetricSkipped,
     MetricWeights,
     MetricWeightsError,
+    URL_INCEPTION_V3,
     frechet_distance,
     load_image_metrics,
 )
+
+def test_the_weight_addresses_are_the_libraries_own():
+    """metrics.py spells them out so that a run without image metrics never imports torchvision or torch-fidelity."""
+    import torchvision
+    from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3 as torch_fidelity_url
+
+    assert URL_INCEPTION_V3 == torch_fidelity_url
+    assert ALEXNET_URL == torchvision.models.AlexNet_Weights.IMAGENET1K_V1.url
+
 
 CAPTIONS = ["a red circle", "a blue square on grey", "stripes", "a green field at dusk"]
 
