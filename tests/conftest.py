@@ -160,6 +160,7 @@ def train_sample_run(num_processes: int, per_rank_batch: int, cache_dir: Path | 
             "--gradient_accumulation_steps", "2",
             "--num_train_epochs", "1",
             "--optimizer", "adamw", "--learning_rate", "1e-4", "--mixed_precision", "fp32", "--no-save_samples", "--no-validation_image",
+            "--no-gradient_checkpointing",  # LIGHT_RUN_FLAGS less the export, which these runs compare
             "--conditional_dropout_percent", "0.5",
             "--dataloader_num_workers", "0",
             "--set_seed", "7",
@@ -182,6 +183,12 @@ def runs_on_one_and_two_processes(tmp_path_factory, sample_cache_dir, tiny_pipel
     return {1: output_dir / "one" / "run", 2: output_dir / "two" / "run"}
 
 
+# What most test runs leave out, each a fifth or more of a tiny run's CPU time: gradient checkpointing's
+# recomputed forward and the pipeline export. A test of either passes --gradient_checkpointing or
+# --save_diffusers after these (the last flag wins); the quickstart runs both as users do.
+LIGHT_RUN_FLAGS = ("--no-gradient_checkpointing", "--no-save_diffusers")
+
+
 def trainer_flags(cache_dir: Path | list[Path], pipeline_dir: Path, output_dir: Path, project: str, *extra: str) -> list[str]:
     cache_dirs = cache_dir if isinstance(cache_dir, list) else [cache_dir]
     return [
@@ -190,7 +197,7 @@ def trainer_flags(cache_dir: Path | list[Path], pipeline_dir: Path, output_dir: 
         "--output_dir", str(output_dir), "--project_name", project,
         "--train_batch_size", "1", "--mixed_precision", "fp32", "--set_seed", "5", "--learning_rate", "1e-4",
         "--dataloader_num_workers", "0", "--save_precision", "fp32", "--save_model_every_n_epochs", "0",
-        "--no-save_samples", "--no-validation_image",
+        "--no-save_samples", "--no-validation_image", *LIGHT_RUN_FLAGS,
         *extra,
     ]
 

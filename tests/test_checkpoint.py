@@ -43,7 +43,7 @@ def straight_and_resumed(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
     checkpoints."""
     output_dir = tmp_path_factory.mktemp("resume")
     common = ["--num_train_epochs", "2", "--max_train_updates", "14", "--optimizer", "adamw8bit", "--use_ema", "--ema_decay", "0.9",
-              "--save_state_every_n_updates", "5"]
+              "--save_state_every_n_updates", "5", "--save_diffusers", "--gradient_checkpointing"]  # the exports compared, as users train
     straight = run_processes(2, TRAINER, trainer_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, "straight", *common, "--checkpoints_total_limit", "0"))
     resume_from = output_dir / "straight" / "checkpoints" / checkpoint_name(5)
     resumed = run_processes(
@@ -201,7 +201,7 @@ def test_latest_skips_incomplete_checkpoints_and_pruning_removes_dead_saves(tmp_
 
 def test_sigterm_saves_state_and_exits_zero_then_latest_resumes(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "signalled", "--num_train_epochs", "20", "--optimizer", "adamw",
-                          "--save_state_every_n_updates", "2", "--load_saved_state", "latest")
+                          "--save_state_every_n_updates", "2", "--load_saved_state", "latest", "--save_diffusers")
     checkpoints = tmp_path / "signalled" / "checkpoints"
 
     def stop_one_rank_after_the_first_save(ranks: list[multiprocessing.process.BaseProcess]) -> None:
@@ -307,7 +307,7 @@ def test_trains_from_a_single_file_base_and_exports_one(tmp_path, sample_cache_d
     base_file = tmp_path / "base.safetensors"
     sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", str(base_file), "--save_precision", "fp32"])
     flags = trainer_flags(sample_cache_dir, base_file, tmp_path, "from_file", "--num_train_epochs", "2", "--save_model_every_n_epochs", "1",
-                          "--optimizer", "adamw", "--single_file_config", str(tiny_pipeline_dir), "--save_single_file", "--no-save_state")
+                          "--optimizer", "adamw", "--single_file_config", str(tiny_pipeline_dir), "--save_single_file", "--save_diffusers", "--no-save_state")
     run_processes(1, TRAINER, flags)
     for file, title in (("pipeline.safetensors", "from_file"), ("pipeline_epoch_0001.safetensors", "from_file_epoch_0001")):
         with safe_open(str(tmp_path / "from_file" / file), framework="pt") as handle:
@@ -337,7 +337,7 @@ def test_the_vae_a_cache_was_encoded_with_is_the_one_exported(tmp_path, tiny_pip
          "--vae_name_or_path", str(other_vae), *SAMPLE_RESOLUTION_FLAGS]
     ) == 0
     run_processes(1, TRAINER, trainer_flags(cache_dir, tiny_pipeline_dir, tmp_path, "other_vae", "--num_train_epochs", "1", "--optimizer", "adamw",
-                                            "--no-save_state", "--no-validation_loss"))
+                                            "--no-save_state", "--no-validation_loss", "--save_diffusers"))
     exported = load_file(tmp_path / "other_vae" / "pipeline" / "vae" / "diffusion_pytorch_model.safetensors")
     cached_with = load_file(other_vae / "diffusion_pytorch_model.safetensors")
     base = load_file(tiny_pipeline_dir / "vae" / "diffusion_pytorch_model.safetensors")

@@ -375,7 +375,7 @@ def test_a_run_without_a_seed_records_the_one_it_drew(tmp_path, sample_cache_dir
     from sdxl_trainer.checkpoint import read_trainer_state
 
     flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "run", "--optimizer", "adamw", "--no-validation_loss",
-                          "--max_train_updates", "1", "--no-save_diffusers")
+                          "--max_train_updates", "1")
     seed_at = flags.index("--set_seed")
     run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags[:seed_at] + flags[seed_at + 2:])
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())["set_seed"]

@@ -55,7 +55,7 @@ def saved_run(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> Path:
     """A finished 2-process run of 12 updates with checkpoints after updates 4, 8 and 12."""
     output_dir = tmp_path_factory.mktemp("saved_run")
     run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, "--save_state_every_n_updates", "4", "--checkpoints_total_limit", "0",
-                                          "--max_train_updates", "12", "--no-save_diffusers"))
+                                          "--max_train_updates", "12"))
     return output_dir / "run"
 
 
@@ -198,7 +198,7 @@ def test_latest_skips_damaged_checkpoints_says_so_and_resumes_from_the_newest_in
     plant_pickle(run / "checkpoints" / checkpoint_name(12), marker)
     damage(run / "checkpoints" / checkpoint_name(8), "truncated shard")
     assert find_latest_checkpoint(run / "checkpoints")[0] == run / "checkpoints" / checkpoint_name(4)
-    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--max_train_updates", "12", "--no-save_diffusers"))
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--max_train_updates", "12"))
     assert f"Skipping damaged checkpoint {run / 'checkpoints' / checkpoint_name(12)}" in result.stdout
     assert f"Skipping damaged checkpoint {run / 'checkpoints' / checkpoint_name(8)}" in result.stdout
     assert f"Resumed from {run / 'checkpoints' / checkpoint_name(4)}" in result.stdout
@@ -251,7 +251,7 @@ def without_checksums(checkpoint: Path) -> None:
 def test_latest_skips_a_checkpoint_whose_shard_changed_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     run = copy_of(saved_run, tmp_path)
     shard = zero_inside_the_largest_record(run / "checkpoints" / checkpoint_name(12))
-    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers"))
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest"))
     assert f"Skipping damaged checkpoint {run / 'checkpoints' / checkpoint_name(12)}: {shard} does not match its checksum" in result.stdout
     assert f"Resumed from {run / 'checkpoints' / checkpoint_name(8)}" in result.stdout
     assert "Verified the checksums of" in result.stdout
@@ -271,7 +271,7 @@ def test_a_checkpoint_saved_before_checksums_resumes_and_says_it_carries_none(tm
     run = copy_of(saved_run, tmp_path)
     for checkpoint in (run / "checkpoints").iterdir():
         without_checksums(checkpoint)
-    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers"))
+    result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest"))
     assert f"{run / 'checkpoints' / checkpoint_name(12)} carries no checksums" in result.stdout
     assert f"Resumed from {run / 'checkpoints' / checkpoint_name(12)}" in result.stdout
 
@@ -295,7 +295,7 @@ def test_an_unreadable_record_of_a_checkpoint_without_checksums_is_refused_namin
 
 
 def test_a_second_run_into_the_same_folder_is_refused_on_every_rank_naming_the_first(tmp_path, sample_cache_dir, tiny_pipeline_dir):
-    flags = train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--no-save_diffusers")
+    flags = train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest")
     log = tmp_path / "run" / "train.log"
 
     def start_a_second_run_while_the_first_trains(first: list[multiprocessing.process.BaseProcess]) -> None:
@@ -320,7 +320,7 @@ def test_a_second_run_into_the_same_folder_is_refused_on_every_rank_naming_the_f
 
 def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_starts_over(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     run = copy_of(saved_run, tmp_path)
-    refused = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--no-save_diffusers"), expect_success=False)
+    refused = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path), expect_success=False)
     assert refused.returncode == 1
     message = f"{run} holds an earlier run (checkpoints/{checkpoint_name(4)}, checkpoints/{checkpoint_name(8)}, checkpoints/{checkpoint_name(12)})"
     assert refused.stderr.count(message) == 1, refused.stderr[-3000:]
@@ -332,7 +332,7 @@ def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_st
     (tmp_path / "exported_only" / "pipeline").mkdir(parents=True)
     assert "holds an earlier run (pipeline)" in earlier_run_problems(tmp_path / "exported_only")[0]
 
-    started_over = run_processes(1, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--no-save_diffusers", "--overwrite_run", "--max_train_updates", "2"))
+    started_over = run_processes(1, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--overwrite_run", "--max_train_updates", "2"))
     assert "--overwrite_run: deleted the earlier run's checkpoints" in started_over.stdout
     assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(2)]
 
@@ -344,7 +344,7 @@ def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside_and_keeps_the_
     run = copy_of(saved_run, tmp_path)
     checkpoints = run / "checkpoints"
     result = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", str(checkpoints / checkpoint_name(4)),
-                                                   "--checkpoints_total_limit", "2", "--save_state_every_n_updates", "3", "--max_train_updates", "10", "--no-save_diffusers"))
+                                                   "--checkpoints_total_limit", "2", "--save_state_every_n_updates", "3", "--max_train_updates", "10"))
     aside = [path for path in checkpoints.iterdir() if path.name.startswith(f"abandoned_after_{checkpoint_name(4)}_")]
     assert len(aside) == 1, sorted(path.name for path in checkpoints.iterdir())
     assert f"({checkpoint_name(8)}, {checkpoint_name(12)}): moved them to {aside[0]}" in result.stdout
@@ -381,7 +381,7 @@ def test_an_error_in_one_rank_ends_every_process_at_once_with_its_message_printe
     lost.unlink()
     started = time.monotonic()
     result = run_processes(
-        2, TRAINER, train_flags(cache, tiny_pipeline_dir, tmp_path, "--no-validation_image", "--dataloader_num_workers", "2", "--no-save_diffusers"),
+        2, TRAINER, train_flags(cache, tiny_pipeline_dir, tmp_path, "--no-validation_image", "--dataloader_num_workers", "2"),
         expect_success=False, timeout=300, through_launcher=True,
     )
     elapsed = time.monotonic() - started
@@ -412,7 +412,7 @@ def run_processes_of(marker: str) -> list[int]:
 def test_killing_only_the_launcher_leaves_no_rank_training_on(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     output_dir = tmp_path / "killed_launcher_output"
     command = launcher_command(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, "--num_train_epochs", "50", "--dataloader_num_workers", "2",
-                                                       "--save_state_every_n_updates", "5", "--no-save_diffusers"))
+                                                       "--save_state_every_n_updates", "5"))
     launcher = subprocess.Popen(command, cwd=REPO_ROOT, env=process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     checkpoints = output_dir / "run" / "checkpoints"
     deadline = time.monotonic() + 240
@@ -442,7 +442,8 @@ def test_a_full_disk_warns_at_state_saves_keeps_the_last_checkpoint_and_stops_cl
     after update 4 fits, the one after update 8 does not, and neither does the export."""
     mounted, copied = tmp_path / "disk", tmp_path / "copied"
     result = run_processes(
-        2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, mounted, "--save_state_every_n_updates", "4", "--checkpoints_total_limit", "0", "--max_train_updates", "12"),
+        2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, mounted, "--save_state_every_n_updates", "4", "--checkpoints_total_limit", "0", "--max_train_updates", "12",
+                                              "--save_diffusers"),
         expect_success=False, prefix=small_filesystem_prefix(mounted, copied, "24m"),
     )
     output = result.stdout + result.stderr

@@ -35,7 +35,7 @@ def train(run_root: Path, cache_dir: Path | list[Path], pipeline_dir: Path, sche
         2,
         REPO_ROOT / "sdxl_FSDP_train.py",
         [
-            *trainer_flags(cache_dir, pipeline_dir, run_root, "run", "--optimizer", "adamw", "--no-validation_loss"),
+            *trainer_flags(cache_dir, pipeline_dir, run_root, "run", "--optimizer", "adamw", "--no-validation_loss", "--save_diffusers"),
             "--learning_rate_scheduler", schedule, *SCHEDULE_FLAGS, "--gradient_accumulation_steps", "5", "--num_train_epochs", "2",
             "--save_state_every_n_updates", str(RESUME_AT), "--checkpoints_total_limit", "0", "--save_precision", "fp32",
             *extra,
@@ -120,7 +120,7 @@ def test_schedules_match_diffusers(schedule):
 def capped_run(run_root: Path, cache_dir: Path, pipeline_dir: Path, max_updates: int, *extra: str) -> Path:
     """--max_train_updates (kohya's --max_train_steps) on 1 process, constant schedule, in an epoch of more than 20 updates."""
     flags = trainer_flags(cache_dir, pipeline_dir, run_root, "run", "--optimizer", "adamw", "--learning_rate_scheduler", "constant",
-                          "--max_train_updates", str(max_updates), "--num_train_epochs", "1", *extra)
+                          "--max_train_updates", str(max_updates), "--num_train_epochs", "1", "--save_diffusers", *extra)
     result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags)
     assert f"until update {max_updates} (--max_train_updates; in 1 epoch)" in result.stdout
     return run_root / "run"

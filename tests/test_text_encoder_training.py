@@ -87,7 +87,7 @@ def test_a_rate_of_zero_keeps_that_encoder_frozen_and_the_other_trains(tmp_path,
     prompts.write_text("sample, a red square --w 256 --h 256\nsample, a blue circle --w 256 --h 256\n")  # small: bf16 is slow on CPUs
     flags = trainer_flags(
         tag_cache, tiny_pipeline_dir, tmp_path, "rates", "--optimizer", "adamw", "--max_train_updates", "3", "--mixed_precision", "bf16",
-        "--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te1", "0",
+        "--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te1", "0", "--save_diffusers",
         "--save_samples", "--sample_prompts", str(prompts), "--num_sample_images", "2", "--num_inference_steps", "2",
     )
     result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags)

@@ -38,7 +38,7 @@ def run(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
             *SAMPLE_RESOLUTION_FLAGS,
             "--output_dir", str(output_dir), "--project_name", "run", "--num_train_epochs", str(epochs),
             "--train_batch_size", "1", "--optimizer", "adamw", "--mixed_precision", "fp32", "--set_seed", "3",
-            "--dataloader_num_workers", "0", "--no-save_diffusers", "--load_saved_state", "latest",
+            "--dataloader_num_workers", "0", "--no-save_diffusers", "--no-gradient_checkpointing", "--load_saved_state", "latest",
             "--validation_loss_percent", "0.2", "--validation_image_percent", "0.2",
             "--num_inference_steps", "2", "--num_sample_images", "3", "--sample_prompts", str(prompts),
             "--validation_metrics", "fid", "kid", "is", "lpips",
