@@ -34,8 +34,9 @@ import torch
 from PIL import Image
 from torch import nn
 
-# torchvision and torch-fidelity are imported where a metric network is built or a set is scored: a run
-# without image validation (and every refused start) does without their 0.6 s of imports.
+# torchvision and torch-fidelity are imported where a metric network is built or a set is scored, so a start
+# refused for its flags or caches ends without their 0.6 s of imports (a training run gets torchvision
+# through transformers anyway).
 
 METRICS = ("fid", "kid", "is", "lpips", "hpsv2")
 NEEDS_REFERENCE = ("fid", "kid", "lpips")  # compared with the held-out real images

@@ -183,9 +183,9 @@ def runs_on_one_and_two_processes(tmp_path_factory, sample_cache_dir, tiny_pipel
     return {1: output_dir / "one" / "run", 2: output_dir / "two" / "run"}
 
 
-# What most test runs leave out, each a fifth or more of a tiny run's CPU time: gradient checkpointing's
-# recomputed forward and the pipeline export. A test of either passes --gradient_checkpointing or
-# --save_diffusers after these (the last flag wins); the quickstart runs both as users do.
+# What most test runs leave out: gradient checkpointing's recomputed forward (a fifth of a tiny update's CPU
+# time) and the pipeline export (some 2 CPU seconds a run). A test of either passes --gradient_checkpointing
+# or --save_diffusers after these (the last flag wins); the quickstart runs both as users do.
 LIGHT_RUN_FLAGS = ("--no-gradient_checkpointing", "--no-save_diffusers")
 
 
