@@ -28,8 +28,10 @@ from sdxl_trainer.metrics import (
     load_image_metrics,
 )
 
+
 def test_the_weight_addresses_are_the_libraries_own():
-    """metrics.py spells them out so that a run without image metrics never imports torchvision or torch-fidelity."""
+    """metrics.py spells them out so that a start refused before the models load never imports torchvision or
+    torch-fidelity (test_launch.py checks that it does not)."""
     import torchvision
     from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3 as torch_fidelity_url
 
