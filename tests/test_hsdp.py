@@ -24,15 +24,20 @@ def reports(tmp_path_factory, tiny_pipeline_dir) -> list[dict]:
 
 
 @pytest.mark.parametrize("name,tolerance", [("adamw", 1e-5), ("adamw8bit", 1e-3)])
-def test_hsdp_trains_like_full_sharding_and_its_state_resumes_in_either_layout(reports, name, tolerance):
+def test_hsdp_trains_like_full_sharding(reports, name, tolerance):
     """adamw: fp32 reduction order only. adamw8bit: the same differences can move a moment across one of its
     256 quantisation steps, so a weight may differ by a fraction of one update (learning rate 1e-3)."""
     for report in reports:
         result = report[name]
         assert result["placements"] == ["R", "S(0)"]  # replicated across the groups, sharded within one
         assert 0 < result["hsdp_vs_full"] <= tolerance
-        assert result["resumed_as_hsdp_vs_hsdp"] == 0.0
-        assert result["resumed_as_full_vs_hsdp"] <= 1e-6
+
+
+def test_hsdp_state_resumes_in_either_layout(reports):
+    """8-bit AdamW's quantised state (AdamW's moments are laid out as the weights, compared in both resumes)."""
+    for report in reports:
+        assert report["adamw8bit"]["resumed_as_hsdp_vs_hsdp"] == 0.0
+        assert report["adamw8bit"]["resumed_as_full_vs_hsdp"] <= 1e-6
 
 
 def test_each_rank_holds_its_groups_share_and_the_same_shard_as_its_replica(reports):
