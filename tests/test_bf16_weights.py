@@ -69,19 +69,20 @@ def test_updates_below_half_a_bf16_step_land_in_expectation(optimizer_name):
         assert 1.0 - moved.mean().item() == pytest.approx(updates * learning_rate, rel=0.1)
 
 
-def loss_trajectory(world, pipeline_dir, weights_dtype: torch.dtype, optimizer_factory, updates: int = 50) -> np.ndarray:
+def loss_trajectory(world, pipeline_dir, weights_dtype: torch.dtype, optimizer_factory, updates: int = 30) -> np.ndarray:
     unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet", dtype=weights_dtype)
     prepare_unet(unet, world, torch.bfloat16)
     step = make_train_step(unet, optimizer_factory(unet.parameters()), pipeline_dir)
-    # 8 items seen again every 4 updates: the loss falls fast enough to tell the runs apart in 50 updates. 8x8
-    # latents: the gap is wider than at 16x16 (35% against 24%) in less than half the time.
+    # 8 items seen again every 4 updates: the loss falls fast enough to tell the runs apart in 30 updates. 8x8
+    # latents: the gap is wider than at 16x16 (after 50 updates 35% against 24%) in less than half the time.
     return np.array([step([synthetic_batch(unet, [update % 4, update % 4 + 4], seed=3, height=8, width=8)], epoch=0).loss for update in range(updates)])
 
 
 def test_bf16_weights_train_the_tiny_unet_as_fp32_weights_do(world, tiny_pipeline_dir):
-    """50 AdamW updates at lr 1e-4 (below half a bf16 step of most of the tiny UNet's weights), bf16 compute
-    in all three runs. Measured: the last 10 losses average 0.3925 with fp32 weights, 0.3929 with bf16 +
-    stochastic rounding and 0.532 rounded to nearest (35% above). The tolerance, 2%, is under a tenth of that gap."""
+    """30 AdamW updates at lr 1e-4 (below half a bf16 step of most of the tiny UNet's weights), bf16 compute
+    in all three runs. Measured: the last 10 losses average 0.5897 with fp32 weights, 0.5904 with bf16 +
+    stochastic rounding and 0.6937 rounded to nearest (18% above; 35% after 50 updates). The tolerance, 1%,
+    is under a tenth of that gap."""
     rate = 1e-4
     fp32 = loss_trajectory(world, tiny_pipeline_dir, torch.float32, lambda params: build_optimizer("adamw", params, rate, 0.0, (0.9, None), 1e-8))
     stochastic = loss_trajectory(world, tiny_pipeline_dir, torch.bfloat16, lambda params: build_optimizer("adamw", params, rate, 0.0, (0.9, None), 1e-8))
@@ -89,7 +90,7 @@ def test_bf16_weights_train_the_tiny_unet_as_fp32_weights_do(world, tiny_pipelin
     final = {name: losses[-10:].mean() for name, losses in (("fp32", fp32), ("stochastic", stochastic), ("nearest", nearest))}
     print(f"mean of the last 10 losses: {final}")
     assert final["fp32"] < 0.8 * fp32[:10].mean()  # the run learns
-    assert final["stochastic"] == pytest.approx(final["fp32"], rel=0.02)
+    assert final["stochastic"] == pytest.approx(final["fp32"], rel=0.01)
     assert final["nearest"] > 1.1 * final["fp32"]  # what stochastic rounding is for
 
 
