@@ -1,5 +1,6 @@
-"""Checkpoints: exact resume of the trainer, resharding, a save killed halfway, signals, the checkpoints
-folder, single-file export/import, and the pipeline handoff. Distributed parts run on 2 CPU processes."""
+"""Checkpoints: exact resume of the trainer (on the richest schedule, with every timestep-sampling and loss
+option), resharding, a save killed halfway, signals, the checkpoints folder, single-file export/import, and
+the pipeline handoff. Distributed parts run on 2 CPU processes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars, trainer_flags
+from test_resume_schedules import SCHEDULE_FLAGS, trainer_schedule
 from sdxl_trainer.checkpoint import (
     METADATA_FILE,
     TRAINER_STATE_FILE,
@@ -35,13 +37,27 @@ UNET_FILE = Path("pipeline") / "unet" / "diffusion_pytorch_model.safetensors"
 # ---- exact resume of the trainer ---------------------------------------------------------------------
 
 
+TOTAL_UPDATES = 14
+RESUMED_SCHEDULE = "cosine_with_restarts"  # warm-up (7 updates), decay and a restart after the resume at update 5
+# Biased logit-normal timesteps, pseudo-Huber loss with Min-SNR and debiased estimation, input perturbation and
+# a noise offset, both at random strengths: every draw follows (seed, epoch, sample), so resume stays bitwise.
+OBJECTIVE_OPTIONS = (
+    "--timestep_sampling", "logit_normal", "--logit_mean", "0.3", "--timestep_bias_strategy", "later", "--timestep_bias_multiplier", "2",
+    "--loss_type", "huber", "--huber_schedule", "snr", "--min_snr_gamma", "5", "--debiased_estimation_loss",
+    "--ip_noise_gamma", "0.1", "--ip_noise_gamma_random_strength", "--noise_offset", "0.05", "--noise_offset_random_strength",
+)
+
+
 @pytest.fixture(scope="module")
 def straight_and_resumed(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
     """14 updates straight, into the second epoch of 11 (state every 5 updates and at the end, all kept), and
-    the same run resumed from update 5 (inside epoch 1) into another project that keeps only the newest 2
-    checkpoints."""
+    the same run resumed from update 5 (inside epoch 1 and the warm-up) into another project that keeps only
+    the newest 2 checkpoints. The run resumed bitwise for every schedule and objective: the richest schedule
+    (test_resume_schedules.py checks every schedule as the trainer's function of the update) and every
+    timestep-sampling and loss option, with 8-bit AdamW, the EMA and gradient checkpointing."""
     output_dir = tmp_path_factory.mktemp("resume")
-    common = ["--num_train_epochs", "2", "--max_train_updates", "14", "--optimizer", "adamw8bit", "--use_ema", "--ema_decay", "0.9",
+    common = ["--num_train_epochs", "2", "--max_train_updates", str(TOTAL_UPDATES), "--optimizer", "adamw8bit", "--use_ema", "--ema_decay", "0.9",
+              "--learning_rate_scheduler", RESUMED_SCHEDULE, *SCHEDULE_FLAGS, *OBJECTIVE_OPTIONS,
               "--save_state_every_n_updates", "5", "--save_diffusers", "--gradient_checkpointing"]  # the exports compared, as users train
     straight = run_processes(2, TRAINER, trainer_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, "straight", *common, "--checkpoints_total_limit", "0"))
     resume_from = output_dir / "straight" / "checkpoints" / checkpoint_name(5)
@@ -52,11 +68,16 @@ def straight_and_resumed(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
     return output_dir, straight.stdout, resumed.stdout
 
 
-def test_resumed_run_ends_with_exactly_the_weights_of_the_straight_run(straight_and_resumed, tiny_pipeline_dir):
+def test_resumed_run_ends_with_exactly_the_weights_losses_and_rates_of_the_straight_run(straight_and_resumed, tiny_pipeline_dir):
     output_dir, _, resumed_log = straight_and_resumed
     assert "Resumed from" in resumed_log and "update 5, epoch 1 after 5 of its updates" in resumed_log
-    straight = load_file(output_dir / "straight" / UNET_FILE)
-    resumed = load_file(output_dir / "resumed" / UNET_FILE)
+    config = json.loads((output_dir / "straight" / "config.json").read_text())
+    assert (config["loss_type"], config["timestep_sampling"], config["ip_noise_gamma_random_strength"]) == ("huber", "logit_normal", True)
+    straight_run, resumed_run = output_dir / "straight", output_dir / "resumed"
+    assert scalars(resumed_run, "train/lr") == scalars(straight_run, "train/lr")[5:]
+    assert scalars(resumed_run, "train/loss") == scalars(straight_run, "train/loss")[5:]
+    straight = load_file(straight_run / UNET_FILE)
+    resumed = load_file(resumed_run / UNET_FILE)
     for name, tensor in straight.items():
         assert torch.equal(tensor, resumed[name]), f"{name} differs after resume"
     base = load_file(tiny_pipeline_dir / "unet" / "diffusion_pytorch_model.safetensors")
@@ -82,16 +103,11 @@ def test_the_exported_pipeline_encodes_the_empty_caption_as_training_did(straigh
 def test_train_lr_is_the_rate_each_update_used_also_with_torchaos_tensor_rate(straight_and_resumed):
     """torchao keeps the learning rate in a tensor; logging that tensor logged whatever the schedule wrote into
     it afterwards (the next update's rate)."""
-    import math
-
-    from sdxl_trainer.lr_schedule import LearningRateSchedule
-
     output_dir, _, _ = straight_and_resumed
     logged = scalars(output_dir / "straight", "train/lr")
-    total = len(logged)
-    schedule = LearningRateSchedule("constant_with_warmup", 1e-4, math.ceil(0.05 * total), total)  # the defaults, lr 1e-4
-    assert logged == pytest.approx([schedule(update) for update in range(total)], rel=1e-6)
-    assert logged[0] == 0.0
+    schedule = trainer_schedule(RESUMED_SCHEDULE, TOTAL_UPDATES)
+    assert logged == pytest.approx([schedule(update) for update in range(TOTAL_UPDATES)], rel=1e-6)
+    assert logged[0] == 0.0 and max(logged) == pytest.approx(1e-4)  # a warm-up from 0 to the peak
 
 
 def test_with_ema_the_validation_loss_is_that_of_the_exported_ema_weights(straight_and_resumed):

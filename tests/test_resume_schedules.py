@@ -1,15 +1,14 @@
-"""Stop and resume is invisible: "k updates, stop, resume, N-k updates" on 2 processes equals "N updates
-straight" bitwise (weights, learning rate and loss of every update), on the richest schedule (warm-up,
-cosine decay and a restart) with every timestep-sampling and loss option; on 1 process, a run capped by
---max_train_updates resumes into a longer one exactly, and a --learning_rate changed on resume applies
-from the next update; the schedules are diffusers'. The schedule is a pure function of the
-update number, which the trainer computes the same way straight and resumed, so the other schedules are
-checked against the trainer's own function in this process rather than by 2-process runs of their own."""
+"""Stop and resume is invisible for every schedule: the schedule is a pure function of the update number,
+which the trainer computes the same way straight and resumed, so the schedules are checked against the
+trainer's own function in this process; the 2-process run resumed bitwise on the richest one (warm-up,
+cosine decay and a restart) is test_checkpoint.py's. On 1 process, a run capped by --max_train_updates
+resumes into a longer one exactly, and a --learning_rate changed on resume applies from the next update;
+the schedules are diffusers'. `train` is the 2-process run that the resumes of trained text encoders and
+of masked, flipped, weighted runs are checked on."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from sdxl_trainer.lr_schedule import SCHEDULE_NAMES, LearningRateSchedule
 
 RESUME_AT = 2  # of 6 updates: inside the warm-up (3 updates) and in the middle of the first epoch
 TOTAL_UPDATES = 6
-RESUMED_SCHEDULE = "cosine_with_restarts"  # warm-up, decay and a restart within the 6 updates
 SCHEDULE_FLAGS = ("--percent_lr_warm_up_steps", "0.5", "--lr_num_cycles", "2", "--polynomial_power", "2")
 
 
@@ -55,41 +53,10 @@ def exported_unet(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors")
 
 
-# Biased logit-normal timesteps, pseudo-Huber loss with Min-SNR and debiased estimation, input perturbation and
-# a noise offset, both at random strengths: every draw follows (seed, epoch, sample), so resume stays bitwise.
-OBJECTIVE_OPTIONS = (
-    "--timestep_sampling", "logit_normal", "--logit_mean", "0.3", "--timestep_bias_strategy", "later", "--timestep_bias_multiplier", "2",
-    "--loss_type", "huber", "--huber_schedule", "snr", "--min_snr_gamma", "5", "--debiased_estimation_loss",
-    "--ip_noise_gamma", "0.1", "--ip_noise_gamma_random_strength", "--noise_offset", "0.05", "--noise_offset_random_strength",
-)
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> Path:
-    """6 updates straight, a checkpoint every 2: the run every resumed one here is compared with."""
-    return train(tmp_path_factory.mktemp("straight"), sample_cache_dir, tiny_pipeline_dir, RESUMED_SCHEDULE, *OBJECTIVE_OPTIONS)
-
-
-def test_resume_equals_the_uninterrupted_run(straight, tmp_path, sample_cache_dir, tiny_pipeline_dir):
-    resumed_copy(straight, tmp_path / "resumed")
-    resumed = train(tmp_path / "resumed", sample_cache_dir, tiny_pipeline_dir, RESUMED_SCHEDULE, *OBJECTIVE_OPTIONS, "--load_saved_state", "latest")
-    config = json.loads((straight / "config.json").read_text())
-    assert (config["loss_type"], config["timestep_sampling"], config["ip_noise_gamma_random_strength"]) == ("huber", "logit_normal", True)
-
-    straight_rates, resumed_rates = scalars(straight, "train/lr"), scalars(resumed, "train/lr")
-    assert straight_rates == pytest.approx([trainer_schedule(RESUMED_SCHEDULE)(update) for update in range(TOTAL_UPDATES)], rel=1e-6)
-    assert straight_rates[0] == 0.0 and max(straight_rates) == pytest.approx(1e-4)  # warm-up from 0 to the peak
-    assert resumed_rates == straight_rates[RESUME_AT:]
-    assert scalars(resumed, "train/loss") == scalars(straight, "train/loss")[RESUME_AT:]
-    expected = exported_unet(straight)
-    got = exported_unet(resumed)
-    assert all(torch.equal(expected[key], got[key]) for key in expected), "resumed weights differ from the straight run's"
-
-
-def trainer_schedule(schedule: str, *extra: str) -> LearningRateSchedule:
-    """The schedule the trainer builds for this module's runs (6 updates), from the same flags."""
-    config = parse_config(TrainConfig, ["--cached_dataset_dirs", "unused", "--learning_rate", "1e-4", "--learning_rate_scheduler", schedule, *SCHEDULE_FLAGS, *extra])
-    return learning_rate_schedule(config, TOTAL_UPDATES)
+def trainer_schedule(schedule: str, total_updates: int = TOTAL_UPDATES) -> LearningRateSchedule:
+    """The schedule the trainer builds for a run of `total_updates` with SCHEDULE_FLAGS and lr 1e-4."""
+    config = parse_config(TrainConfig, ["--cached_dataset_dirs", "unused", "--learning_rate", "1e-4", "--learning_rate_scheduler", schedule, *SCHEDULE_FLAGS])
+    return learning_rate_schedule(config, total_updates)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
