@@ -4,6 +4,7 @@ against arithmetic. The full-size figures are README's hardware table (--estimat
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -33,15 +34,20 @@ def rank0_shard_bytes(world_size: int) -> int:
     return sum(math.ceil(parameter.shape[0] / world_size) * parameter[0].numel() * 4 for parameter in unet.parameters())
 
 
+@functools.cache
+def fake_estimate(world_size: int, optimizer: str) -> MemoryEstimate:
+    """The fake-tensor estimate of settings(world_size, optimizer), made once for the tests that read it."""
+    return estimate_memory(settings(world_size, optimizer), TINY_UNET_CONFIG)
+
+
 @pytest.mark.parametrize(
     ("world_size", "optimizer"),
     [(1, "adamw8bit"), (2, "adamw")],
     ids=["1 process, plain module, 8-bit AdamW", "2 processes, FSDP2, AdamW"],
 )
 def test_fake_tensors_give_what_real_tensors_of_the_same_run_give(world_size, optimizer):
-    run = settings(world_size, optimizer)
-    fake = estimate_memory(run, TINY_UNET_CONFIG)
-    real = estimate_memory(run, TINY_UNET_CONFIG, fake=False)
+    fake = fake_estimate(world_size, optimizer)
+    real = estimate_memory(settings(world_size, optimizer), TINY_UNET_CONFIG, fake=False)
     for category, real_bytes in real.gpu_peak_by_category.items():
         # Host scalars made while the step reads values (a few bytes each) are all that may differ.
         assert fake.gpu_peak_by_category[category] == pytest.approx(real_bytes, abs=1024), category
@@ -73,7 +79,7 @@ def test_sharded_state_is_the_arithmetic_of_rank0s_shards():
     """With FSDP2 over 2 ranks, parameters and gradients at the peak are rank 0's shards and AdamW's state is
     two fp32 moments of them (plus a 4-byte step count per tensor): DTensor's global-shape placeholders,
     which run in a fake mode of their own, are not counted (they made this 3x too large)."""
-    estimate = estimate_memory(settings(2, "adamw", gradient_accumulation_steps=1), TINY_UNET_CONFIG)
+    estimate = fake_estimate(2, "adamw")
     shard_bytes = rank0_shard_bytes(2)
     tensors = len(list(UNet2DConditionModel(**TINY_UNET_CONFIG).parameters()))
     assert estimate.gpu_peak_by_category["optimizer state"] == 2 * shard_bytes + 4 * tensors
