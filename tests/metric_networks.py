@@ -5,6 +5,7 @@ standing in for HPSv2's ViT-H-14. They go through the same loading code as the r
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import open_clip
@@ -39,10 +40,15 @@ def random_inception_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def register_tiny_clip(folder: Path) -> str:
-    """Make the tiny CLIP config known to open_clip (as ViT-H-14's config is) and return its name."""
+    """Make the tiny CLIP config known to open_clip (as ViT-H-14's config is) and return its name. The ranks
+    of a run call it at once, each rewriting the file and open_clip reading it back: the file is replaced
+    whole, as a rank that read it while another truncated it failed on an empty JSON file."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{TINY_CLIP}.json").write_text(json.dumps(TINY_CLIP_CONFIG))
-    open_clip.add_model_config(folder / f"{TINY_CLIP}.json")
+    config = folder / f"{TINY_CLIP}.json"
+    partial = config.with_name(f"{config.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(TINY_CLIP_CONFIG))
+    os.replace(partial, config)
+    open_clip.add_model_config(config)
     return TINY_CLIP
 
 

