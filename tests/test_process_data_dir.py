@@ -7,6 +7,7 @@ import errno
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -276,15 +277,24 @@ def run_launcher(env_extra: dict, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(REPO_ROOT / "sdxl_process_data_dir.sh"), *args], env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_launcher_runs_two_workers_that_split_the_data(tmp_path, tiny_pipeline_dir):
+def test_two_workers_split_a_folder_into_one_cache(tmp_path, tiny_pipeline_dir):
+    """Workers 0 and 1 of 2, as the launcher starts them, cache disjoint parts of a folder into one cache."""
     data_dir = make_dataset(tmp_path / "data", 8)
     cache_dir = tmp_path / "cache"
-    result = run_launcher({"NUM_WORKERS": "2"}, "--data_dir", str(data_dir), "--cache_dir", str(cache_dir),
-                          "--pretrained_model_name_or_path", str(tiny_pipeline_dir), *RESOLUTION_FLAGS, "--items_per_shard", "2")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for worker in range(2):
+        assert run_cache(data_dir, cache_dir, tiny_pipeline_dir, "--items_per_shard", "2", "--num_shards", "2", "--shard_index", str(worker)) == 0
     assert manifest_paths(cache_dir) == Counter({f"img{index:03d}.png": 1 for index in range(8)})
     workers = {name.split("-")[0] for name in shard_digests(cache_dir)}
     assert workers == {"w0000of0002", "w0001of0002"}
+
+
+def test_launcher_starts_one_worker_per_shard(tmp_path):
+    """NUM_WORKERS=2 starts shards 0 and 1 of 2 over the same folder (dry runs: no model loads)."""
+    data_dir = make_dataset(tmp_path / "data", 8)
+    result = run_launcher({"NUM_WORKERS": "2"}, "--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), *RESOLUTION_FLAGS, "--dry_run")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    counts = {worker: int(count) for worker, count in re.findall(r"\[(w\d{4}of0002)\] dry run over (\d+) images", result.stdout)}
+    assert sorted(counts) == ["w0000of0002", "w0001of0002"] and sum(counts.values()) == 8 and min(counts.values()) > 0
 
 
 def test_launcher_maps_machines_to_shards_and_fails_when_a_worker_fails(tmp_path):
