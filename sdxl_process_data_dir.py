@@ -71,7 +71,7 @@ from sdxl_trainer.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.images import UnreadableImage, upright_size
 from sdxl_trainer.library_noise import hide_library_progress_bars
 from sdxl_trainer.files import write_error_reason
-from sdxl_trainer.parallel import exempt_live_objects_from_garbage_collection
+from sdxl_trainer.garbage_collection import exempt_live_objects_from_garbage_collection
 from sdxl_trainer.metadata import (
     TABLE_SUFFIXES, TableError, TableFilters, parse_column_names, read_tag_replacements, read_text_replacements, scan_table,
 )

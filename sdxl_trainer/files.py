@@ -8,16 +8,23 @@ import fcntl
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 from safetensors import SafetensorError
-from torch.distributed.checkpoint.api import CheckpointException
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 LOW_SPACE_BYTES = 1 << 30  # less than one SDXL checkpoint shard or export
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: os.umask can only be read by setting it
 SHAREABLE_MODE = 0o666 & ~_UMASK
+
+
+def _is_checkpoint_exception(error: BaseException) -> bool:
+    """DCP's CheckpointException (every rank's error of a collective save or load). Looked up, not imported:
+    one exists only where DCP is loaded, and importing DCP costs a caching worker or a refused start 2.6 s."""
+    checkpoint_api = sys.modules.get("torch.distributed.checkpoint.api")
+    return checkpoint_api is not None and isinstance(error, checkpoint_api.CheckpointException)
 
 
 def _causes(error: BaseException | None):
@@ -31,7 +38,7 @@ def _causes(error: BaseException | None):
         seen.add(id(current))
         yield current
         pending += [current.__cause__, current.__context__]
-        if isinstance(current, CheckpointException):
+        if _is_checkpoint_exception(current):
             pending += [failure for failure, _ in current.failures.values()]
 
 
@@ -60,7 +67,7 @@ def write_error_reason(error: BaseException | None, folder: Path | None = None) 
     if is_disk_full(error) or (folder is not None and free_bytes(folder) < LOW_SPACE_BYTES):
         return "the disk is full"
     for cause in _causes(error):
-        if not isinstance(cause, CheckpointException):
+        if not _is_checkpoint_exception(cause):
             return f"{type(cause).__name__}: {cause}"
     return "another process failed to write its part"
 

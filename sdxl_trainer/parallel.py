@@ -8,7 +8,6 @@ the watchdog) run the same everywhere. The UNet is sharded with FSDP2 only where
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 import sys
@@ -36,16 +35,6 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def exempt_live_objects_from_garbage_collection() -> None:
-    """Leave every object alive now out of Python's later garbage collections (gc.freeze). A full
-    collection walks every live object: the ~560,000 the libraries create at import take 0.5-0.8 s a walk
-    on a CPU core, several times a run, on each rank at its own moment while the others wait at the next
-    collective (3 s of a 2-rank tiny run of 14 updates). Call it after each wave of imports (the script's
-    own; the model libraries' once the checks passed), when almost nothing is garbage yet (60 objects):
-    garbage frozen now would never be freed."""
-    gc.freeze()
 
 
 def free_port() -> int:

@@ -189,9 +189,11 @@ class SayWhenImported(importlib.abc.MetaPathFinder):
         return None  # the usual finders import it
 
 sys.meta_path.insert(0, SayWhenImported())
-import sdxl_FSDP_train, sdxl_process_data_dir
+import sdxl_process_data_dir
 cache_dir, output_dir = sys.argv[1:]
 assert sdxl_process_data_dir.main(["--data_dir", "sample_dataset", "--cache_dir", output_dir + "/cache", "--dry_run"]) == 0
+print("the dry run loaded", [name for name in ("torch.distributed.tensor", "torch.distributed.checkpoint", "torch._dynamo") if name in sys.modules])
+import sdxl_FSDP_train
 sdxl_FSDP_train.main(["--cached_dataset_dirs", cache_dir, "--min_resolution", "512", "--output_dir", output_dir])  # refused: the process ends
 """
 
@@ -206,6 +208,7 @@ def test_a_dry_run_and_a_refused_start_never_import_the_model_libraries(tmp_path
     )
     assert result.returncode == 1
     assert "would cache 25 (upscaled: 0); would skip 5 (too small: 5)" in result.stdout
+    assert "the dry run loaded []" in result.stdout  # nor torch's parallel and compiler modules (3 s of its 6)
     assert result.stderr.rstrip().splitlines()[-1].startswith("  --min_resolution 512 does not match the caches")
     assert [line for line in result.stdout.splitlines() if line.startswith("imported ")] == []
 
@@ -244,7 +247,7 @@ def test_objects_alive_after_the_imports_are_left_out_of_later_garbage_collectio
     import gc
     import weakref
 
-    from sdxl_trainer.parallel import exempt_live_objects_from_garbage_collection
+    from sdxl_trainer.garbage_collection import exempt_live_objects_from_garbage_collection
 
     class Node:
         pass

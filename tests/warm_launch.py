@@ -32,7 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
-from sdxl_trainer.parallel import exempt_live_objects_from_garbage_collection
+from sdxl_trainer.garbage_collection import exempt_live_objects_from_garbage_collection
 
 # What a rank of the trainer or of a test worker imports before its first line of work, and what they import
 # later on most runs: the model libraries (once a run's checks pass), the compiler (the 8-bit AdamW step),
