@@ -86,7 +86,7 @@ def trainer_state_for(**fields) -> TrainerState:
     )
 
 
-def clipping_against_torch(unet: torch.nn.Module, seed: int = 0) -> dict[str, dict[str, float]]:
+def clipping_against_torch(unet: torch.nn.Module, seed: int = 0, max_norms: tuple[float, ...] = (1.0, math.inf)) -> dict[str, dict[str, float]]:
     """Seeded gradients (large enough to be clipped at 1) on every parameter, clipped by clip_gradients and
     by torch.nn.utils.clip_grad_norm_: per max_norm, both norms and the largest difference of the results."""
     parameters = list(unet.parameters())
@@ -97,7 +97,7 @@ def clipping_against_torch(unet: torch.nn.Module, seed: int = 0) -> dict[str, di
         values = torch.randn(local.shape, generator=generator, dtype=local.dtype)
         originals.append(values)
     report = {}
-    for max_norm in (1.0, math.inf):
+    for max_norm in max_norms:
         clipped = {}
         for name, clip in (("ours", clip_gradients), ("torch", torch.nn.utils.clip_grad_norm_)):
             for parameter, values in zip(parameters, originals):
