@@ -39,13 +39,13 @@ from sdxl_trainer.ema import ShardedEMA
 from sdxl_trainer.encoding import load_text_encoders
 from sdxl_trainer.evaluation import EvaluationSettings, Evaluator, PipelineSource, Schedule, build_evaluator
 from sdxl_trainer.export import ExportError, Exporter, ExportSettings
+from sdxl_trainer.garbage_collection import exempt_live_objects_from_garbage_collection
 from sdxl_trainer.holdout import HoldoutError, SplitSettings
 from sdxl_trainer.library_noise import hide_library_progress_bars
 from sdxl_trainer.lr_schedule import LearningRateSchedule, ScheduleName
 from sdxl_trainer.metrics import METRICS, MetricWeights, MetricWeightsError
 from sdxl_trainer.monitor import ConsoleLog, MetricsWriter, TrainingMonitor, WandbSettings
 from sdxl_trainer.optimizers import build_optimizer
-from sdxl_trainer.garbage_collection import exempt_live_objects_from_garbage_collection
 from sdxl_trainer.parallel import World, broadcast_text, init_distributed, prepare_text_encoder, prepare_unet, shutdown_distributed, uses_sharding
 from sdxl_trainer.run_folder import RunFolderBusy, RunFolderLock, earlier_run_outputs, earlier_run_problems
 from sdxl_trainer.sample_prompts import DEFAULT_SAMPLE_PROMPTS, read_prompts
