@@ -52,9 +52,9 @@ OBJECTIVE_OPTIONS = (
 def straight_and_resumed(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
     """14 updates straight, into the second epoch of 11 (state every 5 updates and at the end, all kept), and
     the same run resumed from update 5 (inside epoch 1 and the warm-up) into another project that keeps only
-    the newest 2 checkpoints. The run resumed bitwise for every schedule and objective: the richest schedule
-    (test_resume_schedules.py checks every schedule as the trainer's function of the update) and every
-    timestep-sampling and loss option, with 8-bit AdamW, the EMA and gradient checkpointing."""
+    the newest 2 checkpoints. The pair that shows exact resume: on the richest schedule (test_resume_schedules.py
+    checks every schedule as the trainer's function of the update) with every timestep-sampling and loss
+    option, 8-bit AdamW, the EMA and gradient checkpointing."""
     output_dir = tmp_path_factory.mktemp("resume")
     common = ["--num_train_epochs", "2", "--max_train_updates", str(TOTAL_UPDATES), "--optimizer", "adamw8bit", "--use_ema", "--ema_decay", "0.9",
               "--learning_rate_scheduler", RESUMED_SCHEDULE, *SCHEDULE_FLAGS, *OBJECTIVE_OPTIONS,
