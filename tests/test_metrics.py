@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from torch_fidelity.metric_fid import fid_features_to_statistics, fid_statistics_to_metric
 
-from metric_networks import TINY_CLIP, write_metric_weights
+from metric_networks import TINY_CLIP, register_tiny_clip, write_metric_weights
 from sdxl_trainer.metrics import (
     ALEXNET_FILE,
     ALEXNET_URL,
@@ -242,9 +242,7 @@ def test_weight_files_are_loaded_as_tensors_only(tmp_path, weights, network):
 
 
 def _register_tiny_clip_repeatedly(folder: Path, times: int) -> int:
-    """How many of `times` registrations failed (a forked process's exit code)."""
-    from metric_networks import register_tiny_clip
-
+    """How many of `times` registrations failed, in a forked process."""
     failures = 0
     for _ in range(times):
         try:
