@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import sys
 import time
 from pathlib import Path
 
 from conftest import run_processes
-from warm_launch import PRELOADED_MODULES
+from warm_launch import PRELOADED_MODULES, WarmLauncher
 
 REPORT_ENVIRONMENT = """
 import json, multiprocessing, os, sys
@@ -101,6 +103,34 @@ def test_the_first_failing_rank_ends_the_job_with_its_exit_code(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == "rank 1 gives up"
     assert "rank 0 was told to stop" in result.stdout  # SIGTERM, as torchrun sends it, not a kill
     assert time.monotonic() - started < 20
+
+
+class _StatusNotYetIn:
+    """A rank that has ended and been reaped (by the server, for a warm-launched rank) whose exit status the
+    launcher does not see for its first `reads_before_status` reads of exitcode."""
+
+    def __init__(self, process, reads_before_status: int):
+        self._process, self._reads_left = process, reads_before_status
+
+    @property
+    def exitcode(self):
+        self._reads_left -= 1
+        return None if self._reads_left >= 0 else self._process.exitcode
+
+    def __getattr__(self, name):
+        return getattr(self._process, name)
+
+
+def test_a_rank_that_ends_while_the_job_is_being_stopped_is_no_error(tmp_path):
+    """Both ranks refused a start, the second's status arriving as the first's failure stops the job: the
+    stop once signalled a process the server had already reaped (ProcessLookupError, a flaky test)."""
+    context = multiprocessing.get_context("fork")
+    failing, ending = context.Process(target=sys.exit, args=(3,)), context.Process(target=sys.exit, args=(0,))
+    for process in (failing, ending):
+        process.start()
+        process.join()
+    ranks = [failing, _StatusNotYetIn(ending, reads_before_status=2)]
+    assert WarmLauncher._wait(ranks, timeout=10, command=["refused.py"], stderr_path=tmp_path / "stderr") == 3
 
 
 def test_a_rank_starts_with_every_preloaded_module_and_the_optimizer_kernels_compiled(tmp_path):

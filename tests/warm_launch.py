@@ -166,7 +166,8 @@ class WarmLauncher:
                 if failed is not None:
                     for rank in ranks:
                         if rank.exitcode is None:
-                            os.kill(rank.pid, signal.SIGTERM)
+                            # Not os.kill: a rank that ended since exitcode was read is gone (ESRCH), which terminate() allows.
+                            rank.terminate()
                     kill_at = time.monotonic() + STOP_GRACE_S
             elif time.monotonic() > kill_at:
                 for rank in ranks:
