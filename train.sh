@@ -19,10 +19,7 @@ if [ -z "$processes" ]; then
     [ "$processes" -gt 0 ] || processes=2
 fi
 
-# glibc would hand the heap an update frees back to the OS and fault it in again in the next forward: keep
-# it. Tiny model, one CPU process: 6,862 page faults (27 MB) per update down to 9, CPU time per update 902 ms
-# down to 856 ms (benchmarks/bench_trainer.py measures both side by side).
-export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-33554432} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-1073741824}
+source tools/allocator_settings.sh  # the heap an update frees is kept for the next one
 
 if [ "$processes" -eq 1 ] && [ "${NUM_MACHINES:-1}" -eq 1 ]; then
     # The trainer forms its own one-process group and keeps every core (a CPU optimizer step, --cpu_offload,

@@ -15,7 +15,7 @@ Every path has the same optimizer (torchao AdamW8bit), precision (fp32) and grad
 paths alternate in rounds so machine noise hits them alike. Data loading should stay under 2% of an update.
 
 Each process count runs side by side under glibc's default allocator settings and under the thresholds
-train.sh sets (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, read from train.sh), alternating for
+train.sh sets (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, read from tools/allocator_settings.sh), alternating for
 --sessions sessions of each; besides the time, the training process's CPU time (all its threads) and minor
 page faults (heap handed back to the OS and faulted in again) per update are counted. Processes start as train.sh starts them:
 python directly for one, the launcher for two.
@@ -205,9 +205,10 @@ def main() -> None:
 
 
 def train_sh_allocator_settings() -> dict[str, str]:
-    """The MALLOC_*_ defaults train.sh exports (`export MALLOC_X_=${MALLOC_X_:-value}`), so this measures them as set."""
-    settings = dict(re.findall(r"(MALLOC_\w+_)=\$\{\1:-(\d+)\}", (REPO_ROOT / "train.sh").read_text()))
-    assert settings, "train.sh sets no MALLOC_*_ thresholds"
+    """The MALLOC_*_ defaults train.sh exports (`export MALLOC_X_=${MALLOC_X_:-value}` in tools/allocator_settings.sh), so this
+    measures them as set."""
+    settings = dict(re.findall(r"(MALLOC_\w+_)=\$\{\1:-(\d+)\}", (REPO_ROOT / "tools" / "allocator_settings.sh").read_text()))
+    assert settings, "tools/allocator_settings.sh sets no MALLOC_*_ thresholds"
     return settings
 
 

@@ -80,7 +80,8 @@ def run_train_sh(tmp_path: Path, processes: int | None, flags: list[str]) -> tup
     env = dict(process_env(), VENV_DIR=str(venv), MAIN_PROCESS_PORT=str(free_port()))
     if processes is not None:
         env["NUM_PROCESSES"] = str(processes)
-    env.pop("OMP_NUM_THREADS")  # train.sh decides
+    for decided_by_train_sh in ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):  # run_tests.sh sets the last two
+        env.pop(decided_by_train_sh, None)
     process = subprocess.Popen(["bash", "train.sh", *flags], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     console, _ = process.communicate(timeout=300)
     return process, console, log.read_text().splitlines()
