@@ -283,9 +283,9 @@ class Evaluator:
         mine = rank_share(requests, self.world.rank, self.world.world_size)
         images = gather_images(generate(pipeline, mine, self.generation, negative, self.world.device), self.world.device)
         if self.world.is_main:
-            grid = append_grid_row(
+            header_and_row = append_grid_row(
                 self.grid_path, [images[position] for position in range(len(requests))], label, [prompt.text for prompt in self.sample_prompts],
                 options=[prompt.options_text() for prompt in self.sample_prompts],
             )
-            metrics.image("samples/grid", np.asarray(grid), step)
+            metrics.image("samples/grid", np.asarray(header_and_row), step)
         dist.barrier()

@@ -114,8 +114,10 @@ def _row(images: list, label: str, cell_size: int) -> Image.Image:
 def append_grid_row(path: Path, images: list, label: str, prompts: list[str], cell_size: int = CELL_SIZE, options: list[str] | None = None) -> Image.Image:
     """Add a row of `images` (one per prompt: PIL images, uint8 (3, H, W) tensors or (H, W, 3) arrays, any
     size) labelled `label` below the grid at `path`, creating the grid with its prompt header if the file
-    does not exist; `options` is a line per prompt for the header ("" or None: none). Returns the whole grid
-    (e.g. for TensorBoard). The file is replaced atomically."""
+    does not exist; `options` is a line per prompt for the header ("" or None: none). The file is replaced
+    atomically. Returns the header over the new row, what TensorBoard and W&B log at this step: logging the
+    whole grid each time made their logs grow with the square of the number of rows (100 sample epochs: 5,050
+    rows logged for 100 new ones)."""
     options = options or [""] * len(prompts)
     if not len(images) == len(prompts) == len(options):
         raise ValueError(f"{len(images)} images for {len(prompts)} prompts with {len(options)} option lines")
@@ -145,4 +147,7 @@ def append_grid_row(path: Path, images: list, label: str, prompts: list[str], ce
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     grid.save(tmp, format="PNG", pnginfo=metadata)
     os.replace(tmp, path)
-    return grid
+    header_and_row = Image.new("RGB", (grid.width, header_height() + row.height), BACKGROUND)
+    header_and_row.paste(grid.crop((0, 0, grid.width, header_height())), (0, 0))
+    header_and_row.paste(row, (0, header_height()))
+    return header_and_row

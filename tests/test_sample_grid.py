@@ -4,6 +4,7 @@ prompt options (kohya's syntax) and their effect on the generated images, the sa
 
 from __future__ import annotations
 
+import io
 from dataclasses import replace
 
 import numpy as np
@@ -48,19 +49,25 @@ def test_grid_grows_by_one_row_per_call_and_keeps_old_rows(tmp_path):
         assert '"labels": ["base", "epoch 2", "epoch 4"]' in saved.text["sdxl_trainer_sample_grid"]
 
 
-def test_grid_goes_to_tensorboard(tmp_path):
+def test_tensorboard_gets_the_header_over_each_new_row(tmp_path):
+    """Each step logs the prompt header over that step's row, not the whole grid again (which grew the event
+    file with the square of the rows)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from sdxl_trainer.monitor import MetricsWriter
 
-    grid = append_grid_row(tmp_path / "grid.png", row_images(0), "base", PROMPTS)
+    path = tmp_path / "grid.png"
     writer = MetricsWriter(tmp_path / "tb", enabled=True)
-    writer.image("samples/grid", grid, 0)
+    for step in range(3):
+        writer.image("samples/grid", append_grid_row(path, row_images(step), f"epoch {step}", PROMPTS), step)
     writer.close()
-    events = EventAccumulator(str(tmp_path / "tb"))
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
     events.Reload()
-    (logged,) = events.Images("samples/grid")
-    assert (logged.width, logged.height) == grid.size
+    logged = events.Images("samples/grid")
+    grid = read(path)
+    assert [(image.step, image.width, image.height) for image in logged] == [(step, grid.shape[1], header_height() + CELL_SIZE) for step in range(3)]
+    last = np.array(Image.open(io.BytesIO(logged[-1].encoded_image_string)).convert("RGB"))
+    assert np.array_equal(last, np.concatenate([grid[: header_height()], grid[-CELL_SIZE:]]))
 
 
 def test_grid_refuses_other_prompts(tmp_path):

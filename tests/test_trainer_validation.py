@@ -92,5 +92,6 @@ def test_sample_grid_grows_by_one_row_per_sample_epoch(run):
         assert filled[0][:, : CELL_SIZE // 7].sum() == 0 and filled[0][:, CELL_SIZE // 2].mean() > 0.9  # 256x384: bars left and right
         assert filled[1][: CELL_SIZE // 6].sum() == 0 and filled[1][CELL_SIZE // 2].mean() > 0.9  # 320x192: bars above and below
         assert filled[2][:, 0].mean() > 0.9 and filled[2][0].mean() > 0.9  # 512x512 fills its cell
-    assert len(tensorboard(run_dir).Images("samples/grid")) == 3
+    # TensorBoard gets the header over each step's row, not the whole grid again.
+    assert [(image.width, image.height) for image in tensorboard(run_dir).Images("samples/grid")] == [(pixels.shape[1], header_height() + CELL_SIZE)] * 3
     assert not list((run_dir.parent / "handoff").glob("sdxl_handoff_*"))  # handoff folders removed
