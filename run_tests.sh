@@ -10,6 +10,7 @@ VENV_DIR=${VENV_DIR:-venv}
 bash create_venv.sh
 export HF_HUB_OFFLINE=1
 # The trainer's allocator settings (train.sh's) for every test process: the pytest workers, the ranks forked
-# from them and the scripts they start. A subset of 84 tests took 9% less CPU with them, side by side.
+# from them and the scripts they start. 84 tests of training-heavy files took 9% less CPU with them, side by
+# side (README, Tests and benchmarks).
 source tools/allocator_settings.sh
 exec "$VENV_DIR/bin/python" -m pytest tests -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
