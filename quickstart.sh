@@ -10,7 +10,7 @@ VENV_DIR=${VENV_DIR:-venv}
 bash create_venv.sh
 export HF_HUB_OFFLINE=1
 
-"$VENV_DIR/bin/python" -m sdxl_trainer.tiny_model "$OUTPUT_DIR/tiny_sdxl"
+"$VENV_DIR/bin/python" -m sdxl_trainer.models.tiny "$OUTPUT_DIR/tiny_sdxl"
 bash sdxl_process_data_dir.sh \
     --data_dir sample_dataset \
     --cache_dir "$OUTPUT_DIR/cache" \

@@ -29,7 +29,7 @@ if [ "$processes" -eq 1 ] && [ "${NUM_MACHINES:-1}" -eq 1 ]; then
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # what torchrun sets for several processes, without its banner
 # torchrun, less the launcher output that would follow a failing rank's message (sdxl_trainer/launcher.py).
-exec "$VENV_DIR/bin/python" -m sdxl_trainer.launcher \
+exec "$VENV_DIR/bin/python" -m sdxl_trainer.distributed.launcher \
     --nproc_per_node "$processes" \
     --nnodes "${NUM_MACHINES:-1}" \
     --node_rank "${MACHINE_RANK:-0}" \

@@ -2,7 +2,7 @@
 
 Tiny mode (default, CPU, offline): builds the tiny SDXL and a folder of random images, then prints
   1. bare encoders: items/s of encode_images + encode_captions alone, on images already decoded and cropped;
-  2. full path: items/s of sdxl_process_data_dir.main (reading, hashing, decoding, cropping, encoding, writing
+  2. full path: items/s of the caching job (reading, hashing, decoding, cropping, encoding, writing
      shards + manifest), and its overhead over (1);
   3. scaling: wall time and items/s of sdxl_process_data_dir.sh with 1 and with 2 workers (process start-up
      and model loading included, as a user sees it).
@@ -29,10 +29,15 @@ from PIL import Image
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-import sdxl_process_data_dir  # noqa: E402
-from sdxl_trainer.encoding import load_encoders  # noqa: E402
-from sdxl_trainer.sources import prepare_item, read_source, scan_images  # noqa: E402
-from sdxl_trainer.tiny_model import build_full_size_vae, save_tiny_pipeline  # noqa: E402
+from sdxl_trainer.config import parse_config  # noqa: E402
+from sdxl_trainer.jobs.cache_config import CacheConfig  # noqa: E402
+from sdxl_trainer.jobs.cache_job import run_caching  # noqa: E402
+from sdxl_trainer.models.encoders import load_encoders  # noqa: E402
+from sdxl_trainer.models.sdxl import build_full_size_vae  # noqa: E402
+from sdxl_trainer.models.tiny import save_tiny_pipeline
+from sdxl_trainer.preparation.folders import scan_images
+from sdxl_trainer.preparation.items import prepare_item, read_source  # noqa: E402
+
 
 def make_images(folder: Path, count: int, size: int) -> None:
     folder.mkdir(parents=True)
@@ -58,7 +63,7 @@ def full_path_rate(pipeline: Path, data_dir: Path, cache_dir: Path, size: int, b
     flags = ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(pipeline),
              "--min_resolution", str(size), "--max_resolution", str(size), "--batch_size", str(batch_size), "--items_per_shard", "32"]
     started = time.perf_counter()
-    assert sdxl_process_data_dir.main(flags) == 0
+    assert run_caching(parse_config(CacheConfig, flags)) == 0
     return count / (time.perf_counter() - started)
 
 

@@ -28,8 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
-from sdxl_trainer.encoding import TEXT_MAX_LENGTH  # noqa: E402
-from sdxl_trainer.tiny_model import build_full_size_text_encoders  # noqa: E402
+from sdxl_trainer.models.encoders import TEXT_MAX_LENGTH  # noqa: E402
+from sdxl_trainer.models.sdxl import build_full_size_text_encoders  # noqa: E402
 
 BATCH = 4
 SEED = 3
@@ -63,16 +63,18 @@ def counted() -> None:
 
 
 def timed(updates_per_round: int, rounds: int) -> None:
-    from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder
-    from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
-    from sdxl_trainer.encoding import encode_prompts, load_text_encoders
-    from sdxl_trainer.lr_schedule import LearningRateSchedule
-    from sdxl_trainer.optimizers import build_optimizer
-    from sdxl_trainer.parallel import init_distributed, prepare_unet, shutdown_distributed
-    from sdxl_trainer.tiny_model import save_tiny_pipeline
-    from sdxl_trainer.train_step import TrainStep
-    from sdxl_trainer.trained_models import TEXT_ENCODER_NAMES, TrainedModels
     from diffusers import UNet2DConditionModel
+
+    from sdxl_trainer.distributed.fsdp import prepare_unet
+    from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
+    from sdxl_trainer.models.encoders import encode_prompts, load_text_encoders
+    from sdxl_trainer.models.tiny import save_tiny_pipeline
+    from sdxl_trainer.optimizers.build import build_optimizer
+    from sdxl_trainer.training.captions import CaptionVariation, StepCaptionEncoder
+    from sdxl_trainer.training.lr_schedule import LearningRateSchedule
+    from sdxl_trainer.training.objective import NoiseSettings, build_noise_scheduler
+    from sdxl_trainer.training.step import TrainStep
+    from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES, TrainedModels
 
     world = init_distributed()
     with tempfile.TemporaryDirectory() as folder:

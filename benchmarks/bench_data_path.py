@@ -30,8 +30,11 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from sdxl_trainer.data import DataPosition  # noqa: E402
-from sdxl_trainer.data import DataStream, EpochPlanner, bucket_counts, small_buckets  # noqa: E402
+from sdxl_trainer.training.epochs import EpochPlanner, bucket_counts, small_buckets
+from sdxl_trainer.training.stream import (
+    DataPosition,  # noqa: E402
+    DataStream,  # noqa: E402
+)
 
 NUM_BUCKETS = 40
 SEED = 1234

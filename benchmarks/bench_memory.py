@@ -26,9 +26,10 @@ def worker(pipeline_dir: str, full_size: bool, output_dir: str) -> None:
     import torch
     from diffusers import UNet2DConditionModel
 
-    from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer, local_optimizer_state_bytes
-    from sdxl_trainer.parallel import init_distributed, local_parameter_bytes, shard_unet, shutdown_distributed
-    from sdxl_trainer.tiny_model import build_full_size_unet
+    from sdxl_trainer.distributed.fsdp import local_parameter_bytes, shard_unet
+    from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
+    from sdxl_trainer.models.sdxl import build_full_size_unet
+    from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer, local_optimizer_state_bytes
 
     world = init_distributed()
     report = {}
@@ -47,7 +48,7 @@ def worker(pipeline_dir: str, full_size: bool, output_dir: str) -> None:
 
 
 def launch(processes: int, pipeline_dir: Path, full_size: bool, output_dir: Path) -> list[dict]:
-    from sdxl_trainer.parallel import free_port
+    from sdxl_trainer.distributed.world import free_port
 
     output_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port()),
@@ -70,7 +71,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         pipeline_dir = args.pipeline
         if pipeline_dir is None:
-            from sdxl_trainer.tiny_model import save_tiny_pipeline
+            from sdxl_trainer.models.tiny import save_tiny_pipeline
 
             pipeline_dir = save_tiny_pipeline(Path(tmp) / "tiny_sdxl", seed=0)
         one = launch(1, pipeline_dir, args.full_size, Path(tmp) / "one")

@@ -27,9 +27,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 
 from s3_server import make_bucket, s3_server  # noqa: E402
-from sdxl_trainer.cache import SHARD_DIR, TENSOR_KEYS, CachedItem, CacheSettings, ShardWriter, write_cache_info, write_empty_prompt  # noqa: E402
-from sdxl_trainer.storage import RemoteTensors, open_store  # noqa: E402
-from sdxl_trainer.data import CachedDataset, collate  # noqa: E402
+
+from sdxl_trainer.cache.format import SHARD_DIR, TENSOR_KEYS, CachedItem, CacheSettings, write_cache_info  # noqa: E402
+from sdxl_trainer.cache.storage import RemoteTensors, open_store  # noqa: E402
+from sdxl_trainer.cache.writer import ShardWriter, write_empty_prompt
+from sdxl_trainer.training.dataset import CachedDataset, collate  # noqa: E402
 
 SETTINGS = CacheSettings(
     pretrained_model_name_or_path="synthetic", vae_name_or_path="synthetic", model_fingerprint="synthetic", min_resolution=512,

@@ -35,10 +35,11 @@ from diffusers import UNet2DConditionModel  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit  # noqa: E402
 
-from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer  # noqa: E402
-from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed  # noqa: E402
-from sdxl_trainer.tiny_model import save_tiny_pipeline  # noqa: E402
-from sdxl_trainer.train_step import clip_gradients  # noqa: E402
+from sdxl_trainer.distributed.fsdp import shard_unet
+from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed  # noqa: E402
+from sdxl_trainer.models.tiny import save_tiny_pipeline  # noqa: E402
+from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer  # noqa: E402
+from sdxl_trainer.training.step import clip_gradients  # noqa: E402
 
 WARMUP_STEPS, MEASURED_STEPS = 3, 20
 SDXL_TENSORS = {4096: 864, 320: 816}  # values per tensor -> count, standing in for the full-size UNet's 1,680 tensors

@@ -48,14 +48,16 @@ def worker(pipeline_dir: Path, cache_dir: Path, output_dir: Path, updates_per_ro
     from diffusers import UNet2DConditionModel
     from torch.utils.data import DataLoader
 
-    from sdxl_trainer.cache import read_empty_prompt
-    from sdxl_trainer.data import CachedDataset, EpochPlanner, collate, rank_slice
-    from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
-    from sdxl_trainer.lr_schedule import LearningRateSchedule
-    from sdxl_trainer.monitor import MetricsWriter, Throughput, gather_floats, peak_memory_gib
-    from sdxl_trainer.optimizers import build_optimizer
-    from sdxl_trainer.parallel import init_distributed, prepare_unet, shard_unet, shutdown_distributed
-    from sdxl_trainer.train_step import TrainStep
+    from sdxl_trainer.cache.reader import read_empty_prompt
+    from sdxl_trainer.distributed.fsdp import prepare_unet, shard_unet
+    from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
+    from sdxl_trainer.optimizers.build import build_optimizer
+    from sdxl_trainer.outputs.monitor import MetricsWriter, Throughput, gather_floats, peak_memory_gib
+    from sdxl_trainer.training.dataset import CachedDataset, collate
+    from sdxl_trainer.training.epochs import EpochPlanner, rank_slice
+    from sdxl_trainer.training.lr_schedule import LearningRateSchedule
+    from sdxl_trainer.training.objective import NoiseSettings, build_noise_scheduler
+    from sdxl_trainer.training.step import TrainStep
 
     world = init_distributed()
     dataset = CachedDataset([cache_dir])
@@ -163,23 +165,25 @@ def main() -> None:
 
     import numpy as np
 
-    import sdxl_process_data_dir
-    from sdxl_trainer.parallel import free_port
-    from sdxl_trainer.tiny_model import save_tiny_pipeline
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.cache_config import CacheConfig
+    from sdxl_trainer.jobs.cache_job import run_caching
+    from sdxl_trainer.distributed.world import free_port
+    from sdxl_trainer.models.tiny import save_tiny_pipeline
 
     with tempfile.TemporaryDirectory() as tmp:
         pipeline_dir = save_tiny_pipeline(Path(tmp) / "tiny_sdxl", seed=0)
         cache_dir = Path(tmp) / "cache"
-        sdxl_process_data_dir.main(
-            ["--data_dir", str(REPO_ROOT / "sample_dataset"), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(pipeline_dir),
-             "--min_resolution", "256", "--max_resolution", "512"]
-        )
+        run_caching(parse_config(CacheConfig, [
+            "--data_dir", str(REPO_ROOT / "sample_dataset"), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(pipeline_dir),
+            "--min_resolution", "256", "--max_resolution", "512",
+        ]))
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO_ROOT))
         glibc_defaults = {name: value for name, value in env.items() if not name.startswith("MALLOC_")}
         allocators = {"glibc defaults": glibc_defaults, "train.sh's thresholds": dict(glibc_defaults, **train_sh_allocator_settings())}
         reports: dict[tuple[int, str], list[dict]] = {}
         for processes in args.processes:
-            launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "sdxl_trainer.launcher", "--nproc_per_node", str(processes), "--master_port", str(free_port())]
+            launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "sdxl_trainer.distributed.launcher", "--nproc_per_node", str(processes), "--master_port", str(free_port())]
             command = [*launch, __file__, "--updates_per_round", str(args.updates_per_round), "--rounds", str(args.rounds), "--worker", str(pipeline_dir), str(cache_dir), tmp]
             for _ in range(args.sessions):
                 for allocator, allocator_env in allocators.items():

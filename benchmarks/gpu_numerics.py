@@ -26,10 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from train_throughput import UNET_BUILDERS, Row, build_trainer  # noqa: E402 - the same trainer path and model
 
-from sdxl_trainer.parallel import init_distributed, shutdown_distributed  # noqa: E402
+from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed  # noqa: E402
 
 PRECISIONS = {  # name -> (compute dtype, weights dtype)
     "fp32": (torch.float32, "fp32"),

@@ -82,16 +82,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit  # noqa: E402
-
-from sdxl_FSDP_train import WEIGHTS_DTYPES, resolve_compute_dtype  # noqa: E402
-from sdxl_trainer.diffusion import NoiseSettings  # noqa: E402
-from sdxl_trainer.monitor import gather_floats, peak_memory_gib  # noqa: E402
-from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer  # noqa: E402
-from sdxl_trainer.parallel import World, compile_repeated_blocks, init_distributed, prepare_unet, shard_unet, shutdown_distributed  # noqa: E402
-from sdxl_trainer.tiny_model import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, TINY_UNET_CONFIG, build_full_size_unet  # noqa: E402
-from sdxl_trainer.lr_schedule import LearningRateSchedule  # noqa: E402
-from sdxl_trainer.train_step import TrainStep  # noqa: E402
 from unet_batches import empty_prompt_for, synthetic_batch  # noqa: E402
+
+from sdxl_trainer.distributed.fsdp import compile_repeated_blocks, prepare_unet, shard_unet
+from sdxl_trainer.distributed.world import World, init_distributed, shutdown_distributed  # noqa: E402
+from sdxl_trainer.jobs.train_config import WEIGHTS_DTYPES, resolve_compute_dtype  # noqa: E402
+from sdxl_trainer.models.sdxl import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, build_full_size_unet  # noqa: E402
+from sdxl_trainer.models.tiny import TINY_UNET_CONFIG
+from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer  # noqa: E402
+from sdxl_trainer.outputs.monitor import gather_floats, peak_memory_gib  # noqa: E402
+from sdxl_trainer.training.lr_schedule import LearningRateSchedule  # noqa: E402
+from sdxl_trainer.training.objective import NoiseSettings  # noqa: E402
+from sdxl_trainer.training.step import TrainStep  # noqa: E402
 
 SEED = 0
 UNET_BUILDERS = {"sdxl": build_full_size_unet, "tiny": lambda: UNet2DConditionModel(**TINY_UNET_CONFIG)}

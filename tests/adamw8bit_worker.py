@@ -13,8 +13,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 
-from sdxl_trainer.adamw8bit import AdamW8bit
-from sdxl_trainer.parallel import init_distributed, shutdown_distributed
+from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
+from sdxl_trainer.optimizers.adamw8bit import AdamW8bit
 
 # FSDP2 shards dim 0: 3 x 4096 splits 2 + 1 rows (8-bit state on both ranks), 1 x 300 leaves rank 1 no
 # values, 12 x 320 is too small for 8 bits (fp32 state), 5 x 1000 splits 3 + 2 rows whose shards are no

@@ -20,8 +20,9 @@ import pytest
 # tests start use one thread each (process_env), so more would only make them wait for each other.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from sdxl_trainer.parallel import free_port  # noqa: E402 - torch reads OMP_NUM_THREADS when it loads
 from warm_launch import WarmLauncher
+
+from sdxl_trainer.distributed.world import free_port  # noqa: E402 - torch reads OMP_NUM_THREADS when it loads
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATASET = REPO_ROOT / "sample_dataset"
@@ -50,7 +51,7 @@ DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PO
 @pytest.fixture(scope="module")
 def world():
     """A 1-process gloo group in this process (FSDP2 shards everything on one rank), torn down after the module."""
-    from sdxl_trainer.parallel import init_distributed, shutdown_distributed
+    from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 
     saved = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}
     world = init_distributed()
@@ -84,15 +85,22 @@ def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callabl
 
 @pytest.fixture(scope="session")
 def tiny_pipeline_dir(tmp_path_factory) -> Path:
-    from sdxl_trainer.tiny_model import save_tiny_pipeline
+    from sdxl_trainer.models.tiny import save_tiny_pipeline
 
     return made_once(tmp_path_factory, "tiny", lambda folder: save_tiny_pipeline(folder / "tiny_sdxl", seed=0)) / "tiny_sdxl"
 
 
-def cache_sample_dataset(cache_dir: Path, pipeline_dir: Path) -> None:
-    import sdxl_process_data_dir
+def process_data_dir(argv: list[str]) -> int:
+    """sdxl_process_data_dir.py's main in this process: its flags parsed, then the caching job."""
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.cache_config import CacheConfig
+    from sdxl_trainer.jobs.cache_job import run_caching
 
-    exit_code = sdxl_process_data_dir.main(
+    return run_caching(parse_config(CacheConfig, argv))
+
+
+def cache_sample_dataset(cache_dir: Path, pipeline_dir: Path) -> None:
+    exit_code = process_data_dir(
         ["--data_dir", str(SAMPLE_DATASET), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(pipeline_dir), *SAMPLE_RESOLUTION_FLAGS]
     )
     assert exit_code == 0
@@ -104,9 +112,9 @@ def sample_cache_dir(tmp_path_factory, tiny_pipeline_dir) -> Path:
 
 
 def launcher_command(num_processes: int, script: Path, args: list[str]) -> list[str]:
-    """torchrun with num_processes CPU processes (gloo), through sdxl_trainer.launcher as train.sh runs it."""
+    """torchrun with num_processes CPU processes (gloo), through sdxl_trainer.distributed.launcher as train.sh runs it."""
     return [
-        sys.executable, "-m", "sdxl_trainer.launcher",
+        sys.executable, "-m", "sdxl_trainer.distributed.launcher",
         "--nproc_per_node", str(num_processes),
         "--master_addr", "127.0.0.1",
         "--master_port", str(free_port()),
@@ -243,8 +251,6 @@ def unprivileged():
 @pytest.fixture(scope="session")
 def tag_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
     """sample_dataset/ with tag captions (every third file holds two, one per line), cached."""
-    import sdxl_process_data_dir
-
     def make(root: Path) -> None:
         data_dir = root / "data"
         shutil.copytree(SAMPLE_DATASET, data_dir)
@@ -252,7 +258,7 @@ def tag_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
             words = caption_path.read_text().replace(",", "").split()[:6]
             tags = ", ".join(["sample", *words])
             caption_path.write_text(f"{tags}\nsample, another caption {index}\n" if index % 3 == 0 else tags)
-        assert sdxl_process_data_dir.main(
+        assert process_data_dir(
             ["--data_dir", str(data_dir), "--cache_dir", str(root / "cache"), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
              *SAMPLE_RESOLUTION_FLAGS]
         ) == 0
@@ -266,8 +272,6 @@ def table_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import sdxl_process_data_dir
-
     def make(root: Path) -> None:
         images = root / "images"
         images.mkdir(parents=True)
@@ -279,7 +283,7 @@ def table_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
                     words = image.with_suffix(".txt").read_text().replace(",", "").split()[:5]
                     rows.append({"path": image.name, "tags": ["table", *words], "score": 100.0 * index})
         pq.write_table(pa.Table.from_pylist(rows), root / "meta.parquet", row_group_size=3)
-        assert sdxl_process_data_dir.main(
+        assert process_data_dir(
             ["--data_dir", str(images), "--metadata_table", str(root / "meta.parquet"), "--score_tags", "300", "100", "--cache_dir", str(root / "cache"),
              "--pretrained_model_name_or_path", str(tiny_pipeline_dir), *SAMPLE_RESOLUTION_FLAGS]
         ) == 0

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from diffusers import UNet2DConditionModel
 
-from sdxl_trainer.parallel import init_distributed, local_parameter_bytes, shard_unet, shutdown_distributed
+from sdxl_trainer.distributed.fsdp import local_parameter_bytes, shard_unet
+from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 
 
 def main(pipeline_dir: str, output_dir: str) -> None:

@@ -13,7 +13,7 @@ import torch
 import torchvision
 from torch import nn
 
-from sdxl_trainer.metrics import MetricWeights
+from sdxl_trainer.evaluation.metrics import MetricWeights
 
 TINY_CLIP = "HPS-test-tiny-ViT"
 TINY_CLIP_CONFIG = {

@@ -21,14 +21,15 @@ import torch
 from diffusers import UNet2DConditionModel
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
-
-from sdxl_trainer.checkpoint import JsonIndexWriter, load_training_state, save_training_state
-from sdxl_trainer.ema import ShardedEMA
-from sdxl_trainer.handoff import PipelineHandoff
-from sdxl_trainer.optimizers import build_optimizer
-from sdxl_trainer.parallel import full_state_dict_on_rank0, init_distributed, prepare_unet, shutdown_distributed
 from train_step_worker import LEARNING_RATES, full_weights, rank_batch
 from unet_batches import make_train_step, saved_state_of
+
+from sdxl_trainer.distributed.fsdp import full_state_dict_on_rank0, prepare_unet
+from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
+from sdxl_trainer.evaluation.handoff import PipelineHandoff
+from sdxl_trainer.optimizers.build import build_optimizer
+from sdxl_trainer.state.checkpoint import JsonIndexWriter, load_training_state, save_training_state
+from sdxl_trainer.training.ema import ShardedEMA
 
 
 def whole(value: torch.Tensor) -> torch.Tensor:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 
 import torch
+from conftest import REPO_ROOT, run_processes
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.subclass_8bit import OptimState8bit
 
-import sdxl_trainer.adamw8bit
-from conftest import REPO_ROOT, run_processes
-from sdxl_trainer.adamw8bit import AdamW8bit
+import sdxl_trainer.optimizers.adamw8bit
+from sdxl_trainer.optimizers.adamw8bit import AdamW8bit
 
 SETTINGS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 # Values of order 1 computed by the two: an ulp or two apart (see above).
@@ -97,7 +97,7 @@ def test_chunks_cut_anywhere_give_the_same_update(monkeypatch):
     whole_params = parameters()
     whole = AdamW8bit(whole_params, **SETTINGS)
     run_updates(whole, whole_params, range(3))
-    monkeypatch.setattr(sdxl_trainer.adamw8bit, "CHUNK_VALUES", 5000)  # a chunk of one or two tensors
+    monkeypatch.setattr(sdxl_trainer.optimizers.adamw8bit, "CHUNK_VALUES", 5000)  # a chunk of one or two tensors
     cut_params = parameters()
     cut = AdamW8bit(cut_params, **SETTINGS)
     run_updates(cut, cut_params, range(3))
@@ -116,7 +116,7 @@ def test_sharded_parameters_on_two_ranks_step_as_with_torchao(tmp_path):
 
 
 def test_the_trainers_adamw8bit_is_the_multi_tensor_one():
-    from sdxl_trainer.optimizers import build_optimizer
+    from sdxl_trainer.optimizers.build import build_optimizer
 
     built = build_optimizer("adamw8bit", parameters(), 1e-4, 1e-2, (0.9, None), 1e-8)
     assert type(built) is AdamW8bit and built.param_groups[0]["betas"] == (0.9, 0.999)

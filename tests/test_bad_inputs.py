@@ -7,11 +7,11 @@ import io
 import re
 
 import numpy as np
+from conftest import process_data_dir
 from PIL import Image
-
-import sdxl_process_data_dir
-from sdxl_trainer.cache import load_manifest
 from test_images import png_header_only
+
+from sdxl_trainer.cache.reader import load_manifest
 
 
 def noise(width: int, height: int, mode: str = "RGB") -> Image.Image:
@@ -65,7 +65,7 @@ def test_bad_input_zoo(tmp_path, tiny_pipeline_dir, capsys):
     data_dir, cache_dir = tmp_path / "data", tmp_path / "cache"
     expected = build_zoo(data_dir)
     before = snapshot(data_dir)
-    code = sdxl_process_data_dir.main(
+    code = process_data_dir(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          "--min_resolution", "256", "--max_resolution", "256"]
     )

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
+from unet_batches import make_train_step, saved_state_of, synthetic_batch, trainer_state_for
 
 from sdxl_trainer.config import parse_config
-from sdxl_trainer.ema import ShardedEMA
-from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer
-from sdxl_trainer.parallel import prepare_unet, shard_unet
-from sdxl_trainer.stochastic_rounding import round_to_bf16, rounding_key
-from unet_batches import make_train_step, saved_state_of, synthetic_batch, trainer_state_for
+from sdxl_trainer.distributed.fsdp import prepare_unet, shard_unet
+from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer
+from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key
+from sdxl_trainer.training.ema import ShardedEMA
 
 BF16_STEP_AT_1 = 2.0**-7  # bf16 keeps 8 significant bits: its spacing between 1 and 2
 
@@ -99,7 +99,7 @@ def test_bf16_weights_train_the_tiny_unet_as_fp32_weights_do(world, tiny_pipelin
 def test_bf16_weights_resume_exactly(world, tiny_pipeline_dir, tmp_path, optimizer_name, layout):
     """"2 updates straight" equals "1 update, save, restore, 1 update" bit for bit: the rounding of the
     resumed update is keyed by the restored step counts. FSDP2's DTensor shards and the plain module."""
-    from sdxl_trainer.checkpoint import load_training_state, save_training_state
+    from sdxl_trainer.state.checkpoint import load_training_state, save_training_state
 
     def fresh():
         unet = UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet", dtype=torch.bfloat16)
@@ -130,8 +130,8 @@ def test_bf16_weights_resume_exactly(world, tiny_pipeline_dir, tmp_path, optimiz
 
 
 def test_bf16_weights_need_bf16_compute_and_the_same_dtype_on_resume(capsys):
-    from sdxl_FSDP_train import TrainConfig, resolve_compute_dtype
-    from sdxl_trainer.checkpointer import resume_problems
+    from sdxl_trainer.jobs.train_config import TrainConfig, resolve_compute_dtype
+    from sdxl_trainer.state.checkpointer import resume_problems
 
     def config(*flags: str) -> TrainConfig:
         return parse_config(TrainConfig, ["--cached_dataset_dirs", "c", *flags])

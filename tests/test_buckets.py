@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sdxl_trainer.buckets import (
+from sdxl_trainer.cache.buckets import (
     Bucket,
     CropPlan,
     buckets_for_category,

@@ -12,23 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdxl_trainer import cache
-from sdxl_trainer.cache import (
+from sdxl_trainer.cache import writer
+from sdxl_trainer.cache.format import (
+    CACHE_FORMAT_VERSION,
     CACHE_INFO_FILE,
+    EMPTY_PROMPT_FILE,
     MANIFEST_DIR,
+    MANIFEST_SCHEMA,
     SHARD_DIR,
-    CacheError,
-    CacheReader,
-    CacheSettings,
     CachedItem,
-    ShardWriter,
-    load_manifest,
+    CacheSettings,
     read_cache_info,
-    read_empty_prompt,
     settings_differences,
     write_cache_info,
-    write_empty_prompt,
 )
+from sdxl_trainer.cache.reader import CacheReader, load_manifest, read_empty_prompt
+from sdxl_trainer.cache.storage import CacheError, sha256_file
+from sdxl_trainer.cache.writer import ShardWriter, write_empty_prompt
 
 # --- helpers ----------------------------------------------------------------------------------------------
 
@@ -68,7 +68,7 @@ def make_item(image_path: str, seed: int, caption: str = "a caption") -> CachedI
 def fake_clock(monkeypatch, start: int = 1_000) -> None:
     """Make ShardWriter's written_at_ns a counter: 1000, 1001, ... in call order."""
     ticks = iter(range(start, start + 10_000))
-    monkeypatch.setattr(cache, "time", types.SimpleNamespace(time_ns=lambda: next(ticks)))
+    monkeypatch.setattr(writer, "time", types.SimpleNamespace(time_ns=lambda: next(ticks)))
 
 
 def rows_by_path(table) -> dict[str, dict]:
@@ -95,7 +95,7 @@ def test_round_trip_two_shards(tmp_path):
     assert sorted(p.name for p in (tmp_path / SHARD_DIR).iterdir()) == ["w0-000000.safetensors", "w0-000001.safetensors"]
 
     manifest = load_manifest(tmp_path)
-    assert manifest.schema.names == cache.MANIFEST_SCHEMA.names
+    assert manifest.schema.names == MANIFEST_SCHEMA.names
     rows = manifest.to_pylist()
     assert [row["image_path"] for row in rows] == [f"img/{i}.png" for i in range(5)]
     assert [row["shard"] for row in rows] == ["w0-000000.safetensors"] * 3 + ["w0-000001.safetensors"] * 2
@@ -124,7 +124,7 @@ def test_manifest_records_shard_checksum(tmp_path):
     metadata = pq.read_schema(tmp_path / part).metadata
     shard = tmp_path / SHARD_DIR / "w0-000000.safetensors"
     assert metadata[b"shard"] == b"w0-000000.safetensors"
-    assert metadata[b"shard_sha256"].decode() == cache.sha256_file(shard)
+    assert metadata[b"shard_sha256"].decode() == sha256_file(shard)
     assert int(metadata[b"shard_bytes"]) == shard.stat().st_size
 
 
@@ -143,7 +143,7 @@ def test_empty_cache_has_empty_manifest(tmp_path):
     assert len(load_manifest(tmp_path)) == 0
     ShardWriter(tmp_path, "w0")  # creates the folders, writes nothing
     manifest = load_manifest(tmp_path)
-    assert len(manifest) == 0 and manifest.schema.names == cache.MANIFEST_SCHEMA.names
+    assert len(manifest) == 0 and manifest.schema.names == MANIFEST_SCHEMA.names
 
 
 def test_writer_resumes_numbering(tmp_path):
@@ -275,7 +275,7 @@ def test_cache_info_round_trip_and_same_settings_again(tmp_path):
     assert read_cache_info(tmp_path / "c") == SETTINGS
     write_cache_info(tmp_path / "c", SETTINGS)  # same settings: accepted
     saved = json.loads((tmp_path / "c" / CACHE_INFO_FILE).read_text())
-    assert saved["max_resolution"] == 1024 and saved["format_version"] == cache.CACHE_FORMAT_VERSION
+    assert saved["max_resolution"] == 1024 and saved["format_version"] == CACHE_FORMAT_VERSION
 
 
 def test_cache_info_with_other_settings_is_refused(tmp_path):
@@ -333,7 +333,7 @@ def test_empty_prompt_written_once_and_missing(tmp_path):
     # A second worker (same settings, so same tensors) does not rewrite the file the first one made.
     write_empty_prompt(tmp_path, torch.ones(77, 64), torch.ones(32))
     assert torch.equal(read_empty_prompt(tmp_path)[0], torch.zeros(77, 64, dtype=torch.float16))
-    assert [p.name for p in tmp_path.iterdir()] == [cache.EMPTY_PROMPT_FILE]
+    assert [p.name for p in tmp_path.iterdir()] == [EMPTY_PROMPT_FILE]
 
 
 def test_paths_in_cache_are_relative(tmp_path):

@@ -12,11 +12,14 @@ import sys
 import time
 from collections import Counter
 
-import sdxl_process_data_dir
-from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_env, small_filesystem_prefix, unprivileged
-from sdxl_trainer.cache import EMPTY_PROMPT_FILE, WorkerLock, load_manifest
-from sdxl_trainer.files import SHAREABLE_MODE, is_disk_full, write_error_reason
+from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_data_dir, process_env, small_filesystem_prefix, unprivileged
 from test_process_data_dir import make_dataset, run_cache
+
+from sdxl_trainer.cache.format import EMPTY_PROMPT_FILE
+from sdxl_trainer.cache.reader import load_manifest
+from sdxl_trainer.cache.writer import WorkerLock
+from sdxl_trainer.runtime.files import SHAREABLE_MODE, is_disk_full, write_error_reason
+
 
 def test_a_real_full_disk_stops_with_the_message_and_a_rerun_after_freeing_space_resumes(tmp_path, tiny_pipeline_dir):
     mounted, copied = tmp_path / "disk", tmp_path / "copied"
@@ -40,7 +43,7 @@ def test_an_unreadable_caption_is_skipped_in_a_dry_run_with_its_reason(public_tm
     data_dir = make_dataset(public_tmp_path / "data", 3)
     (data_dir / "img001.txt").chmod(0)
     with unprivileged():
-        code = sdxl_process_data_dir.main(["--data_dir", str(data_dir), "--cache_dir", str(public_tmp_path / "cache"), "--dry_run", *SAMPLE_RESOLUTION_FLAGS])
+        code = process_data_dir(["--data_dir", str(data_dir), "--cache_dir", str(public_tmp_path / "cache"), "--dry_run", *SAMPLE_RESOLUTION_FLAGS])
     assert code == 0
     assert "would cache 2 (upscaled: 0); would skip 1 (unreadable caption: 1)" in capsys.readouterr().out
 

@@ -14,26 +14,23 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
-
-from sdxl_trainer import cache
-from sdxl_trainer.cache import (
-    DAMAGED_DIR,
-    MANIFEST_DIR,
-    SHARD_DIR,
-    CacheError,
-    CacheReader,
-    ShardWriter,
-    load_manifest,
-    part_files,
-    quarantine,
-    read_cache_info,
-    read_manifest_parts,
-    shard_problem,
-    verify_cache,
-    write_cache_info,
-    write_empty_prompt,
-)
 from test_cache import SETTINGS, make_item
+
+from sdxl_trainer.cache.format import (
+    CACHE_INFO_FILE,
+    DAMAGED_DIR,
+    EMPTY_PROMPT_FILE,
+    MANIFEST_DIR,
+    MANIFEST_SCHEMA,
+    SHARD_DIR,
+    part_files,
+    read_cache_info,
+    write_cache_info,
+)
+from sdxl_trainer.cache.reader import CacheReader, load_manifest, read_manifest_parts
+from sdxl_trainer.cache.storage import CacheError
+from sdxl_trainer.cache.verify import shard_problem, verify_cache
+from sdxl_trainer.cache.writer import ShardWriter, quarantine, write_empty_prompt
 
 
 def small_cache(tmp_path, shards: int = 3, items_per_shard: int = 2):
@@ -114,10 +111,10 @@ def test_verify_checks_rows_against_shard(tmp_path):
 
 def test_verify_checks_the_shared_files_against_the_checksums_their_parts_recorded(tmp_path):
     small_cache(tmp_path, shards=2)
-    flip_one_byte(tmp_path / cache.EMPTY_PROMPT_FILE)
+    flip_one_byte(tmp_path / EMPTY_PROMPT_FILE)
     _, problems, notes = verify_cache(tmp_path)
-    assert list(problems) == [cache.EMPTY_PROMPT_FILE]
-    assert problems[cache.EMPTY_PROMPT_FILE][0].startswith("checksum mismatch (contents changed since manifest/w0-000000.parquet recorded it)")
+    assert list(problems) == [EMPTY_PROMPT_FILE]
+    assert problems[EMPTY_PROMPT_FILE][0].startswith("checksum mismatch (contents changed since manifest/w0-000000.parquet recorded it)")
     assert notes == {}
 
 
@@ -130,14 +127,14 @@ def test_a_cache_whose_parts_recorded_no_checksum_of_the_shared_files_says_so_an
         pq.write_table(table.replace_schema_metadata(old_metadata), part)
     checked, problems, notes = verify_cache(tmp_path)
     assert (checked, problems) == (4, {})
-    assert set(notes) == {cache.CACHE_INFO_FILE, cache.EMPTY_PROMPT_FILE}
+    assert set(notes) == {CACHE_INFO_FILE, EMPTY_PROMPT_FILE}
     assert all("no checksum recorded" in note for note in notes.values())
     (tmp_path / "other").mkdir()
     write_empty_prompt(tmp_path / "other", torch.zeros(154, 64), torch.zeros(32))  # another caption length
-    shutil.copy(tmp_path / "other" / cache.EMPTY_PROMPT_FILE, tmp_path / cache.EMPTY_PROMPT_FILE)
-    assert verify_cache(tmp_path)[1] == {cache.EMPTY_PROMPT_FILE: [f"prompt_embeds are 154 tokens long, but {cache.CACHE_INFO_FILE} says 77"]}
-    (tmp_path / cache.EMPTY_PROMPT_FILE).write_bytes(b"not safetensors")
-    assert verify_cache(tmp_path)[1][cache.EMPTY_PROMPT_FILE][0].startswith("unreadable")
+    shutil.copy(tmp_path / "other" / EMPTY_PROMPT_FILE, tmp_path / EMPTY_PROMPT_FILE)
+    assert verify_cache(tmp_path)[1] == {EMPTY_PROMPT_FILE: [f"prompt_embeds are 154 tokens long, but {CACHE_INFO_FILE} says 77"]}
+    (tmp_path / EMPTY_PROMPT_FILE).write_bytes(b"not safetensors")
+    assert verify_cache(tmp_path)[1][EMPTY_PROMPT_FILE][0].startswith("unreadable")
 
 
 def test_shard_problem_size_only_and_full(tmp_path):
@@ -187,7 +184,7 @@ def test_failed_write_keeps_committed_shards_and_leaves_no_temporary_file(tmp_pa
             handle.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device", str(filename))
 
-    monkeypatch.setattr(cache, "save_file", disk_full)
+    monkeypatch.setattr(writer, "save_file", disk_full)
     with pytest.raises(OSError) as info:
         writer.write([make_item("b.png", 1)])
     assert info.value.errno == errno.ENOSPC
@@ -207,12 +204,12 @@ def test_cache_info_created_once_then_compared(tmp_path):
     assert "upscale_to_resolution: cache None, now 1024" in message and "upscaler_sha256" in message
     assert "choose a new --cache_dir" in message
     assert read_cache_info(tmp_path) == SETTINGS
-    assert [p.name for p in tmp_path.iterdir()] == [cache.CACHE_INFO_FILE]
+    assert [p.name for p in tmp_path.iterdir()] == [CACHE_INFO_FILE]
 
 
 def test_cache_info_without_upscale_fields_still_reads(tmp_path):
     # Caches written before upscaling existed have no upscale fields: they mean "no upscaling".
-    (tmp_path / cache.CACHE_INFO_FILE).write_text(
+    (tmp_path / CACHE_INFO_FILE).write_text(
         '{"pretrained_model_name_or_path": "m", "vae_name_or_path": "m", "model_fingerprint": "f", "min_resolution": 512,'
         ' "max_resolution": 1024, "bucket_table_version": 1, "latent_scaling_factor": 0.13025, "text_max_length": 77, "format_version": 1}'
     )
@@ -249,7 +246,7 @@ def test_million_row_manifest_loads_fast_and_finds_items(tmp_path):
             "shard": joined("w0-", pc.utf8_lpad(pa.array(index // rows_per_part).cast(pa.string()), width=6, padding="0"), ".safetensors"),
             "index_in_shard": pa.array((index % rows_per_part).astype(np.int32)),
         },
-        schema=cache.MANIFEST_SCHEMA,
+        schema=MANIFEST_SCHEMA,
     )
     for part in range(0, num_rows, rows_per_part):
         seq = part // rows_per_part

@@ -10,12 +10,13 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_data_dir, run_processes, scalars, trainer_flags
 
-from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars, trainer_flags
-from sdxl_trainer.cache import LOG_DIR, load_manifest
-from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder, caption_generator, vary_caption
-from sdxl_trainer.data import CachedDataset, collate
-from sdxl_trainer.encoding import load_text_encoders
+from sdxl_trainer.cache.format import LOG_DIR
+from sdxl_trainer.cache.reader import load_manifest
+from sdxl_trainer.models.encoders import load_text_encoders
+from sdxl_trainer.training.captions import CaptionVariation, StepCaptionEncoder, caption_generator, vary_caption
+from sdxl_trainer.training.dataset import CachedDataset, collate
 
 TAGS = "1girl, solo, long hair, smile, outdoors, blue sky, cloud, tree"
 
@@ -87,12 +88,11 @@ def test_a_caches_caption_prefix_is_in_its_embeddings_and_around_every_varied_ca
     """--caption_prefix/--caption_suffix at caching (a trigger word): the cached embeddings encode the framed
     caption, caption mode frames each varied caption of that cache (never of another) after shuffling and
     dropout, so the trigger word is always first, and the cache refuses to go on with another prefix."""
-    import sdxl_process_data_dir
 
     prefixed = tmp_path / "prefixed"
     flags = ["--data_dir", str(SAMPLE_DATASET), "--cache_dir", str(prefixed), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
              *SAMPLE_RESOLUTION_FLAGS]
-    assert sdxl_process_data_dir.main([*flags, "--caption_prefix", "ohwx,", "--caption_suffix", "by someone"]) == 0
+    assert process_data_dir([*flags, "--caption_prefix", "ohwx,", "--caption_suffix", "by someone"]) == 0
     dataset = CachedDataset([tag_cache, prefixed])
     from_prefixed = dataset.cache_index == 1
 
@@ -116,7 +116,7 @@ def test_a_caches_caption_prefix_is_in_its_embeddings_and_around_every_varied_ca
     assert not torch.allclose(bare_now.first_captions(batch)["pooled_prompt_embeds"], cached, atol=tolerance)
 
     capsys.readouterr()
-    assert sdxl_process_data_dir.main([*flags, "--caption_prefix", "sks,"]) == 2
+    assert process_data_dir([*flags, "--caption_prefix", "sks,"]) == 2
     assert "caption_prefix: cache 'ohwx,', now 'sks,'" in capsys.readouterr().out
 
 
@@ -158,8 +158,8 @@ def test_caption_variation_without_caption_mode_is_refused(tmp_path, tag_cache, 
 def test_each_cache_can_vary_its_captions_its_own_way(tmp_path, tag_cache, capsys):
     """--dataset_shuffle_caption / --dataset_keep_tokens / --dataset_caption_tag_dropout_rate: one value per cache
     (from flags or TOML), the run-wide flag for caches without one; each item's captions vary as its cache says."""
-    from sdxl_FSDP_train import TrainConfig
     from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig
 
     twice = ["--cached_dataset_dirs", str(tag_cache), str(tag_cache), "--encode_captions_each_step", "--keep_tokens", "1"]
     config = parse_config(TrainConfig, [*twice, "--dataset_shuffle_caption", "true", "false", "--dataset_caption_tag_dropout_rate", "0.5", "0"])

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, process_data_dir, run_processes, scalars, trainer_flags
 from safetensors.torch import load_file
-
-from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars, trainer_flags
 from test_resume_schedules import SCHEDULE_FLAGS, trainer_schedule
-from sdxl_trainer.checkpoint import (
+
+from sdxl_trainer.state.checkpoint import (
     METADATA_FILE,
     TRAINER_STATE_FILE,
     checkpoint_name,
@@ -27,7 +27,7 @@ from sdxl_trainer.checkpoint import (
     read_trainer_state,
     remove_old_checkpoints,
 )
-from sdxl_trainer.data import EpochPlanner
+from sdxl_trainer.training.epochs import EpochPlanner
 
 TRAINER = REPO_ROOT / "sdxl_FSDP_train.py"
 WORKER = REPO_ROOT / "tests" / "reshard_worker.py"
@@ -89,7 +89,7 @@ def test_the_exported_pipeline_encodes_the_empty_caption_as_training_did(straigh
     zeros in its place when no negative prompt is given, embeddings the fine-tune never saw."""
     from diffusers import StableDiffusionXLPipeline
 
-    from sdxl_trainer.cache import read_empty_prompt
+    from sdxl_trainer.cache.reader import read_empty_prompt
 
     output_dir, _, _ = straight_and_resumed
     pipeline = StableDiffusionXLPipeline.from_pretrained(output_dir / "straight" / "pipeline")
@@ -265,10 +265,10 @@ def test_rest_of_epoch_is_the_original_plan_or_a_replan_of_untrained_items():
 
 
 def test_single_file_round_trip_through_diffusers_loader(tmp_path, tiny_pipeline_dir):
-    import sdxl_to_single_file
     from diffusers import StableDiffusionXLPipeline
 
-    from sdxl_trainer.single_file import load_pipeline
+    import sdxl_to_single_file
+    from sdxl_trainer.models.single_file import load_pipeline
 
     single_file = tmp_path / "tiny.safetensors"
     assert sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", str(single_file), "--save_precision", "fp32"]) == 0
@@ -291,8 +291,9 @@ def test_single_file_carries_the_objective_markers_and_model_spec(tmp_path, tiny
     import math
     import shutil
 
-    import sdxl_to_single_file
     from safetensors import safe_open
+
+    import sdxl_to_single_file
 
     v_pipeline = tmp_path / "v_pipeline"
     shutil.copytree(tiny_pipeline_dir, v_pipeline)
@@ -319,8 +320,9 @@ def test_single_file_carries_the_objective_markers_and_model_spec(tmp_path, tiny
 def test_trains_from_a_single_file_base_and_exports_one(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     """The exported files are named after the run in their metadata (`modelspec.title`, shown by UIs and
     model hubs), not after the file ("pipeline")."""
-    import sdxl_to_single_file
     from safetensors import safe_open
+
+    import sdxl_to_single_file
 
     base_file = tmp_path / "base.safetensors"
     sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", str(base_file), "--save_precision", "fp32"])
@@ -333,7 +335,7 @@ def test_trains_from_a_single_file_base_and_exports_one(tmp_path, sample_cache_d
     exported = load_file(tmp_path / "from_file" / "pipeline.safetensors")
     trained_unet = load_file(tmp_path / "from_file" / UNET_FILE)
     base_unet = load_file(tiny_pipeline_dir / "unet" / "diffusion_pytorch_model.safetensors")
-    from sdxl_trainer.single_file import unet_to_ldm
+    from sdxl_trainer.models.single_file import unet_to_ldm
 
     config = json.loads((tiny_pipeline_dir / "unet" / "config.json").read_text())
     for key, tensor in unet_to_ldm(trained_unet, config).items():
@@ -345,12 +347,11 @@ def test_trains_from_a_single_file_base_and_exports_one(tmp_path, sample_cache_d
 def test_the_vae_a_cache_was_encoded_with_is_the_one_exported(tmp_path, tiny_pipeline_dir):
     """Caching with --vae_name_or_path (README's fp16-fix example) used to export the base model's VAE,
     which decodes those latents differently."""
-    import sdxl_process_data_dir
-    from sdxl_trainer.tiny_model import save_tiny_pipeline
+    from sdxl_trainer.models.tiny import save_tiny_pipeline
 
     other_vae = save_tiny_pipeline(tmp_path / "other", seed=1) / "vae"
     cache_dir = tmp_path / "cache"
-    assert sdxl_process_data_dir.main(
+    assert process_data_dir(
         ["--data_dir", str(REPO_ROOT / "sample_dataset"), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          "--vae_name_or_path", str(other_vae), *SAMPLE_RESOLUTION_FLAGS]
     ) == 0

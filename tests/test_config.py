@@ -221,14 +221,14 @@ def test_resolved_config_can_be_read_back_as_toml_values(tmp_path):
 
 @pytest.fixture(scope="module")
 def train_config_class():
-    from sdxl_FSDP_train import TrainConfig
+    from sdxl_trainer.jobs.train_config import TrainConfig
 
     return TrainConfig
 
 
 @pytest.fixture(scope="module")
 def cache_config_class():
-    from sdxl_process_data_dir import CacheConfig
+    from sdxl_trainer.jobs.cache_config import CacheConfig
 
     return CacheConfig
 
@@ -280,7 +280,7 @@ def cache_info_copy(cache_dir: Path, destination: Path, **changes) -> Path:
 
 
 def test_the_trainer_takes_the_model_and_resolution_range_from_its_cache(train_config_class, sample_cache_dir, tiny_pipeline_dir):
-    from sdxl_FSDP_train import with_cache_settings
+    from sdxl_trainer.jobs.train_config import with_cache_settings
 
     parsed = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir)])
     config, caches = with_cache_settings(parsed)
@@ -291,7 +291,7 @@ def test_the_trainer_takes_the_model_and_resolution_range_from_its_cache(train_c
 
 
 def test_a_resolution_flag_that_contradicts_the_cache_is_refused_naming_the_cache_and_the_fix(train_config_class, sample_cache_dir):
-    from sdxl_FSDP_train import with_cache_settings
+    from sdxl_trainer.jobs.train_config import with_cache_settings
 
     agreeing = parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), "--min_resolution", "256", "--max_resolution", "320"])
     assert with_cache_settings(agreeing)[1].problems == []
@@ -303,7 +303,7 @@ def test_a_resolution_flag_that_contradicts_the_cache_is_refused_naming_the_cach
 
 
 def test_caches_of_different_ranges_train_together_over_both(train_config_class, sample_cache_dir, tmp_path):
-    from sdxl_FSDP_train import with_cache_settings
+    from sdxl_trainer.jobs.train_config import with_cache_settings
 
     larger = cache_info_copy(sample_cache_dir, tmp_path / "larger", min_resolution=320, max_resolution=768)
     config, caches = with_cache_settings(parse_config(train_config_class, ["--cached_dataset_dirs", str(sample_cache_dir), str(larger)]))
@@ -312,7 +312,7 @@ def test_caches_of_different_ranges_train_together_over_both(train_config_class,
 
 
 def test_caches_that_name_their_model_differently_need_the_model_flag(train_config_class, sample_cache_dir, tiny_pipeline_dir, tmp_path):
-    from sdxl_FSDP_train import with_cache_settings
+    from sdxl_trainer.jobs.train_config import with_cache_settings
 
     old_place = str(tmp_path / "old_place" / "tiny_sdxl")  # the model's own VAE is recorded under the model's name too
     moved = cache_info_copy(sample_cache_dir, tmp_path / "moved", pretrained_model_name_or_path=old_place, vae_name_or_path=old_place)
@@ -372,7 +372,8 @@ def test_there_is_an_example_config_per_common_machine():
 def test_a_run_without_a_seed_records_the_one_it_drew(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     """The drawn seed reaches config.json (to repeat the run) and the checkpoint."""
     from conftest import REPO_ROOT, run_processes, trainer_flags
-    from sdxl_trainer.checkpoint import read_trainer_state
+
+    from sdxl_trainer.state.checkpoint import read_trainer_state
 
     flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "run", "--optimizer", "adamw", "--no-validation_loss",
                           "--max_train_updates", "1")
@@ -386,7 +387,7 @@ def test_a_run_without_a_seed_records_the_one_it_drew(tmp_path, sample_cache_dir
 def test_a_quiet_rank_leaves_the_first_rank_time_to_name_a_bad_flag_then_names_it_itself(monkeypatch, capsys):
     """torchrun stops every rank at the first failure: a quiet rank that exited at once could stop the first
     rank before it printed, leaving a bad flag with no message on screen."""
-    from sdxl_FSDP_train import TrainConfig
+    from sdxl_trainer.jobs.train_config import TrainConfig
 
     monkeypatch.setattr(sdxl_trainer.config, "QUIET_RANK_GRACE_S", 0.5)
     started = time.monotonic()

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from sdxl_trainer.cache import CachedItem, CacheSettings, ShardWriter, write_cache_info
-from sdxl_trainer.data import DataPosition
-from sdxl_trainer.data import CachedDataset, DataStream, EpochPlanner, collate, rank_slice, small_buckets
+from sdxl_trainer.cache.format import CachedItem, CacheSettings, write_cache_info
+from sdxl_trainer.cache.writer import ShardWriter
+from sdxl_trainer.training.dataset import CachedDataset, collate
+from sdxl_trainer.training.epochs import EpochPlanner, rank_slice, small_buckets
+from sdxl_trainer.training.stream import DataPosition, DataStream
 
 # --- helpers ----------------------------------------------------------------------------------------------
 
@@ -442,8 +444,8 @@ def test_repeats_leave_held_out_items_out_and_one_is_the_plain_plan():
 
 
 def test_copies_of_an_item_get_their_own_noise_and_caption():
-    from sdxl_trainer.captions import CaptionVariation, StepCaptionEncoder
-    from sdxl_trainer.diffusion import NoiseSettings, draw_sample_randomness
+    from sdxl_trainer.training.captions import CaptionVariation, StepCaptionEncoder
+    from sdxl_trainer.training.objective import NoiseSettings, draw_sample_randomness
 
     latents = torch.zeros(2, 4, 8, 8)
     copies = draw_sample_randomness(latents, torch.tensor([3, 3 + 10]), 5, 0, NoiseSettings(0.1))
@@ -462,8 +464,8 @@ def test_copies_of_an_item_get_their_own_noise_and_caption():
     ],
 )
 def test_dataset_repeats_are_checked(repeats, message, capsys):
-    from sdxl_FSDP_train import TrainConfig
     from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig
 
     with pytest.raises(SystemExit):
         parse_config(TrainConfig, ["--cached_dataset_dirs", "a", "b", "--dataset_repeats", *repeats])

@@ -11,9 +11,8 @@ import math
 import shutil
 
 import pytest
-from safetensors.torch import load_file
-
 from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars
+from safetensors.torch import load_file
 
 
 def test_each_rank_holds_half_of_the_unet(tmp_path, tiny_pipeline_dir):

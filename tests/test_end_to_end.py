@@ -10,10 +10,9 @@ import subprocess
 
 import numpy as np
 import torch
+from conftest import REPO_ROOT
 from diffusers import StableDiffusionXLPipeline
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-from conftest import REPO_ROOT
 
 
 def test_quickstart_trains_and_exports_a_loadable_pipeline(tmp_path):

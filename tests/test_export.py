@@ -34,7 +34,7 @@ def single_file_base(tmp_path_factory, tiny_pipeline_dir) -> Path:
 def fp16_export(tmp_path_factory, tiny_pipeline_dir, single_file_base) -> Path:
     """An fp16 folder export whose base model was a single file: diffusers' single-file loader builds the
     text encoders, the case that lost the `text_model.` names."""
-    from sdxl_trainer.export import save_pipeline
+    from sdxl_trainer.outputs.export import save_pipeline
 
     output_dir = tmp_path_factory.mktemp("export") / "pipeline"
     save_pipeline({}, str(single_file_base), output_dir, "fp16", single_file_config=str(tiny_pipeline_dir), model_title="test")
@@ -63,7 +63,7 @@ def test_tokenizers_load_from_the_files_the_slow_tokenizer_reads(fp16_export, tm
 
 
 def test_a_process_reads_a_models_tokenizers_once_until_their_files_change(tiny_pipeline_dir, tmp_path):
-    from sdxl_trainer.single_file import load_pipeline, load_tokenizers
+    from sdxl_trainer.models.single_file import load_pipeline, load_tokenizers
 
     model = shutil.copytree(tiny_pipeline_dir, tmp_path / "model")
     pipeline = load_pipeline(str(model), str(model), torch.float32)
@@ -118,7 +118,7 @@ def test_fp16_export_also_loads_as_variant_fp16_in_no_extra_space(fp16_export):
 
 
 def test_fp16_variant_is_a_copy_where_hard_links_fail_and_absent_at_other_precisions(tmp_path, tiny_pipeline_dir, monkeypatch):
-    from sdxl_trainer.export import save_pipeline
+    from sdxl_trainer.outputs.export import save_pipeline
 
     save_pipeline({}, str(tiny_pipeline_dir), tmp_path / "bf16", "bf16", model_title="test")
     assert not list((tmp_path / "bf16").glob("*/*.fp16.safetensors"))
@@ -139,7 +139,7 @@ def test_single_file_export_carries_its_scheduler_config(tmp_path, tiny_pipeline
     the objective (README: from_single_file, then the scheduler from this config)."""
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionXLPipeline
 
-    from sdxl_trainer.export import save_pipeline
+    from sdxl_trainer.outputs.export import save_pipeline
 
     single_file = tmp_path / "pipeline.safetensors"
     v_prediction = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")

@@ -18,18 +18,20 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import (
     REPO_ROOT,
     SAMPLE_RESOLUTION_FLAGS,
     launcher_command,
+    process_data_dir,
     process_env,
     run_processes,
     scalars,
     small_filesystem_prefix,
     trainer_flags,
 )
-from sdxl_trainer.checkpoint import (
+
+from sdxl_trainer.config import parse_config
+from sdxl_trainer.state.checkpoint import (
     CHECKSUMS_FILE,
     METADATA_FILE,
     TRAINER_STATE_FILE,
@@ -40,7 +42,6 @@ from sdxl_trainer.checkpoint import (
     complete_checkpoints,
     find_latest_checkpoint,
 )
-from sdxl_trainer.config import parse_config
 
 TRAINER = REPO_ROOT / "sdxl_FSDP_train.py"
 QUICK = ("--optimizer", "adamw", "--no-validation_loss", "--num_train_epochs", "1")
@@ -327,7 +328,7 @@ def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_st
     assert "continue it with --load_saved_state latest, start a new run with another --project_name, or start over in this folder with --overwrite_run" in refused.stderr
     assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(update) for update in (4, 8, 12)]
 
-    from sdxl_trainer.run_folder import earlier_run_problems
+    from sdxl_trainer.state.run_folder import earlier_run_problems
 
     (tmp_path / "exported_only" / "pipeline").mkdir(parents=True)
     assert "holds an earlier run (pipeline)" in earlier_run_problems(tmp_path / "exported_only")[0]
@@ -359,10 +360,9 @@ def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside_and_keeps_the_
 
 @pytest.fixture(scope="module")
 def one_item_per_shard_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
-    import sdxl_process_data_dir
 
     cache_dir = tmp_path_factory.mktemp("cache") / "one_per_shard"
-    assert sdxl_process_data_dir.main(
+    assert process_data_dir(
         ["--data_dir", str(REPO_ROOT / "sample_dataset"), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          *SAMPLE_RESOLUTION_FLAGS, "--items_per_shard", "1"]
     ) == 0
@@ -477,7 +477,7 @@ def test_a_full_disk_warns_at_state_saves_keeps_the_last_checkpoint_and_stops_cl
     ],
 )
 def test_bad_numbers_are_refused_naming_the_flag(flags, message, capsys):
-    from sdxl_FSDP_train import TrainConfig
+    from sdxl_trainer.jobs.train_config import TrainConfig
 
     with pytest.raises(SystemExit):
         parse_config(TrainConfig, ["--cached_dataset_dirs", "c", *flags])
@@ -485,7 +485,7 @@ def test_bad_numbers_are_refused_naming_the_flag(flags, message, capsys):
 
 
 def test_a_wrong_model_path_is_named_before_anything_loads(tmp_path, sample_cache_dir):
-    from sdxl_trainer.single_file import model_location_problem
+    from sdxl_trainer.models.single_file import model_location_problem
 
     assert "is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" in model_location_problem("someone/not-downloaded", "--flag")
     assert "is neither an existing file or folder nor a Hugging Face model id" in model_location_problem("bad name!", "--flag")

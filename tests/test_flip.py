@@ -11,14 +11,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_data_dir, run_processes, trainer_flags
 
-import sdxl_process_data_dir
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, run_processes, trainer_flags
-from sdxl_trainer.buckets import plan_crop
-from sdxl_trainer.cache import FLIPPED_KEY, MANIFEST_DIR, CacheReader, load_manifest
-from sdxl_trainer.data import CachedDataset, choose_views, collate, flip_draws
-from sdxl_trainer.encoding import load_encoders
-from sdxl_trainer.sources import SourcePair, prepare_item
+from sdxl_trainer.cache.buckets import plan_crop
+from sdxl_trainer.cache.format import FLIPPED_KEY, MANIFEST_DIR
+from sdxl_trainer.cache.reader import CacheReader, load_manifest
+from sdxl_trainer.models.encoders import load_encoders
+from sdxl_trainer.preparation.items import prepare_item
+from sdxl_trainer.preparation.scan import SourcePair
+from sdxl_trainer.training.dataset import CachedDataset, choose_views, collate, flip_draws
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def flip_cache(tmp_path_factory, tiny_pipeline_dir):
     cache_dir = tmp_path_factory.mktemp("flip") / "cache"
     flags = ["--data_dir", str(SAMPLE_DATASET), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
              *SAMPLE_RESOLUTION_FLAGS, "--flip_aug"]
-    assert sdxl_process_data_dir.main(flags) == 0
+    assert process_data_dir(flags) == 0
     return cache_dir
 
 
@@ -45,7 +46,7 @@ def test_the_cache_holds_each_crops_mirror_and_the_mirrored_crop_offset(flip_cac
         plan = plan_crop(row["original_width"], row["original_height"], MIN_RESOLUTION, MAX_RESOLUTION)
         assert row["crop_left_flipped"] == plan.resized_width - plan.bucket.width - row["crop_left"]
     assert any(row["crop_left_flipped"] == row["crop_left"] + 1 for row in manifest)  # an odd excess width
-    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(flip_cache)]) == 0
+    assert process_data_dir(["--verify", "--cache_dir", str(flip_cache)]) == 0
 
 
 def test_manifest_parts_from_before_mirrors_read_with_no_mirrored_offset(flip_cache, tmp_path):

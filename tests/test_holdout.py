@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from sdxl_trainer.data import EpochPlanner
-from sdxl_trainer.holdout import HOLDOUT_FILE, HoldoutError, SplitSettings, choose_holdout, held_out_count, item_keys, load_or_choose_holdout
+from sdxl_trainer.training.epochs import EpochPlanner
+from sdxl_trainer.training.holdout import HOLDOUT_FILE, HoldoutError, SplitSettings, choose_holdout, held_out_count, item_keys, load_or_choose_holdout
 
 
 def dataset(counts: list[int]) -> tuple[list[str], np.ndarray]:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import REPO_ROOT, run_processes
 from unet_batches import assert_clipped_as_torch
-from sdxl_FSDP_train import TrainConfig
+
 from sdxl_trainer.config import parse_config
-from sdxl_trainer.parallel import device_mesh
+from sdxl_trainer.distributed.world import device_mesh
+from sdxl_trainer.jobs.train_config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_replicate_groups_are_checked_with_the_flags(capsys):
 
 
 def test_the_memory_estimate_of_hsdp_is_full_sharding_over_one_group():
-    from sdxl_FSDP_train import memory_settings
+    from sdxl_trainer.jobs.train_config import memory_settings
 
     flags = ["--cached_dataset_dirs", "unused", "--estimate_memory", "--estimate_gpus", "32"]
     (full,) = memory_settings(parse_config(TrainConfig, flags))

@@ -6,32 +6,25 @@ All images are made in memory with PIL; files go to pytest's tmp_path.
 from __future__ import annotations
 
 import io
+import os
 import struct
 import zlib
 from collections import Counter
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import unprivileged
 from PIL import Image
 
-from conftest import unprivileged
-from sdxl_trainer import images
-from sdxl_trainer.buckets import Bucket, crop_into, micro_conditioning, plan_crop
-from sdxl_trainer.cache import sha256_bytes
-from sdxl_trainer.images import UnreadableImage, decode_image, resize_and_crop, to_model_input, to_pil
-from sdxl_trainer.sources import (
-    SkippedItem,
-    SourcePair,
-    prepare_item,
-    DataScan,
-    read_caption,
-    read_source,
-    scan_images,
-    worker_of,
-)
+from sdxl_trainer.cache.buckets import Bucket, crop_into, micro_conditioning, plan_crop
+from sdxl_trainer.cache.format import sha256_bytes
+from sdxl_trainer.preparation import images
+from sdxl_trainer.preparation.folders import scan_images
+from sdxl_trainer.preparation.images import UnreadableImage, decode_image, resize_and_crop, to_model_input, to_pil
+from sdxl_trainer.preparation.items import SkippedItem, prepare_item, read_caption, read_source
+from sdxl_trainer.preparation.scan import DataScan, SourcePair, worker_of
 
 # --- helpers ----------------------------------------------------------------------------------------------
 

@@ -13,14 +13,16 @@ import time
 from pathlib import Path
 
 from conftest import REPO_ROOT, process_env
-from sdxl_trainer.parallel import free_port
-from sdxl_trainer.stop_request import StopRequest
+
+from sdxl_trainer.distributed.stop_request import StopRequest
+from sdxl_trainer.distributed.world import free_port
 
 COMPILE_ONCE = """
 import json, sys
 import torch
-import sdxl_FSDP_train  # the trainer's imports, as in a run (they import torch._dynamo)
-from sdxl_trainer.parallel import init_distributed, shutdown_distributed
+import runpy
+runpy.run_path("sdxl_FSDP_train.py")  # the trainer's imports, as in a run (they import torch._dynamo)
+from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -106,7 +108,7 @@ def test_two_processes_go_through_the_launcher_and_a_bad_flag_is_the_last_line(t
     process, console, calls = run_train_sh(tmp_path, None, ["--cached_dataset_dirs", str(sample_cache_dir), "--learning_rate", "-1"])
     assert process.returncode == 2
     launch = calls[-1]
-    assert launch.startswith(f"{process.pid} mmap=33554432 trim=1073741824 -m sdxl_trainer.launcher --nproc_per_node 2 ")
+    assert launch.startswith(f"{process.pid} mmap=33554432 trim=1073741824 -m sdxl_trainer.distributed.launcher --nproc_per_node 2 ")
     if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/dxg").exists() and not Path("/dev/kfd").exists():
         assert calls == [launch]
     assert console.rstrip().splitlines()[-2:] == ["sdxl_FSDP_train.py: error: invalid configuration:", "  --learning_rate must be > 0, got -1.0"]
@@ -142,7 +144,7 @@ def test_a_run_that_ends_well_leaves_no_watchdog_thread_inside_a_store_call():
     """A watchdog thread still inside a store call when the interpreter shuts down is ended there by a forced
     unwind through the store's C++ frames, which aborted a finished run (SIGABRT, "terminate called without
     an active exception", after its model was saved): a clean exit waits for the call to return."""
-    from sdxl_trainer.watchdog import JobWatchdog
+    from sdxl_trainer.distributed.watchdog import JobWatchdog
 
     watchdog = JobWatchdog(rank=0, world_size=1)
     store = StoreCallInFlight()
@@ -156,7 +158,7 @@ def test_a_run_that_ends_well_leaves_no_watchdog_thread_inside_a_store_call():
 OUTLIVES_ITS_SHELL = """
 import sys, time
 from pathlib import Path
-from sdxl_trainer.watchdog import POLL_S, JobWatchdog
+from sdxl_trainer.distributed.watchdog import POLL_S, JobWatchdog
 
 ready, marker = map(Path, sys.argv[1:])
 with JobWatchdog(rank=0, world_size=1):
@@ -181,7 +183,7 @@ def test_a_trainer_started_without_a_launcher_outlives_the_shell_that_started_it
 
 
 REFUSED_START_AFTER_A_DRY_RUN = """
-import importlib.abc, sys
+import importlib.abc, runpy, sys
 
 class SayWhenImported(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
@@ -190,12 +192,15 @@ class SayWhenImported(importlib.abc.MetaPathFinder):
         return None  # the usual finders import it
 
 sys.meta_path.insert(0, SayWhenImported())
-import sdxl_process_data_dir
 cache_dir, output_dir = sys.argv[1:]
-assert sdxl_process_data_dir.main(["--data_dir", "sample_dataset", "--cache_dir", output_dir + "/cache", "--dry_run"]) == 0
+sys.argv = ["sdxl_process_data_dir.py", "--data_dir", "sample_dataset", "--cache_dir", output_dir + "/cache", "--dry_run"]
+try:
+    runpy.run_path("sdxl_process_data_dir.py", run_name="__main__")
+except SystemExit as done:
+    assert done.code == 0
 print("the dry run loaded", [name for name in ("torch.distributed.tensor", "torch.distributed.checkpoint", "torch._dynamo") if name in sys.modules])
-import sdxl_FSDP_train
-sdxl_FSDP_train.main(["--cached_dataset_dirs", cache_dir, "--min_resolution", "512", "--output_dir", output_dir])  # refused: the process ends
+sys.argv = ["sdxl_FSDP_train.py", "--cached_dataset_dirs", cache_dir, "--min_resolution", "512", "--output_dir", output_dir]
+runpy.run_path("sdxl_FSDP_train.py", run_name="__main__")  # refused: the process ends
 """
 
 
@@ -215,8 +220,9 @@ def test_a_dry_run_and_a_refused_start_never_import_the_model_libraries(tmp_path
 
 
 IMPORTS_THE_TRAINER_AND_MAKES_TOKENIZERS = """
-import sys, sdxl_FSDP_train
-from sdxl_trainer.tiny_model import sdxl_tokenizers
+import runpy, sys
+runpy.run_path("sdxl_FSDP_train.py")  # the trainer's imports
+from sdxl_trainer.models.sdxl import sdxl_tokenizers
 sdxl_tokenizers()  # CLIP's vocabulary is a file of open_clip's, read without importing it
 print(sorted(name for name in ('open_clip', 'timm', 'wandb') if name in sys.modules))
 """
@@ -248,7 +254,7 @@ def test_objects_alive_after_the_imports_are_left_out_of_later_garbage_collectio
     import gc
     import weakref
 
-    from sdxl_trainer.garbage_collection import exempt_live_objects_from_garbage_collection
+    from sdxl_trainer.runtime.garbage_collection import exempt_live_objects_from_garbage_collection
 
     class Node:
         pass

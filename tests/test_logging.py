@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
 
 

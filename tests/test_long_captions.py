@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_data_dir, run_processes, trainer_flags
 from diffusers import StableDiffusionXLPipeline
 from safetensors import safe_open
 
-import sdxl_process_data_dir
-from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, run_processes, trainer_flags
-from sdxl_trainer.cache import LOG_DIR, SHARD_DIR, read_cache_info, read_empty_prompt
-from sdxl_trainer.encoding import encode_prompts
+from sdxl_trainer.cache.format import LOG_DIR, SHARD_DIR, read_cache_info
+from sdxl_trainer.cache.reader import read_empty_prompt
+from sdxl_trainer.models.encoders import encode_prompts
 
 # 40 comma-separated tags: well over 75 tokens, under 150 (counted in the test).
 LONG_CAPTION = ", ".join(f"{colour} {shape}" for colour in ("red", "blue", "green", "pink", "white") for shape in
@@ -94,7 +94,7 @@ def long_caption_dataset(folder: Path) -> Path:
 
 
 def cache_with(data_dir: Path, cache_dir: Path, pipeline_dir: Path, max_token_length: int) -> int:
-    return sdxl_process_data_dir.main(
+    return process_data_dir(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(pipeline_dir),
          *SAMPLE_RESOLUTION_FLAGS, "--max_token_length", str(max_token_length)]
     )

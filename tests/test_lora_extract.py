@@ -13,7 +13,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from sdxl_trainer.lora_extract import TEXT_ENCODER_BLOCKS, UNET_ATTENTION_BLOCKS, UNET_CONV_BLOCKS, extract_lora, lora_metadata, save_lora, target_layers
+from sdxl_trainer.outputs.lora_extract import (
+    TEXT_ENCODER_BLOCKS,
+    UNET_ATTENTION_BLOCKS,
+    UNET_CONV_BLOCKS,
+    extract_lora,
+    lora_metadata,
+    save_lora,
+    target_layers,
+)
 
 FULL_RANK = 10_000  # above every layer's full rank: capped per layer
 KEY = re.compile(r"^lora_(unet|te1|te2)_[a-z0-9_]+\.(lora_down\.weight|lora_up\.weight|alpha)$")
@@ -94,7 +102,7 @@ def test_extracted_lora_approaches_the_tuned_model_as_the_rank_grows(tmp_path, t
 
 
 def test_keys_shapes_and_metadata_follow_kohyas_layout(tmp_path, tiny_pipeline_dir, tuned_dir):
-    from sdxl_trainer.single_file import UNET_PREFIX, pipeline_to_single_file
+    from sdxl_trainer.models.single_file import UNET_PREFIX, pipeline_to_single_file
 
     base, tuned = load_pipeline(tiny_pipeline_dir), load_pipeline(tuned_dir)
     extraction = extract_lora(base, tuned, rank=4, conv_rank=2)

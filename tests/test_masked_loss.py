@@ -13,18 +13,19 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_data_dir, scalars
 from diffusers import DDPMScheduler
 from PIL import Image
-
-import sdxl_process_data_dir
-from conftest import MAX_RESOLUTION, MIN_RESOLUTION, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, scalars
-from sdxl_trainer.buckets import LATENT_DOWNSCALE, plan_crop
-from sdxl_trainer.cache import LOSS_MASK_KEY, CacheReader, load_manifest, sha256_bytes
-from sdxl_trainer.data import CachedDataset, choose_views, collate, flip_draws
-from sdxl_trainer.diffusion import NoiseSettings, draw_sample_randomness, sample_losses, training_loss
-from sdxl_trainer.images import resize_and_crop, to_latent_mask
-from sdxl_trainer.sources import SkippedItem, SourcePair, mask_image, read_mask_file
 from test_resume_schedules import RESUME_AT, exported_unet, resumed_copy, train
+
+from sdxl_trainer.cache.buckets import LATENT_DOWNSCALE, plan_crop
+from sdxl_trainer.cache.format import LOSS_MASK_KEY, sha256_bytes
+from sdxl_trainer.cache.reader import CacheReader, load_manifest
+from sdxl_trainer.preparation.images import resize_and_crop, to_latent_mask
+from sdxl_trainer.preparation.items import SkippedItem, mask_image, read_mask_file
+from sdxl_trainer.preparation.scan import SourcePair
+from sdxl_trainer.training.dataset import CachedDataset, choose_views, collate, flip_draws
+from sdxl_trainer.training.objective import NoiseSettings, draw_sample_randomness, sample_losses, training_loss
 
 CACHE_FLAGS = (*SAMPLE_RESOLUTION_FLAGS, "--flip_aug")
 
@@ -66,7 +67,7 @@ def masked_cache(tmp_path_factory, masked_data, tiny_pipeline_dir):
     cache_dir = tmp_path_factory.mktemp("masked_cache") / "cache"
     flags = ["--data_dir", str(masked_data), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
              *CACHE_FLAGS, "--mask_files", "--alpha_mask"]
-    assert sdxl_process_data_dir.main(flags) == 0
+    assert process_data_dir(flags) == 0
     return cache_dir
 
 
@@ -79,7 +80,7 @@ def plain_cache(tmp_path_factory, tiny_pipeline_dir):
         copy_pair(name, folder)
     cache_dir = folder.parent / "cache"
     flags = ["--data_dir", str(folder), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir), *CACHE_FLAGS]
-    assert sdxl_process_data_dir.main(flags) == 0
+    assert process_data_dir(flags) == 0
     return cache_dir
 
 
@@ -118,7 +119,7 @@ def test_the_cache_holds_each_mask_through_its_images_crop_at_latent_size(masked
     edge = (plan.resized_height / 2 - plan.crop_top) / LATENT_DOWNSCALE
     alpha_mask = masks["alpha_17.png"]
     assert alpha_mask[0, : int(edge) - 1].max() < 0.01 and alpha_mask[0, int(edge) + 2 :].min() > 0.99
-    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(masked_cache)]) == 0
+    assert process_data_dir(["--verify", "--cache_dir", str(masked_cache)]) == 0
 
 
 def test_a_mask_file_of_its_images_shape_but_another_size_is_stretched_to_it(tmp_path):
@@ -143,10 +144,10 @@ def test_an_edited_mask_file_is_cached_again_on_the_next_run_and_nothing_else(tm
     flags = ["--data_dir", str(data), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
              *CACHE_FLAGS, "--mask_files", "--alpha_mask"]
     capsys.readouterr()
-    assert sdxl_process_data_dir.main(flags) == 0
+    assert process_data_dir(flags) == 0
     assert "already cached: 5." in capsys.readouterr().out  # nothing changed, nothing encoded
     Image.new("L", Image.open(data / "sample_00.jpg").size, 255).save(data / "sample_00.mask.png")  # now: learn everything
-    assert sdxl_process_data_dir.main(flags) == 0
+    assert process_data_dir(flags) == 0
     assert "already cached: 4, cached: 1, upscaled: 0, with a loss mask: 1." in capsys.readouterr().out
     mask = cached_masks(cache_dir)["sample_00.jpg"]
     assert torch.equal(mask, torch.ones_like(mask))
@@ -235,8 +236,8 @@ def test_masks_compose_with_huber_loss_per_element_before_the_mean():
 
 
 def test_masked_loss_is_refused_without_masks_in_any_cache(sample_cache_dir):
-    from sdxl_FSDP_train import TrainConfig, with_cache_settings
     from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig, with_cache_settings
 
     config = parse_config(TrainConfig, ["--cached_dataset_dirs", str(sample_cache_dir), "--masked_loss"])
     assert with_cache_settings(config)[1].problems == [

@@ -10,12 +10,11 @@ import os
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 from diffusers import UNet2DConditionModel
 
-from sdxl_trainer.memory_estimate import GIB, UNTRACKED_GIB, UNTRACKED_SHARE, EstimateSettings, MemoryEstimate, estimate_memory
-from sdxl_trainer.tiny_model import TINY_UNET_CONFIG
-
-from conftest import REPO_ROOT
+from sdxl_trainer.models.tiny import TINY_UNET_CONFIG
+from sdxl_trainer.tools.memory_estimate import GIB, UNTRACKED_GIB, UNTRACKED_SHARE, EstimateSettings, MemoryEstimate, estimate_memory
 
 
 def settings(world_size: int, optimizer: str, **changes) -> EstimateSettings:
@@ -58,8 +57,8 @@ def test_trained_text_encoders_are_estimated_like_the_unet():
     """With --train_text_encoder (caption mode) the estimate trains both text encoders too (the tiny ones
     here): fake tensors give what real ones give, and on 2 ranks AdamW's state is two fp32 copies of rank 0's
     shards of every trained parameter, the UNet's and the encoders' (CLIP-L's frozen last layer left out)."""
-    from sdxl_trainer.encoding import trainable_text_encoder
-    from sdxl_trainer.tiny_model import build_tiny_text_encoders
+    from sdxl_trainer.models.encoders import trainable_text_encoder
+    from sdxl_trainer.models.tiny import build_tiny_text_encoders
 
     run = settings(2, "adamw", gradient_accumulation_steps=1, train_text_encoder=True)
     fake = estimate_memory(run, TINY_UNET_CONFIG, text_encoder_builder=build_tiny_text_encoders)
@@ -150,7 +149,7 @@ def test_cards_are_judged_with_the_margin():
 
 
 def test_cuda_allocator_grows_segments_unless_the_user_chose(monkeypatch):
-    from sdxl_trainer.parallel import use_expandable_segments
+    from sdxl_trainer.distributed.world import use_expandable_segments
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     use_expandable_segments()

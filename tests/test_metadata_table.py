@@ -11,11 +11,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_data_dir
 
-import sdxl_process_data_dir
-from conftest import SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS
-from sdxl_trainer.cache import LOG_DIR, load_manifest
-from sdxl_trainer.metadata import TableError, TableFilters, parse_column_names, read_text_replacements, scan_table
+from sdxl_trainer.cache.format import LOG_DIR
+from sdxl_trainer.cache.reader import load_manifest
+from sdxl_trainer.preparation.tables import TableError, TableFilters, parse_column_names, read_text_replacements, scan_table
 
 ROWS = [
     {"path": "sample_00.jpg", "tags": ["1girl", "solo", "lowres", "smile"], "score": 9.0, "rating": "general"},
@@ -63,7 +63,7 @@ def test_a_table_caches_its_rows_with_tags_edited_and_filtered(tmp_path, tiny_pi
     text_replacements = tmp_path / "text_replacements.json"
     text_replacements.write_text(json.dumps({"cloud": "clouds"}))
     cache_dir = tmp_path / "cache"
-    exit_code = sdxl_process_data_dir.main(
+    exit_code = process_data_dir(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          *SAMPLE_RESOLUTION_FLAGS, "--metadata_table", str(table),
          "--min_score", "5", "--exclude_tags", "nsfw", "--tag_replacements", str(replacements),
@@ -176,7 +176,7 @@ def test_the_dry_run_buckets_rows_by_the_tables_size_without_opening_images(tmp_
     ]
     table = write_table(tmp_path / "meta.jsonl", rows)
     (tmp_path / "images").mkdir()
-    exit_code = sdxl_process_data_dir.main(
+    exit_code = process_data_dir(
         ["--data_dir", str(tmp_path / "images"), "--cache_dir", str(tmp_path / "cache"), "--metadata_table", str(table), "--dry_run",
          "--min_resolution", "512", "--max_resolution", "1024"]
     )
@@ -189,7 +189,7 @@ def test_the_dry_run_buckets_rows_by_the_tables_size_without_opening_images(tmp_
 def test_workers_split_the_rows_and_each_bad_row_is_named_once(tmp_path):
     rows = [{"path": f"folder{index % 10}/image_{index:06d}.jpg", "tags": ["tag"]} for index in range(50_000)] + [{"tags": ["no path"]}]
     table = write_table(tmp_path / "big.parquet", rows)
-    from sdxl_trainer.sources import worker_of
+    from sdxl_trainer.preparation.scan import worker_of
 
     scans = [scan_table(table, tmp_path, TableFilters(), lambda path, worker=worker: worker_of(path, 4) == worker) for worker in range(4)]
     assert sum(len(scan.pairs) for scan in scans) == 50_000
@@ -219,7 +219,7 @@ def test_table_flags_are_checked_before_anything_loads(tmp_path, tiny_pipeline_d
          "replaces the empty text, which is everywhere: remove that entry"),
     ):
         with pytest.raises(SystemExit):
-            sdxl_process_data_dir.main([*base, *extra])
+            process_data_dir([*base, *extra])
         assert message in capsys.readouterr().err
 
 
@@ -228,7 +228,7 @@ def test_a_damaged_table_is_refused_naming_it(tmp_path, tiny_pipeline_dir, capsy
     data_dir = image_folder(tmp_path)
     table = tmp_path / f"meta{suffix}"
     table.write_bytes(content)
-    exit_code = sdxl_process_data_dir.main(
+    exit_code = process_data_dir(
         ["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          "--metadata_table", str(table)]
     )
@@ -307,7 +307,7 @@ def test_rows_whose_path_no_file_can_have_or_that_leads_outside_through_a_symlin
     table.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert "\\udc80" in table.read_text() and "\\u0000" in table.read_text()
     cache_dir = tmp_path / "cache"
-    exit_code = sdxl_process_data_dir.main(
+    exit_code = process_data_dir(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          *SAMPLE_RESOLUTION_FLAGS, "--metadata_table", str(table),
          "--num_shards", "1", "--shard_index", "0"]
@@ -336,7 +336,7 @@ def test_an_empty_table_is_refused_naming_it_before_anything_is_written(tmp_path
     else:
         table.write_text("\n  \n")  # blank lines are no rows
     cache_dir = tmp_path / "cache"
-    exit_code = sdxl_process_data_dir.main(
+    exit_code = process_data_dir(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          "--metadata_table", str(table), *(["--dry_run"] if dry_run else [])]
     )

@@ -11,19 +11,19 @@ import open_clip
 import pytest
 import scipy.linalg
 import torch
+from metric_networks import TINY_CLIP, register_tiny_clip, write_metric_weights
 from PIL import Image
 from torch_fidelity.metric_fid import fid_features_to_statistics, fid_statistics_to_metric
 
-from metric_networks import TINY_CLIP, register_tiny_clip, write_metric_weights
-from sdxl_trainer.metrics import (
+from sdxl_trainer.evaluation.metrics import (
     ALEXNET_FILE,
     ALEXNET_URL,
     HPS_FILE,
     INCEPTION_FILE,
+    URL_INCEPTION_V3,
     MetricSkipped,
     MetricWeights,
     MetricWeightsError,
-    URL_INCEPTION_V3,
     frechet_distance,
     load_image_metrics,
 )

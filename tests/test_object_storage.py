@@ -12,23 +12,15 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-import sdxl_process_data_dir
-from conftest import SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, train_sample_run
+from conftest import SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_data_dir, train_sample_run
 from s3_server import make_bucket, s3_server
+from safetensors.torch import load_file
 from test_tar_sources import cache_tars, pack, sample_members
-from sdxl_trainer.cache import (
-    CACHE_INFO_FILE,
-    EMPTY_PROMPT_FILE,
-    SHARD_DIR,
-    CacheError,
-    CacheReader,
-    WorkerLock,
-    load_manifest,
-    read_cache_info,
-)
-from sdxl_trainer.storage import open_store
+
+from sdxl_trainer.cache.format import CACHE_INFO_FILE, EMPTY_PROMPT_FILE, SHARD_DIR, read_cache_info
+from sdxl_trainer.cache.reader import CacheReader, load_manifest
+from sdxl_trainer.cache.storage import CacheError, open_store
+from sdxl_trainer.cache.writer import WorkerLock
 
 BUCKET = "caches"
 
@@ -41,7 +33,7 @@ def s3():
 
 
 def cache_to(url: str, pipeline_dir, data_dir=SAMPLE_DATASET) -> int:
-    return sdxl_process_data_dir.main(
+    return process_data_dir(
         [
             "--data_dir", str(data_dir), "--cache_dir", url, "--pretrained_model_name_or_path", str(pipeline_dir),
             *SAMPLE_RESOLUTION_FLAGS,
@@ -67,7 +59,7 @@ def test_the_cache_script_writes_to_object_storage_what_it_writes_to_a_folder(s3
     assert remote.equals(local) and len(local) == 28
     assert store.names("locks", ".lock") == []  # the lease goes with its process
     capsys.readouterr()
-    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", s3_sample_cache]) == 0
+    assert process_data_dir(["--verify", "--cache_dir", s3_sample_cache]) == 0
     assert "cache OK: 28 items, every shard matches its checksum" in capsys.readouterr().out
 
 
@@ -86,7 +78,7 @@ def test_verify_names_a_damaged_object_and_a_rerun_repairs_it_once_deleted(s3, t
     staged.write_bytes(bytes(data))
     store.publish(staged, shard)
     capsys.readouterr()
-    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", url]) == 1
+    assert process_data_dir(["--verify", "--cache_dir", url]) == 1
     out = capsys.readouterr().out
     assert f"DAMAGED {shard}: checksum mismatch" in out and "Delete the damaged shards listed (a re-run checks a bucket's shards by size only)" in out
     assert cache_to(url, tiny_pipeline_dir, tmp_path) == 0  # sizes only: reading the bucket's share back would download it on every run
@@ -96,7 +88,7 @@ def test_verify_names_a_damaged_object_and_a_rerun_repairs_it_once_deleted(s3, t
     assert cache_to(url, tiny_pipeline_dir, tmp_path) == 0
     assert f"repair: {shard} is damaged (missing)" in capsys.readouterr().out
     assert store.read_bytes(shard) == original and len(load_manifest(url)) == 3  # its items re-encoded (the name is free again)
-    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", url]) == 0
+    assert process_data_dir(["--verify", "--cache_dir", url]) == 0
 
 
 def test_a_dropped_connection_is_retried_and_a_dead_one_is_named(s3, s3_sample_cache, sample_cache_dir):

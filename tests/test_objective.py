@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from sdxl_trainer.config import parse_config
-from sdxl_trainer.diffusion import (
+from sdxl_trainer.training.objective import (
     NoiseSettings,
     build_noise_scheduler,
     draw_sample_randomness,
-    sample_generator,
     huber_thresholds,
+    sample_generator,
     sample_losses,
     timestep_weights,
     training_loss,
@@ -232,8 +232,8 @@ def test_huber_bounds_an_outliers_gradient_where_l2_does_not(schedulers):
 def test_validation_loss_keeps_its_fixed_timesteps_and_plain_mse(sample_cache_dir, schedulers):
     """Whatever the training options, val/loss is MSE at the fixed, stratified uniform timesteps of each
     held-out item (its own generator under the validation key): here recomputed item by item."""
-    from sdxl_trainer.data import CachedDataset, collate
-    from sdxl_trainer.validation import TIMESTEP_RANGES, VALIDATION_LOSS_KEY, loss_batches, validation_loss
+    from sdxl_trainer.evaluation.validation import TIMESTEP_RANGES, VALIDATION_LOSS_KEY, loss_batches, validation_loss
+    from sdxl_trainer.training.dataset import CachedDataset, collate
 
     class RecordingUNet(ConstantUNet):
         def __init__(self):
@@ -428,7 +428,7 @@ def test_dataset_loss_weights_weight_each_samples_loss_and_gradient_in_the_updat
 
 
 def test_each_cache_hands_its_loss_weight_to_its_items(sample_cache_dir):
-    from sdxl_trainer.data import CachedDataset, collate
+    from sdxl_trainer.training.dataset import CachedDataset, collate
 
     plain = CachedDataset([sample_cache_dir, sample_cache_dir])
     assert "loss_weight" not in plain[0]
@@ -443,7 +443,7 @@ def test_each_cache_hands_its_loss_weight_to_its_items(sample_cache_dir):
 
 
 def train_config(*flags: str):
-    from sdxl_FSDP_train import TrainConfig
+    from sdxl_trainer.jobs.train_config import TrainConfig
 
     return parse_config(TrainConfig, ["--cached_dataset_dirs", "c", *flags])
 

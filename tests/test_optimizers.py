@@ -9,8 +9,10 @@ import pytest
 import torch
 from transformers.optimization import Adafactor as TransformersAdafactor
 
-from sdxl_trainer import optimizers
-from sdxl_trainer.optimizers import Adafactor, Lion, ShardAdamW
+from sdxl_trainer.optimizers import lion
+from sdxl_trainer.optimizers.adafactor import Adafactor
+from sdxl_trainer.optimizers.adamw import ShardAdamW
+from sdxl_trainer.optimizers.lion import Lion
 
 STEPS = 4
 
@@ -84,7 +86,7 @@ def test_lion_stepped_in_chunks_equals_one_step_over_all_parameters(monkeypatch,
     weights = [weight.to(weights_dtype) for weight in weights]
     gradients = [[gradient.to(weights_dtype) for gradient in step] for step in gradients]
     whole = trained(Lion, weights, gradients, lr=1e-2)
-    monkeypatch.setattr(optimizers, "CHUNK_VALUES", 300)
+    monkeypatch.setattr(lion, "CHUNK_VALUES", 300)
     chunked = trained(Lion, weights, gradients, lr=1e-2)
     for whole_weight, chunked_weight, start in zip(whole, chunked, weights):
         assert torch.equal(whole_weight, chunked_weight)

@@ -18,14 +18,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO_ROOT, process_data_dir, run_processes
 from PIL import Image
-
-import sdxl_process_data_dir
-from conftest import REPO_ROOT, run_processes
-from sdxl_trainer import cache
-from sdxl_trainer.buckets import Bucket, nearest_aspect_bucket
-from sdxl_trainer.cache import MANIFEST_DIR, SHARD_DIR, CacheReader, load_manifest, sha256_file
 from test_upscale import save_weights, tiny_rrdbnet
+
+from sdxl_trainer.cache import writer
+from sdxl_trainer.cache.buckets import Bucket, nearest_aspect_bucket
+from sdxl_trainer.cache.format import CACHE_INFO_FILE, EMPTY_PROMPT_FILE, MANIFEST_DIR, SHARD_DIR
+from sdxl_trainer.cache.reader import CacheReader, load_manifest
+from sdxl_trainer.cache.storage import CacheError, sha256_file
 
 RESOLUTION_FLAGS = ["--min_resolution", "256", "--max_resolution", "320"]
 
@@ -40,7 +41,7 @@ def make_dataset(folder: Path, count: int, size: tuple[int, int] = (256, 256), p
 
 
 def run_cache(data_dir: Path, cache_dir: Path, pipeline: Path, *extra: str) -> int:
-    return sdxl_process_data_dir.main(
+    return process_data_dir(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(pipeline), *RESOLUTION_FLAGS, *extra]
     )
 
@@ -115,7 +116,7 @@ def test_changed_settings_are_refused_with_what_differs(small_cache, tiny_pipeli
     data_dir, cache_dir = small_cache
     before = shard_digests(cache_dir)
     capsys.readouterr()
-    code = sdxl_process_data_dir.main(
+    code = process_data_dir(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          "--min_resolution", "256", "--max_resolution", "384"]
     )
@@ -127,7 +128,7 @@ def test_changed_settings_are_refused_with_what_differs(small_cache, tiny_pipeli
 
 def test_verify_finds_damage_and_a_rerun_repairs_it(small_cache, tiny_pipeline_dir, capsys):
     data_dir, cache_dir = small_cache
-    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(cache_dir)]) == 0
+    assert process_data_dir(["--verify", "--cache_dir", str(cache_dir)]) == 0
     assert "cache OK: 7 items" in capsys.readouterr().out
 
     damaged = cache_dir / SHARD_DIR / "w0000of0001-000001.safetensors"
@@ -135,10 +136,10 @@ def test_verify_finds_damage_and_a_rerun_repairs_it(small_cache, tiny_pipeline_d
     data[-5] ^= 0xFF
     damaged.write_bytes(bytes(data))
     (cache_dir / SHARD_DIR / "w0000of0001-000002.safetensors").unlink()
-    with pytest.raises(cache.CacheError, match="w0000of0001-000002.safetensors is damaged: missing.*--verify"):
+    with pytest.raises(CacheError, match="w0000of0001-000002.safetensors is damaged: missing.*--verify"):
         CacheReader(cache_dir).read("w0000of0001-000002.safetensors", 0)
 
-    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(cache_dir)]) == 1
+    assert process_data_dir(["--verify", "--cache_dir", str(cache_dir)]) == 1
     out = capsys.readouterr().out
     assert "DAMAGED shards/w0000of0001-000001.safetensors: checksum mismatch" in out
     assert "DAMAGED shards/w0000of0001-000002.safetensors: missing (listed in manifest/w0000of0001-000002.parquet)" in out
@@ -148,7 +149,7 @@ def test_verify_finds_damage_and_a_rerun_repairs_it(small_cache, tiny_pipeline_d
     out = capsys.readouterr().out
     assert "repair: shards/w0000of0001-000001.safetensors is damaged (checksum mismatch" in out
     assert "cached: 4" in out and "already cached: 3" in out  # shard 1 held 3 items, shard 2 the 7th
-    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(cache_dir)]) == 0
+    assert process_data_dir(["--verify", "--cache_dir", str(cache_dir)]) == 0
     assert manifest_paths(cache_dir) == Counter({f"img{index:03d}.png": 1 for index in range(7)})
     assert sorted(p.name for p in (cache_dir / "damaged").iterdir()) == [
         "w0000of0001-000001.parquet", "w0000of0001-000001.safetensors", "w0000of0001-000002.parquet"
@@ -162,19 +163,19 @@ def test_verify_names_a_changed_cache_info_or_empty_prompt(small_cache, capsys):
     """Both files are read by every training run: a changed byte that still parses (a digit of a setting, a
     value of the empty caption's embeddings) must fail --verify as a changed shard does."""
     _, cache_dir = small_cache
-    cache_info = cache_dir / cache.CACHE_INFO_FILE
+    cache_info = cache_dir / CACHE_INFO_FILE
     text = cache_info.read_bytes()
     digit = text.index(b'"max_resolution": ') + len(b'"max_resolution": ')
     cache_info.write_bytes(text[:digit] + bytes([text[digit] ^ 0x01]) + text[digit + 1:])  # 320 -> 220: still JSON
-    empty_prompt = cache_dir / cache.EMPTY_PROMPT_FILE
+    empty_prompt = cache_dir / EMPTY_PROMPT_FILE
     data = bytearray(empty_prompt.read_bytes())
     data[-5] ^= 0xFF  # inside the last tensor: the file still loads
     empty_prompt.write_bytes(bytes(data))
     capsys.readouterr()
-    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(cache_dir)]) == 1
+    assert process_data_dir(["--verify", "--cache_dir", str(cache_dir)]) == 1
     out = capsys.readouterr().out
-    assert f"DAMAGED {cache.CACHE_INFO_FILE}: checksum mismatch" in out
-    assert f"DAMAGED {cache.EMPTY_PROMPT_FILE}: checksum mismatch" in out
+    assert f"DAMAGED {CACHE_INFO_FILE}: checksum mismatch" in out
+    assert f"DAMAGED {EMPTY_PROMPT_FILE}: checksum mismatch" in out
     assert "cache OK" not in out
 
 
@@ -183,7 +184,7 @@ def test_moved_cache_verifies_and_resumes(small_cache, tiny_pipeline_dir, tmp_pa
     moved = tmp_path / "elsewhere" / "moved_cache"
     moved.parent.mkdir()
     shutil.move(str(cache_dir), str(moved))
-    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(moved)]) == 0
+    assert process_data_dir(["--verify", "--cache_dir", str(moved)]) == 0
     assert run_cache(data_dir, moved, tiny_pipeline_dir) == 0
     assert "already cached: 7." in capsys.readouterr().out
 
@@ -191,7 +192,7 @@ def test_moved_cache_verifies_and_resumes(small_cache, tiny_pipeline_dir, tmp_pa
 def test_full_disk_stops_cleanly_and_a_rerun_finishes(tmp_path, tiny_pipeline_dir, monkeypatch, capsys):
     data_dir = make_dataset(tmp_path / "data", 5)
     cache_dir = tmp_path / "cache"
-    real_save_file = cache.save_file
+    real_save_file = writer.save_file
     calls = []
 
     def fills_up(tensors, filename):
@@ -200,14 +201,14 @@ def test_full_disk_stops_cleanly_and_a_rerun_finishes(tmp_path, tiny_pipeline_di
             raise OSError(errno.ENOSPC, "No space left on device", str(filename))
         return real_save_file(tensors, filename)
 
-    monkeypatch.setattr(cache, "save_file", fills_up)
+    monkeypatch.setattr(writer, "save_file", fills_up)
     assert run_cache(data_dir, cache_dir, tiny_pipeline_dir, "--items_per_shard", "2") == 1
     out = capsys.readouterr().out
     assert "stopped: cannot write into" in out and "the disk is full" in out and "re-run the same command" in out
     assert sum(manifest_paths(cache_dir).values()) == 2
     assert [p for p in cache_dir.rglob("*") if p.name.endswith(".tmp")] == []
 
-    monkeypatch.setattr(cache, "save_file", real_save_file)
+    monkeypatch.setattr(writer, "save_file", real_save_file)
     assert run_cache(data_dir, cache_dir, tiny_pipeline_dir, "--items_per_shard", "2") == 0
     assert manifest_paths(cache_dir) == Counter({f"img{index:03d}.png": 1 for index in range(5)})
 
@@ -219,7 +220,7 @@ def test_upscaling_buckets_in_the_upscale_category_and_keeps_the_original_size(t
     make_dataset(data_dir, 1, size=(200, 200), prefix="tiny")  # below --min_resolution: skipped
     weights = save_weights(tiny_rrdbnet(), tmp_path / "4x_remacri_like.pth")
     cache_dir, samples = tmp_path / "cache", tmp_path / "samples"
-    code = sdxl_process_data_dir.main(
+    code = process_data_dir(
         ["--data_dir", str(data_dir), "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
          "--min_resolution", "256", "--max_resolution", "512", "--upscale_to_resolution", "512", "--upscaler_weights", str(weights),
          "--upscale_tile_size", "128", "--save_upscale_samples", str(samples)]
@@ -233,7 +234,7 @@ def test_upscaling_buckets_in_the_upscale_category_and_keeps_the_original_size(t
     assert nearest_aspect_bucket(300, 260, 512) == Bucket(576, 448)  # category 512's bucket nearest to 300:260
     assert (small["bucket_width"], small["bucket_height"]) == (576, 448)
     assert not large["upscaled"] and (large["bucket_width"], large["bucket_height"]) == (512, 512)
-    info = json.loads((cache_dir / cache.CACHE_INFO_FILE).read_text())
+    info = json.loads((cache_dir / CACHE_INFO_FILE).read_text())
     assert info["upscale_to_resolution"] == 512 and info["upscaler_sha256"] == sha256_file(weights)
     assert Image.open(samples / "small000.before.png").size == (300, 260)
     assert Image.open(samples / "small000.after.png").size == (1200, 1040)
@@ -242,10 +243,10 @@ def test_upscaling_buckets_in_the_upscale_category_and_keeps_the_original_size(t
 def test_upscaling_without_weights_fails_before_any_work(tmp_path, capsys):
     data_dir = make_dataset(tmp_path / "data", 1)
     with pytest.raises(SystemExit):
-        sdxl_process_data_dir.main(["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), *RESOLUTION_FLAGS, "--upscale_to_resolution", "320"])
+        process_data_dir(["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), *RESOLUTION_FLAGS, "--upscale_to_resolution", "320"])
     assert "--upscale_to_resolution needs --upscaler_weights" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        sdxl_process_data_dir.main(
+        process_data_dir(
             ["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), *RESOLUTION_FLAGS, "--upscale_to_resolution", "320",
              "--upscaler_weights", str(tmp_path / "x.pth"), "--upscale_use_GFPGAN"]
         )
@@ -260,7 +261,7 @@ def test_dry_run_prints_histogram_and_writes_nothing(tmp_path, capsys):
     make_dataset(data_dir, 2, size=(300, 300), prefix="square")
     make_dataset(data_dir, 1, size=(600, 300), prefix="wide")
     make_dataset(data_dir, 1, size=(100, 100), prefix="tiny")
-    code = sdxl_process_data_dir.main(
+    code = process_data_dir(
         ["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), "--min_resolution", "256", "--max_resolution", "512",
          "--upscale_to_resolution", "512", "--dry_run", "--pretrained_model_name_or_path", str(tmp_path / "no_model_needed")]
     )
@@ -312,9 +313,9 @@ def test_the_vae_encodes_in_fp32_by_default_whatever_the_text_encoders_precision
     """On a GPU the cache used to run SDXL's VAE in bf16 (encode_dtype auto); peers keep it in fp32."""
     import torch
 
-    from sdxl_process_data_dir import CacheConfig
     from sdxl_trainer.config import parse_config
-    from sdxl_trainer.encoding import load_encoders
+    from sdxl_trainer.jobs.cache_config import CacheConfig
+    from sdxl_trainer.models.encoders import load_encoders
 
     config = parse_config(CacheConfig, ["--data_dir", str(tiny_pipeline_dir), "--cache_dir", str(tiny_pipeline_dir.parent / "unused")])
     assert config.vae_dtype == "fp32"

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
 from diffusers.optimization import get_scheduler
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
-from sdxl_FSDP_train import TrainConfig, learning_rate_schedule
 from sdxl_trainer.config import parse_config
-from sdxl_trainer.lr_schedule import SCHEDULE_NAMES, LearningRateSchedule
+from sdxl_trainer.jobs.train_config import TrainConfig, learning_rate_schedule
+from sdxl_trainer.training.lr_schedule import SCHEDULE_NAMES, LearningRateSchedule
 
 RESUME_AT = 2  # of 6 updates: inside the warm-up (3 updates) and in the middle of the first epoch
 TOTAL_UPDATES = 6

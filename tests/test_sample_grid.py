@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image, PngImagePlugin
 
-from sdxl_trainer.sample_grid import BACKGROUND, CELL_SIZE, LABEL_WIDTH, METADATA_KEY, append_grid_row, header_height, is_due
-from sdxl_trainer.sample_prompts import DEFAULT_SAMPLE_PROMPTS, SamplePrompt, choose_sample_prompts, column_seeds, read_prompts
+from sdxl_trainer.evaluation.sample_grid import BACKGROUND, CELL_SIZE, LABEL_WIDTH, METADATA_KEY, append_grid_row, header_height, is_due
+from sdxl_trainer.evaluation.sample_prompts import DEFAULT_SAMPLE_PROMPTS, SamplePrompt, choose_sample_prompts, column_seeds, read_prompts
 
 PROMPTS = ["a red circle on a very long caption that has to be wrapped over several lines and then cut short " * 3, "a blue square", "stripes"]
 
@@ -54,7 +54,7 @@ def test_tensorboard_gets_the_header_over_each_new_row(tmp_path):
     file with the square of the rows)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from sdxl_trainer.monitor import MetricsWriter
+    from sdxl_trainer.outputs.monitor import MetricsWriter
 
     path = tmp_path / "grid.png"
     writer = MetricsWriter(tmp_path / "tb", enabled=True)
@@ -130,8 +130,8 @@ def test_prompt_lines_take_kohya_options_and_keep_their_order(tmp_path):
 
 
 def test_bad_prompt_lines_are_one_error_naming_each_line(tmp_path, capsys):
-    from sdxl_FSDP_train import TrainConfig
     from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig
 
     path = tmp_path / "prompts.txt"
     path.write_text("a cat --w 512\na dog --ss euler_a\n--w 512 --h 512\na fox --s 0\na tree --l high --l 3\na cow --n\nan owl --d 1 --d 2\n", encoding="utf-8")
@@ -194,7 +194,7 @@ def tiny_sampler(tiny_pipeline_dir):
     """The tiny pipeline, and encode(texts) -> [(prompt_embeds, pooled)] by the trainer's rule."""
     from diffusers import StableDiffusionXLPipeline
 
-    from sdxl_trainer.encoding import encode_prompts
+    from sdxl_trainer.models.encoders import encode_prompts
 
     pipeline = StableDiffusionXLPipeline.from_pretrained(tiny_pipeline_dir)
     pipeline.set_progress_bar_config(disable=True)
@@ -211,7 +211,7 @@ def test_each_request_is_generated_with_its_own_size_seed_steps_guidance_and_neg
     """Requests of mixed sizes, step counts and guidance scales in one call of generate(): every image comes
     back under its key at its own size; each option changes the image it is set on and nothing else (the
     same request alone, or batched with others, gives the same image)."""
-    from sdxl_trainer.sampling import GenerationSettings, ImageRequest, generate
+    from sdxl_trainer.evaluation.sampling import GenerationSettings, ImageRequest, generate
 
     pipeline, encode = tiny_sampler
     (fox, empty, blurry) = encode(["a red fox in snow", "", "blurry, low quality"])

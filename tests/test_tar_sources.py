@@ -10,13 +10,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-import sdxl_process_data_dir
-from conftest import SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS
-from sdxl_trainer.cache import SHARD_DIR, CacheReader, load_manifest, sha256_file
-from sdxl_trainer.sources import scan_images
-from sdxl_trainer.tar_sources import json_caption, scan_tar_shards, split_key
+from conftest import SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_data_dir
 from test_process_data_dir import RESOLUTION_FLAGS, make_dataset
+
+from sdxl_trainer.cache.format import SHARD_DIR
+from sdxl_trainer.cache.reader import CacheReader, load_manifest
+from sdxl_trainer.cache.storage import sha256_file
+from sdxl_trainer.jobs import cache_job
+from sdxl_trainer.preparation.folders import scan_images
+from sdxl_trainer.preparation.tar_sources import json_caption, scan_tar_shards, split_key
 
 
 def pack(tar_path: Path, members: list[tuple[str, bytes | Path]]) -> Path:
@@ -41,7 +43,7 @@ def sample_members(data_dir: Path) -> list[tuple[str, Path]]:
 
 
 def cache_tars(data_dir: Path, cache_dir: Path, pipeline: Path, *extra: str) -> int:
-    return sdxl_process_data_dir.main(
+    return process_data_dir(
         ["--data_dir", str(data_dir), "--tar_shards", "--cache_dir", str(cache_dir), "--pretrained_model_name_or_path", str(pipeline), *extra]
     )
 
@@ -109,7 +111,7 @@ def test_tar_cache_equals_the_folder_cache(tmp_path, sample_cache_dir, tiny_pipe
             assert tensor.numpy().tobytes() == theirs[key].numpy().tobytes(), (row["image_path"], key)
 
     capsys.readouterr()
-    assert sdxl_process_data_dir.main(["--verify", "--cache_dir", str(cache_dir)]) == 0
+    assert process_data_dir(["--verify", "--cache_dir", str(cache_dir)]) == 0
     assert f"cache OK: {len(tar_rows)} items" in capsys.readouterr().out
 
 
@@ -144,7 +146,7 @@ def test_an_interrupted_run_resumes_and_a_rerun_encodes_nothing(tmp_path, tiny_p
     data_dir = tmp_path / "tars"
     pack(data_dir / "shard-00000.tar", sample_members(images))
     cache_dir = tmp_path / "cache"
-    encode_chunk = sdxl_process_data_dir.encode_chunk
+    encode_chunk = cache_job.encode_chunk
     encoded: list[str] = []
 
     def encode_then_stop(encoders, prepared, *args):
@@ -153,14 +155,14 @@ def test_an_interrupted_run_resumes_and_a_rerun_encodes_nothing(tmp_path, tiny_p
         encoded.extend(item.source.relative_path for item in prepared)
         return encode_chunk(encoders, prepared, *args)
 
-    monkeypatch.setattr(sdxl_process_data_dir, "encode_chunk", encode_then_stop)
+    monkeypatch.setattr(cache_job, "encode_chunk", encode_then_stop)
     with pytest.raises(KeyboardInterrupt):
         cache_tars(data_dir, cache_dir, tiny_pipeline_dir, *RESOLUTION_FLAGS, "--items_per_shard", "2")
     finished = {path.name: (sha256_file(path), path.stat().st_mtime_ns) for path in (cache_dir / SHARD_DIR).iterdir()}
     assert len(finished) == 2 and len(load_manifest(cache_dir)) == 4
 
     encoded.clear()
-    monkeypatch.setattr(sdxl_process_data_dir, "encode_chunk", lambda encoders, prepared, *args: (encoded.extend(
+    monkeypatch.setattr(cache_job, "encode_chunk", lambda encoders, prepared, *args: (encoded.extend(
         item.source.relative_path for item in prepared), encode_chunk(encoders, prepared, *args))[1])
     capsys.readouterr()
     assert cache_tars(data_dir, cache_dir, tiny_pipeline_dir, *RESOLUTION_FLAGS, "--items_per_shard", "2") == 0

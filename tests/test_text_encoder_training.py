@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
-from sdxl_trainer.cache import load_manifest
-from sdxl_trainer.checkpoint import METADATA_FILE, CheckpointError, TrainerState
-from sdxl_trainer.config import parse_config
-from sdxl_trainer.lr_schedule import LR_SCALE, set_learning_rate
-from sdxl_trainer.single_file import hf_clip_names
+from safetensors.torch import load_file
 from test_captions import VARIATION_FLAGS
 from test_resume_schedules import RESUME_AT, exported_unet, resumed_copy, train
 from unet_batches import trainer_state_for
+
+from sdxl_trainer.cache.reader import load_manifest
+from sdxl_trainer.config import parse_config
+from sdxl_trainer.models.single_file import hf_clip_names
+from sdxl_trainer.state.checkpoint import METADATA_FILE, CheckpointError, TrainerState
+from sdxl_trainer.training.lr_schedule import LR_SCALE, set_learning_rate
 
 TEXT_ENCODER_FILES = {name: Path(name) / "model.safetensors" for name in ("text_encoder", "text_encoder_2")}
 
@@ -57,7 +57,7 @@ def test_trained_encoders_resume_bitwise_and_are_exported(tmp_path, tag_cache, t
     assert all(key.startswith(("unet.", "text_encoder.", "text_encoder_2.")) for key in read_checkpoint_keys(straight))
 
     # The single file beside the folder holds the same trained encoders (both CLIPs, converted back).
-    from sdxl_trainer.single_file import load_pipeline
+    from sdxl_trainer.models.single_file import load_pipeline
 
     single = load_pipeline(str(straight / "pipeline.safetensors"), str(tiny_pipeline_dir), torch.float32)
     for name, weights in trained.items():
@@ -108,8 +108,8 @@ def test_a_rate_of_zero_keeps_that_encoder_frozen_and_the_other_trains(tmp_path,
 
 
 def test_a_resume_keeps_which_encoders_train():
-    from sdxl_FSDP_train import TrainConfig
-    from sdxl_trainer.checkpointer import resume_problems
+    from sdxl_trainer.jobs.train_config import TrainConfig
+    from sdxl_trainer.state.checkpointer import resume_problems
 
     def config(*flags: str) -> TrainConfig:
         return parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--encode_captions_each_step", "--train_text_encoder", *flags])
@@ -147,7 +147,7 @@ def largest_change(trained: dict[str, torch.Tensor], base: dict[str, torch.Tenso
     ],
 )
 def test_text_encoder_options_are_checked(flags, message, capsys):
-    from sdxl_FSDP_train import TrainConfig
+    from sdxl_trainer.jobs.train_config import TrainConfig
 
     with pytest.raises(SystemExit):
         parse_config(TrainConfig, ["--cached_dataset_dirs", "c", *flags])
@@ -174,7 +174,7 @@ def test_a_trainer_state_from_before_text_encoder_training_reads_as_unet_only(tm
 
 
 def test_checkpointed_encoders_recompute_each_layer_and_give_the_same_gradients(tiny_pipeline_dir):
-    from sdxl_trainer.encoding import encode_prompts, load_text_encoders
+    from sdxl_trainer.models.encoders import encode_prompts, load_text_encoders
 
     gradients, forward_calls = [], []
     for checkpointed in (False, True):

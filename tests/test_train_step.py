@@ -5,30 +5,23 @@ prediction targets, Min-SNR, noise offset, timestep range, zero terminal SNR, EM
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
-
-from sdxl_trainer.cache import load_manifest
-from sdxl_trainer.config import parse_config
-from sdxl_trainer.data import CachedDataset, collate
-from sdxl_trainer.diffusion import (
-    NoiseSettings,
-    build_noise_scheduler,
-    draw_sample_randomness,
-    min_snr_weights,
-    signal_to_noise,
-    training_loss,
-)
-from sdxl_trainer.ema import ShardedEMA
-from sdxl_trainer.optimizers import OPTIMIZERS, build_optimizer
-from sdxl_trainer.parallel import compile_repeated_blocks, compute_under_autocast, prepare_unet, shard_unet
-from sdxl_trainer.tiny_model import build_full_size_unet
 from unet_batches import assert_clipped_as_torch, clipping_against_torch, empty_prompt_for, make_train_step, synthetic_batch
+
+from sdxl_trainer.cache.reader import load_manifest
+from sdxl_trainer.config import parse_config
+from sdxl_trainer.distributed.fsdp import compile_repeated_blocks, compute_under_autocast, prepare_unet, shard_unet
+from sdxl_trainer.models.sdxl import build_full_size_unet
+from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer
+from sdxl_trainer.training.dataset import CachedDataset, collate
+from sdxl_trainer.training.ema import ShardedEMA
+from sdxl_trainer.training.objective import NoiseSettings, build_noise_scheduler, draw_sample_randomness, min_snr_weights, signal_to_noise, training_loss
+
 
 def sharded_unet(pipeline_dir, world, compile_blocks: bool = False, param_dtype: torch.dtype | None = None, cpu_offload: bool = False):
     unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
@@ -363,7 +356,7 @@ def test_regional_compile_keeps_a_graph_for_every_sdxl_resnet_shape():
     ],
 )
 def test_train_config_rejects_inconsistent_objective_options(flags, message, capsys):
-    from sdxl_FSDP_train import TrainConfig
+    from sdxl_trainer.jobs.train_config import TrainConfig
 
     with pytest.raises(SystemExit):
         parse_config(TrainConfig, ["--cached_dataset_dirs", "c", *flags])
@@ -371,7 +364,7 @@ def test_train_config_rejects_inconsistent_objective_options(flags, message, cap
 
 
 def test_train_config_accepts_v_prediction_with_zero_terminal_snr():
-    from sdxl_FSDP_train import TrainConfig
+    from sdxl_trainer.jobs.train_config import TrainConfig
 
     config = parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--prediction_type", "v_prediction", "--zero_terminal_snr", "--optimizer", "lion"])
     assert (config.prediction_type, config.zero_terminal_snr, config.optimizer) == ("v_prediction", True, "lion")
@@ -379,8 +372,8 @@ def test_train_config_accepts_v_prediction_with_zero_terminal_snr():
 
 @pytest.mark.parametrize("optimizer,beta2", [("lion", 0.99), ("adamw", 0.999), ("adamw8bit", 0.999)])
 def test_beta2_defaults_to_each_optimizers_own(optimizer, beta2):
-    from sdxl_FSDP_train import TrainConfig
-    from sdxl_trainer.optimizers import build_optimizer
+    from sdxl_trainer.jobs.train_config import TrainConfig
+    from sdxl_trainer.optimizers.build import build_optimizer
 
     config = parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--optimizer", optimizer])
     built = build_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(4))], 1e-4, 0.0, (config.adam_beta1, config.adam_beta2), 1e-8)
@@ -406,8 +399,8 @@ def test_no_two_samples_share_their_noise_across_epochs_and_items():
 
 def test_validation_loss_can_score_the_ema_weights_and_the_trained_ones_come_back(world, tiny_pipeline_dir, sample_cache_dir):
     """With --use_ema the exported weights are the EMA's, so that is what val/loss must measure."""
-    from sdxl_trainer.data import CachedDataset
-    from sdxl_trainer.validation import validation_loss
+    from sdxl_trainer.evaluation.validation import validation_loss
+    from sdxl_trainer.training.dataset import CachedDataset
 
     unet = sharded_unet(tiny_pipeline_dir, world)
     ema = ShardedEMA(unet, decay=0.5, on_cpu=True)
@@ -486,8 +479,9 @@ def test_one_process_trains_a_plain_unet_like_the_sharded_one(world, tiny_pipeli
 def test_a_plain_unet_resumes_exactly(world, tiny_pipeline_dir, tmp_path, optimizer_name):
     """One process: "2 updates straight" equals "1 update, save, restore into a fresh UNet and optimizer,
     1 update", bit for bit, for every optimizer (torchao's 8-bit state included)."""
-    from sdxl_trainer.checkpoint import load_training_state, save_training_state
     from unet_batches import saved_state_of
+
+    from sdxl_trainer.state.checkpoint import load_training_state, save_training_state
 
     def fresh():
         unet = unet_in_layout("plain", tiny_pipeline_dir, world)

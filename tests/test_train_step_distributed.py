@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from safetensors.torch import load_file
-
 from conftest import REPO_ROOT, run_processes
+from safetensors.torch import load_file
 from unet_batches import assert_clipped_as_torch
-from sdxl_trainer.optimizers import OPTIMIZERS
+
+from sdxl_trainer.optimizers.build import OPTIMIZERS
 
 
 @pytest.fixture(scope="module")

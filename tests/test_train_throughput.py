@@ -13,10 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import REPO_ROOT, run_processes
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
-
-from conftest import REPO_ROOT, run_processes
 
 SCRIPT = REPO_ROOT / "benchmarks" / "train_throughput.py"
 # adamw: torchao's 8-bit step compiles for minutes on a cold 2-core machine; the paths are the same otherwise.

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, run_processes
+from metric_networks import write_metric_weights
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, run_processes
-from metric_networks import write_metric_weights
-from sdxl_trainer.data import CachedDataset
-from sdxl_trainer.holdout import HOLDOUT_FILE
-from sdxl_trainer.sample_grid import BACKGROUND, CELL_SIZE, LABEL_WIDTH, METADATA_KEY, header_height
+from sdxl_trainer.evaluation.sample_grid import BACKGROUND, CELL_SIZE, LABEL_WIDTH, METADATA_KEY, header_height
+from sdxl_trainer.training.dataset import CachedDataset
+from sdxl_trainer.training.holdout import HOLDOUT_FILE
 
 
 def tensorboard(run_dir: Path) -> EventAccumulator:

@@ -12,7 +12,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from spandrel.architectures.ESRGAN import ESRGAN
 
-from sdxl_trainer.upscale import (
+from sdxl_trainer.preparation.upscale import (
     FACEXLIB_WEIGHT_FILES,
     FaceRestorer,
     Upscaler,

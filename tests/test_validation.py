@@ -10,13 +10,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import MAX_RESOLUTION, MIN_RESOLUTION, REPO_ROOT, SAMPLE_DATASET, run_processes
 from metric_networks import write_metric_weights
-from sdxl_trainer.data import CachedDataset
-from sdxl_trainer.sources import SourcePair, prepare_item
-from sdxl_trainer.validation import TIMESTEP_RANGES, loss_batches, reference_images, source_image
+from safetensors.torch import load_file
+
+from sdxl_trainer.evaluation.validation import TIMESTEP_RANGES, loss_batches, reference_images, source_image
+from sdxl_trainer.preparation.items import prepare_item
+from sdxl_trainer.preparation.scan import SourcePair
+from sdxl_trainer.training.dataset import CachedDataset
 
 
 def test_loss_batches_cover_every_item_once_with_ranges_in_turn():
@@ -141,7 +142,7 @@ def test_an_fp16_vae_that_asks_for_upcasting_decodes_in_fp32(tiny_pipeline_dir):
     layer is scaled up until fp16 overflows, standing in for SDXL's."""
     from diffusers import AutoencoderKL
 
-    from sdxl_trainer.sampling import decode_latents
+    from sdxl_trainer.evaluation.sampling import decode_latents
 
     vae = AutoencoderKL.from_pretrained(tiny_pipeline_dir, subfolder="vae")
     with torch.no_grad():

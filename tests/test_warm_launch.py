@@ -43,7 +43,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.async_compile import AsyncCompile
 from tqdm import tqdm
-from sdxl_trainer.adamw8bit import AdamW8bit
+from sdxl_trainer.optimizers.adamw8bit import AdamW8bit
 
 compiled_before = counters["stats"]["unique_graphs"]
 monitor_from_the_server = tqdm.monitor is not None

@@ -10,11 +10,11 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch.distributed.tensor import DTensor
 
-from sdxl_trainer.diffusion import NoiseSettings, build_noise_scheduler
-from sdxl_trainer.checkpoint import TrainerState
-from sdxl_trainer.data import DataPosition
-from sdxl_trainer.lr_schedule import LearningRateSchedule
-from sdxl_trainer.train_step import TrainStep, clip_gradients
+from sdxl_trainer.state.checkpoint import TrainerState
+from sdxl_trainer.training.lr_schedule import LearningRateSchedule
+from sdxl_trainer.training.objective import NoiseSettings, build_noise_scheduler
+from sdxl_trainer.training.step import TrainStep, clip_gradients
+from sdxl_trainer.training.stream import DataPosition
 
 TEXT_LENGTH = 77
 

@@ -10,17 +10,19 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
+from metric_networks import register_tiny_clip
 from safetensors.torch import save_file
 
-from metric_networks import register_tiny_clip
-from sdxl_trainer.cache import read_empty_prompt
-from sdxl_trainer.data import CachedDataset
-from sdxl_trainer.diffusion import build_noise_scheduler
-from sdxl_trainer.holdout import SplitSettings, choose_holdout, dataset_item_keys
-from sdxl_trainer.metrics import METRICS, MetricWeights, load_image_metrics
-from sdxl_trainer.parallel import init_distributed, shard_unet, shutdown_distributed
-from sdxl_trainer.sampling import GenerationSettings, gather_images, generate
-from sdxl_trainer.validation import ImageValidator, validation_loss
+from sdxl_trainer.cache.reader import read_empty_prompt
+from sdxl_trainer.distributed.fsdp import shard_unet
+from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
+from sdxl_trainer.evaluation.metrics import METRICS, MetricWeights, load_image_metrics
+from sdxl_trainer.evaluation.sampling import GenerationSettings, gather_images, generate
+from sdxl_trainer.evaluation.validation import ImageValidator, validation_loss
+from sdxl_trainer.training.dataset import CachedDataset
+from sdxl_trainer.training.holdout import SplitSettings, choose_holdout, dataset_item_keys
+from sdxl_trainer.training.objective import build_noise_scheduler
+
 
 def build_sampling_pipeline(pipeline_dir: str, unet: torch.nn.Module, device: torch.device, vae: AutoencoderKL | None = None) -> StableDiffusionXLPipeline:
     """The base pipeline around the given FSDP-sharded UNet, without text encoders (prompts come as cached

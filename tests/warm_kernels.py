@@ -31,9 +31,9 @@ import torch
 import torch._inductor.config
 from tqdm import tqdm
 
-from sdxl_FSDP_train import TrainConfig
-from sdxl_trainer.optimizers import build_optimizer
-from sdxl_trainer.parallel import compile_cache_root
+from sdxl_trainer.distributed.world import compile_cache_root
+from sdxl_trainer.jobs.train_config import TrainConfig
+from sdxl_trainer.optimizers.build import build_optimizer
 
 if torch.get_num_threads() != 1:
     raise RuntimeError(f"warm_kernels runs with OMP_NUM_THREADS=1 (now {torch.get_num_threads()} threads): forked ranks would hang in OpenMP")

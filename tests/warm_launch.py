@@ -32,14 +32,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
-from sdxl_trainer.garbage_collection import exempt_live_objects_from_garbage_collection
+from sdxl_trainer.runtime.garbage_collection import exempt_live_objects_from_garbage_collection
 
 # What a rank of the trainer or of a test worker imports before its first line of work, and what they import
 # later on most runs: the model libraries (once a run's checks pass), the compiler (the 8-bit AdamW step),
 # TensorBoard, the metric libraries; then the optimizer kernels a rank would compile on its first update
 # (warm_kernels.py).
 PRELOADED_MODULES = [
-    "sdxl_FSDP_train", "sdxl_process_data_dir", "sdxl_trainer.tiny_model", "diffusers.schedulers.scheduling_ddpm",
+    "sdxl_trainer.jobs.train_build", "sdxl_trainer.jobs.train_loop", "sdxl_trainer.jobs.cache_job", "sdxl_trainer.models.tiny", "diffusers.schedulers.scheduling_ddpm",
     "torch.distributed.checkpoint", "torch._inductor.compile_fx", "torch.utils.tensorboard", "torchmetrics", "metric_networks",
     "warm_kernels",
 ]
@@ -155,7 +155,7 @@ class WarmLauncher:
     @staticmethod
     def _wait(ranks: list, timeout: float, command: list[str], stderr_path: Path) -> int:
         """torchrun's rule: the first rank to fail ends the job (SIGTERM to the rest, SIGKILL after a grace);
-        its exit code is the job's; a rank ended by a signal is named in one line, as sdxl_trainer.launcher does."""
+        its exit code is the job's; a rank ended by a signal is named in one line, as sdxl_trainer.distributed.launcher does."""
         deadline = time.monotonic() + timeout
         failed, kill_at = None, None
         while any(rank.exitcode is None for rank in ranks):

@@ -17,36 +17,36 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-import sdxl_extract_lora  # noqa: E402
-import sdxl_FSDP_train  # noqa: E402
-import sdxl_process_data_dir  # noqa: E402
-import sdxl_to_single_file  # noqa: E402
 from sdxl_trainer.config import REQUIRED  # noqa: E402
+from sdxl_trainer.jobs.cache_config import CacheConfig  # noqa: E402
+from sdxl_trainer.jobs.convert_config import ConvertConfig  # noqa: E402
+from sdxl_trainer.jobs.extract_config import ExtractConfig  # noqa: E402
+from sdxl_trainer.jobs.train_config import TrainConfig  # noqa: E402
 
 SCRIPTS = (
     (
         "Caching flags",
         "sdxl_process_data_dir.py",
-        sdxl_process_data_dir.CacheConfig,
+        CacheConfig,
         "Started through `sdxl_process_data_dir.sh`, which sets `--num_shards` and `--shard_index` for every worker.",
     ),
     (
         "Training flags",
         "sdxl_FSDP_train.py",
-        sdxl_FSDP_train.TrainConfig,
+        TrainConfig,
         "Started through `train.sh` (torchrun), `slurm_train.sh` or `accelerate launch`. The example configs in "
         "`configs/` set the flags of common machines.",
     ),
     (
         "Export flags",
         "sdxl_to_single_file.py",
-        sdxl_to_single_file.ConvertConfig,
+        ConvertConfig,
         "Converts a diffusers SDXL folder into one single-file `.safetensors` (see README, \"Exporting the model\").",
     ),
     (
         "LoRA extraction flags",
         "sdxl_extract_lora.py",
-        sdxl_extract_lora.ExtractConfig,
+        ExtractConfig,
         "Extracts a LoRA (kohya / A1111 layout) from a fine-tune and its base model (see README, \"Extracting a LoRA\").",
     ),
 )

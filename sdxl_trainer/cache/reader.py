@@ -1,0 +1,210 @@
+"""Reading a cache: the manifest merged from every worker's parts, the intact ones only, and the tensors of
+items from their shards (local files or object storage).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import load
+
+from sdxl_trainer.cache.format import (
+    EMPTY_PROMPT_FILE,
+    MANIFEST_DIR,
+    MANIFEST_SCHEMA,
+    SHARD_DIR,
+    SHARED_FILE_CHECKSUM_KEYS,
+    TENSOR_KEYS,
+    CacheLocation,
+    ManifestPart,
+    Store,
+    repair_advice,
+)
+from sdxl_trainer.cache.storage import (
+    REMOTE_READ_THREADS,
+    CacheError,
+    LocalTensors,
+    RemoteTensors,
+    StorageError,
+    open_store,
+)
+
+
+def size_problem(size: int | None, recorded: int) -> str | None:
+    """A shard's size (None: missing) against the one its manifest part records."""
+    if size is None:
+        return "missing"
+    return f"size {size} bytes, manifest says {recorded}" if size != recorded else None
+
+
+def read_empty_prompt(cache_dir: CacheLocation) -> tuple[torch.Tensor, torch.Tensor]:
+    store = open_store(cache_dir)
+    try:
+        tensors = load(store.read_bytes(EMPTY_PROMPT_FILE))
+    except FileNotFoundError:
+        raise CacheError(f"{store.location(EMPTY_PROMPT_FILE)} not found: the cache is incomplete; re-run sdxl_process_data_dir.py.") from None
+    return tensors["prompt_embeds"], tensors["pooled_prompt_embeds"]
+
+
+def _read_part(store: Store, name: str) -> tuple[ManifestPart, pa.Table]:
+    handle = pq.ParquetFile(pa.BufferReader(store.read_bytes(name)))
+    metadata = handle.schema_arrow.metadata or {}
+    table = handle.read(use_threads=False)  # parts are small: the parallelism is across parts
+    if not table.schema.equals(MANIFEST_SCHEMA):
+        for column in ("crop_left_flipped", "has_loss_mask", "mask_sha256"):  # a part from before flipped latents or masks
+            if column not in table.column_names:
+                table = table.append_column(column, pa.nulls(len(table), MANIFEST_SCHEMA.field(column).type))
+        table = table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
+    part = ManifestPart(
+        name=name,
+        shard=metadata[b"shard"].decode(),
+        shard_sha256=metadata[b"shard_sha256"].decode(),
+        shard_bytes=int(metadata[b"shard_bytes"]),
+        written_at_ns=int(metadata[b"written_at_ns"]),
+        num_rows=len(table),
+        shared_file_sha256={file: metadata[key.encode()].decode() for file, key in SHARED_FILE_CHECKSUM_KEYS.items() if key.encode() in metadata},
+    )
+    return part, table
+
+
+def read_manifest_parts(cache_dir: CacheLocation) -> tuple[list[tuple[ManifestPart, pa.Table]], dict[str, str]]:
+    """Every manifest part in write order, and the unreadable ones (name relative to the cache -> reason).
+
+    Parts are read in parallel threads (Parquet decoding releases the GIL, and object storage answers many
+    requests at once): a million items in a few thousand parts load in seconds."""
+    store = open_store(cache_dir)
+    part_names = store.names(MANIFEST_DIR, ".parquet")
+    parts, damaged = [], {}
+
+    def read(name: str):
+        try:
+            return _read_part(store, name)
+        except StorageError:
+            raise  # the storage, not the part: no reason to call it damaged
+        except (OSError, KeyError, ValueError, pa.ArrowException) as error:
+            return f"unreadable manifest part ({type(error).__name__}: {error})"
+
+    with ThreadPoolExecutor(REMOTE_READ_THREADS if store.remote else min(8, os.cpu_count() or 1)) as pool:
+        for name, result in zip(part_names, pool.map(read, part_names)):
+            if isinstance(result, str):
+                damaged[name] = result
+            else:
+                parts.append(result)
+    parts.sort(key=lambda item: (item[0].written_at_ns, item[0].name))
+    return parts, damaged
+
+
+def merge_parts(parts: list[tuple[ManifestPart, pa.Table]]) -> pa.Table:
+    """Concatenate parts (in write order) keeping, for every image_path, only its last row."""
+    if not parts:
+        return MANIFEST_SCHEMA.empty_table()
+    merged = pa.concat_tables([table for _, table in parts]).combine_chunks()
+    if len(merged) == 0:
+        return merged
+    # Last occurrence per image_path, computed in Arrow (a Python dict over millions of rows is slow).
+    order = pa.array(np.arange(len(merged), dtype=np.int64))
+    last = merged.select(["image_path"]).append_column("row", order).group_by("image_path").aggregate([("row", "max")])
+    keep = np.sort(last.column("row_max").to_numpy())
+    if len(keep) == len(merged):
+        return merged
+    return merged.take(pa.array(keep))
+
+
+def intact_parts(cache_dir: CacheLocation) -> list[tuple[ManifestPart, pa.Table]]:
+    """Every manifest part; a damaged one is a CacheError."""
+    parts, damaged = read_manifest_parts(cache_dir)
+    if damaged:
+        name, reason = next(iter(damaged.items()))
+        store = open_store(cache_dir)
+        raise CacheError(f"{store.location(name)}: {reason}. {repair_advice(store)}")
+    return parts
+
+
+def load_manifest(cache_dir: CacheLocation) -> pa.Table:
+    """All manifest parts merged into one table. When an image was cached more than once (edited and
+    re-cached), the row from the most recently written part wins. A damaged part is a CacheError."""
+    return merge_parts(intact_parts(cache_dir))
+
+
+class CacheReader:
+    """Reads items' tensors from shards, keeping a few shards open (a folder's memory-mapped by safetensors, an
+    object's header in memory).
+
+    A shard whose size differs from the one its manifest part records (truncated, replaced, missing) is
+    refused with a CacheError naming the file; run --verify for the full checksum check. `shard_bytes`
+    (shard file name -> size, from the manifest) saves reading the manifest again; without it, it is read
+    on first use."""
+
+    def __init__(self, cache_dir: CacheLocation, max_open_shards: int = 16, shard_bytes: dict[str, int] | None = None):
+        self.store = open_store(cache_dir)
+        self.max_open_shards = max_open_shards
+        self._open_shards: OrderedDict[str, LocalTensors | RemoteTensors] = OrderedDict()
+        self._shard_bytes = shard_bytes
+
+    def _recorded_bytes(self, shard_name: str) -> int | None:
+        if self._shard_bytes is None:  # read lazily: each DataLoader worker process reads its own copy
+            self._shard_bytes = {part.shard: part.shard_bytes for part, _ in read_manifest_parts(self.store)[0]}
+        return self._shard_bytes.get(shard_name)
+
+    def _shard(self, shard_name: str) -> LocalTensors | RemoteTensors:
+        handle = self._open_shards.get(shard_name)
+        if handle is None:
+            name = f"{SHARD_DIR}/{shard_name}"
+            recorded = self._recorded_bytes(shard_name)
+            problem = None
+            if recorded is None:
+                problem = "not listed in any manifest part"
+            elif not self.store.remote:  # an object's size is checked against its header below, saving a request
+                problem = size_problem(self.store.size(name), recorded)
+            if problem is None:
+                try:
+                    handle = self.store.open_tensors(name)
+                except FileNotFoundError:
+                    problem = "missing"
+                except StorageError:
+                    raise
+                except Exception as error:  # safetensors raises its own error types for bad headers
+                    problem = f"unreadable ({error})"
+            if problem is None and self.store.remote and handle.total_bytes != recorded:
+                problem = f"size {handle.total_bytes} bytes by its header, manifest says {recorded}"
+            if problem is not None:
+                raise CacheError(f"cache shard {self.store.location(name)} is damaged: {problem}. {repair_advice(self.store)}")
+            self._open_shards[shard_name] = handle
+            if len(self._open_shards) > self.max_open_shards:
+                self._open_shards.popitem(last=False)
+        else:
+            self._open_shards.move_to_end(shard_name)
+        return handle
+
+    def read(self, shard_name: str, index_in_shard: int, keys: tuple[str, ...] = TENSOR_KEYS) -> dict[str, torch.Tensor]:
+        return self.read_many([(shard_name, index_in_shard, keys)])[0]
+
+    def read_many(self, requests: list[tuple[str, int, tuple[str, ...]]]) -> list[dict[str, torch.Tensor]]:
+        """Several items' tensors ((shard name, index in shard, keys) each): from object storage, concurrently."""
+        opened = []
+        for shard_name, index, keys in requests:
+            shard = self._shard(shard_name)
+            names = [f"{index}/{key}" for key in keys]
+            missing = [key for key, name in zip(keys, names) if not shard.has(name)]
+            if missing:
+                self._unreadable(shard_name, index, f"tensors {missing} missing")
+            opened.append((shard, names))
+        try:
+            found = self.store.read_items(opened)
+        except StorageError:
+            raise
+        except Exception as error:  # safetensors raises its own error types
+            shard_name, index, _ = requests[0]
+            self._unreadable(shard_name, index if len(requests) == 1 else f"{index} (or another of {len(requests)} read together)", error, error)
+        return [{name.split("/", 1)[1]: tensor for name, tensor in tensors.items()} for tensors in found]
+
+    def _unreadable(self, shard_name: str, index: int | str, reason: object, cause: BaseException | None = None):
+        raise CacheError(
+            f"item {index} of cache shard {self.store.location(f'{SHARD_DIR}/{shard_name}')} is unreadable ({reason}). {repair_advice(self.store)}"
+        ) from cause

@@ -1,0 +1,176 @@
+"""Every FSDP2 decision about the trained models, in one place: whether to shard, how (per block, mixed
+precision, offload, HSDP), regional compilation, and the full weights gathered for export.
+
+The UNet is sharded with FSDP2 only where that buys something (prepare_unet): one process trains a
+plain module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from sdxl_trainer.distributed.world import World
+
+
+def uses_sharding(world_size: int, cpu_offload: bool) -> bool:
+    """FSDP2 only where it buys something: more than one process to shard over, or CPU offload (FSDP2's
+    policy). On one process it saves no memory, and its DTensor parameters and per-block copies made an
+    update of the tiny UNet on CPU 1.25x as long as a plain module's (benchmarks/bench_trainer.py)."""
+    return world_size > 1 or cpu_offload
+
+
+def prepare_unet(
+    unet: nn.Module,
+    world: World,
+    param_dtype: torch.dtype | None,
+    reshard_after_forward: bool = True,
+    compile_blocks: bool = False,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """The UNet ready to train in this world, in place: FSDP2-sharded (shard_unet) where uses_sharding says
+    so, otherwise a plain module whose forward runs under torch.autocast in param_dtype (compute_under_autocast).
+    Both keep the weights and gradients in the dtype the UNet arrives in (fp32 master weights, or bf16 with
+    --weights_dtype bf16) and the same parameter names, so checkpoints move between the two (DCP reshards)
+    and the export is the same."""
+    if uses_sharding(world.world_size, cpu_offload):
+        return shard_unet(unet, world.mesh, param_dtype, reshard_after_forward, compile_blocks, cpu_offload)
+    if compile_blocks:
+        compile_repeated_blocks(unet)
+    if param_dtype is not None:
+        compute_under_autocast(unet, world.device.type, param_dtype)
+    return unet
+
+
+def compile_repeated_blocks(unet: nn.Module) -> None:
+    """Regional torch.compile of each transformer block and each ResNet block (as torchtitan does): the
+    blocks repeat, so each kind compiles once per shape, and FSDP's hooks stay outside the compiled graphs.
+
+    Dynamo keeps at most `recompile_limit` graphs per forward function (8 by default) and runs every shape past
+    that eagerly, with a warning. SDXL's ResNet blocks come in 12 parameter shapes, each compiled once with
+    static sizes and once more with dynamic sizes when a second bucket arrives, so the limit is raised to that
+    count (on an H200 the update was already 1.8x faster with 8 of the 12 compiled than with none)."""
+    from diffusers.models.attention import BasicTransformerBlock
+    from diffusers.models.resnet import ResnetBlock2D
+
+    shapes_per_kind: dict[type, set[tuple]] = {}
+    for module in unet.modules():
+        if isinstance(module, (BasicTransformerBlock, ResnetBlock2D)):
+            module.compile()
+            shapes = tuple(tuple(parameter.shape) for parameter in module.parameters())
+            shapes_per_kind.setdefault(type(module), set()).add(shapes)
+    graphs_per_forward = 2 * max((len(shapes) for shapes in shapes_per_kind.values()), default=0)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs_per_forward)
+
+
+def compute_under_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Mixed precision for an unsharded module: its forward runs under torch.autocast(dtype) over fp32
+    weights, entered by a forward pre-hook and left by a forward hook that also runs when forward raises.
+    Gradient checkpointing's recomputation re-enters the same autocast state. The weight-cast cache is off:
+    each weight is cast when used and the copy freed with its block (with gradient checkpointing a cache
+    would hold a second, bf16 copy of the whole UNet, 5.1 GB for SDXL, through the forward).
+    Autocast keeps normalisations and softmax in fp32, where FSDP2's param_dtype runs everything in bf16."""
+    open_contexts: list[torch.autocast] = []
+
+    def enter(_module: nn.Module, _args: tuple) -> None:
+        context = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+        context.__enter__()
+        open_contexts.append(context)
+
+    def leave(_module: nn.Module, _args: tuple, _output: object) -> None:
+        open_contexts.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+
+
+def shard_unet(
+    unet: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    reshard_after_forward: bool = True,
+    compile_blocks: bool = False,
+    cpu_offload: bool = False,
+) -> FSDPModule:
+    """Apply FSDP2 to the UNet in place; parameters keep their dtype (the sharded master copy: fp32, or bf16).
+
+    - Granularity: each transformer block, then each down/mid/up block, then the root. A transformer
+      block is SDXL's unit of memory (the 10-block stages hold most of the 2.6 B parameters); sharding
+      it on its own means only one block's full weights are gathered at a time, and its all-gather
+      overlaps the previous block's compute.
+    - reshard_after_forward=True is FULL_SHARD (weights gathered again for backward, least memory);
+      False keeps them gathered between forward and backward (SHARD_GRAD_OP: faster, more memory).
+    - Precision: compute in param_dtype (bf16/fp16) with fp32 gradient reduction, over fp32 shards (or bf16
+      ones, whose gradients FSDP2 reduces in fp32 and stores in bf16). No autocast in the loop. The frozen VAE never reaches here (training reads the cache); text encoders
+      only when trained (prepare_text_encoder).
+    - cpu_offload: FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and so the optimizer
+      state live in CPU memory; each block's weights are copied to the GPU for its forward and backward, and
+      the optimizer steps on the CPU. A GPU then holds activations and a block or two of gathered weights.
+    - compile_blocks: compile_repeated_blocks before sharding; other bucket shapes recompile with dynamic sizes.
+    """
+    kwargs = _fsdp_settings(mesh, param_dtype, reshard_after_forward, cpu_offload)
+    from diffusers.models.attention import BasicTransformerBlock
+
+    if compile_blocks:
+        compile_repeated_blocks(unet)
+    for module in unet.modules():
+        if isinstance(module, BasicTransformerBlock):
+            fully_shard(module, **kwargs)
+    for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
+        fully_shard(block, **kwargs)
+    fully_shard(unet, **kwargs)
+    return unet  # type: ignore[return-value]
+
+
+def _fsdp_settings(mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool, cpu_offload: bool) -> dict:
+    """fully_shard's arguments, the same for every trained module: compute in param_dtype, gradients reduced
+    in fp32, optionally FSDP2's CPU offload."""
+    settings = dict(
+        mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32), reshard_after_forward=reshard_after_forward
+    )
+    if cpu_offload:
+        settings["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    return settings
+
+
+def prepare_text_encoder(encoder: nn.Module, world: World, param_dtype: torch.dtype | None, reshard_after_forward: bool = True,
+                         cpu_offload: bool = False) -> nn.Module:
+    """A trained text encoder (--train_text_encoder) ready in this world, in place, by prepare_unet's rule:
+    where uses_sharding says so, FSDP2 over its embeddings, each CLIP layer, then each remaining module with
+    parameters of its own (final norm, projection), with the UNet's precision and offload settings;
+    otherwise plain under autocast.
+
+    The transformers model itself is never wrapped: fully_shard changes a module's class, and transformers
+    finds what output_hidden_states records by the model's class, so a wrapped CLIP returns no hidden states."""
+    if not uses_sharding(world.world_size, cpu_offload):
+        if param_dtype is not None:
+            compute_under_autocast(encoder, world.device.type, param_dtype)
+        return encoder
+    from transformers.models.clip.modeling_clip import CLIPEncoderLayer, CLIPTextEmbeddings
+
+    settings = _fsdp_settings(world.mesh, param_dtype, reshard_after_forward, cpu_offload)
+    for part in [module for module in encoder.modules() if isinstance(module, (CLIPTextEmbeddings, CLIPEncoderLayer))]:
+        fully_shard(part, **settings)
+    for part in [module for module in encoder.modules() if any(not isinstance(weight, DTensor) for weight in module.parameters(recurse=False))]:
+        fully_shard(part, **settings)
+    return encoder
+
+
+def full_state_dict_on_rank0(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gather the full (unsharded) state dict into CPU memory of rank 0; other ranks get {}.
+
+    Tensors are gathered one at a time and moved to CPU, so no GPU ever holds a second full copy."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def local_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank actually stores (its shards)."""
+    total = 0
+    for parameter in model.parameters():
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        total += local.numel() * local.element_size()
+    return total

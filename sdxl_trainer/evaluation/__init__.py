@@ -1,0 +1,1 @@
+"""Validation loss, validation images and their metrics, sample grids, and the generation they share."""

@@ -1,0 +1,291 @@
+"""What the trainer runs before training (the base model) and after epochs: validation loss, validation
+images with their metrics, and a row of the sample grid.
+
+The validation loss runs on the sharded training UNet itself (no extra memory). Images need the whole
+UNet on every process: it is gathered on rank 0 (the EMA weights with --use_ema, as exported) and handed
+to every process through a RAM-disk folder (handoff.py), with the base pipeline's VAE and text encoders
+around it (the trained encoders with --train_text_encoder, which then also encode the captions, the
+empty negative and, for the validation loss, the held-out captions); the copy is dropped as soon as the
+images are made.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from sdxl_trainer.distributed.world import World
+from sdxl_trainer.evaluation.handoff import PipelineHandoff
+from sdxl_trainer.evaluation.metrics import METRICS, MetricWeights, MetricWeightsError, load_image_metrics
+from sdxl_trainer.evaluation.sample_grid import append_grid_row, is_due
+from sdxl_trainer.evaluation.sample_prompts import SamplePrompt, choose_sample_prompts, column_seeds, read_prompts
+from sdxl_trainer.evaluation.sampling import GenerationSettings, ImageRequest, gather_images, generate, rank_share
+from sdxl_trainer.evaluation.validation import ImageValidator, validation_loss
+from sdxl_trainer.models.encoders import CaptionEmbeddings, encode_prompts
+from sdxl_trainer.outputs.monitor import MetricsWriter
+from sdxl_trainer.training.captions import StepCaptionEncoder
+from sdxl_trainer.training.dataset import CachedDataset
+from sdxl_trainer.training.ema import ShardedEMA
+from sdxl_trainer.training.holdout import Holdout
+from sdxl_trainer.training.trained_models import TrainedModels
+
+if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
+    from diffusers import DDPMScheduler
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every N epochs (0 = only before training); epoch 0 is the base model. Off = never."""
+
+    enabled: bool
+    every_n_epochs: int
+    start_epoch: int = 0
+
+    def due(self, epochs_done: int, num_epochs: int | None) -> bool:
+        return self.enabled and is_due(epochs_done, self.every_n_epochs, self.start_epoch, num_epochs)
+
+
+@dataclass(frozen=True)
+class PipelineSource:
+    """Where the inference pipeline around the trained UNet comes from, and how it samples."""
+
+    base_model: str
+    single_file_config: str
+    dtype: torch.dtype
+    scheduler_overrides: dict
+    handoff_root: Path | None
+    run_name: str
+    vae_name_or_path: str | None = None  # the VAE the caches were encoded with, where it is not the model's own
+
+
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """The run's validation and sample-grid flags (--validation_*, --save_samples*, the metric weights)."""
+
+    generation: GenerationSettings
+    loss_schedule: Schedule
+    image_schedule: Schedule
+    sample_schedule: Schedule
+    every_n_updates: int  # --validation_every_n_updates: everything that is on (0 = off)
+    num_epochs: int | None  # None: no last epoch (--max_train_updates ends the run)
+    metric_weights: MetricWeights
+    metrics: list[str] | None  # --validation_metrics (None: every metric whose weights are here)
+    source_dirs: list[str] | None  # --validation_source_dirs
+    sample_prompts_file: str | None  # --sample_prompts (None: the built-in prompts)
+    num_sample_images: int
+    sample_size: int  # the side of a sample whose prompt sets no size
+
+
+def build_evaluator(settings: EvaluationSettings, world: World, run_dir: Path, dataset: CachedDataset, holdout: Holdout, noise_scheduler: DDPMScheduler,
+                    negative: tuple[torch.Tensor, torch.Tensor], source: PipelineSource, seed: int, caption_chunks: int,
+                    trained_caption_encoder: StepCaptionEncoder | None) -> Evaluator:
+    """The run's Evaluator. Metric networks load here, once per run; a metric whose weights are missing is
+    said once (rank 0) and turned off, unless it was asked for by name."""
+    validator = None
+    if settings.image_schedule.enabled and len(holdout.image_items):
+        weights = settings.metric_weights
+        named_weights = {"fid", "kid", "is"} if weights.inception else set()
+        named_weights |= {"lpips"} if weights.lpips else set()
+        named_weights |= {"hpsv2"} if weights.hpsv2 else set()
+        try:
+            metrics = load_image_metrics(
+                weights,
+                wanted=settings.metrics or METRICS,
+                required=set(settings.metrics or ()) | named_weights,
+                allow_download=os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""),
+                warn=False,  # said below in one line each, not as Python warnings with their source lines
+            )
+        except MetricWeightsError as error:
+            raise SystemExit(f"Cannot start training: {error}") from error
+        if world.is_main:
+            off_by_reason: dict[str, list[str]] = {}
+            for name, reason in metrics.skipped.items():
+                off_by_reason.setdefault(reason, []).append(name)
+            for reason, names in off_by_reason.items():
+                print(f"Warning: validation metrics {names} are off: {reason}.")
+        if metrics.enabled:
+            validator = ImageValidator(dataset, holdout.image_items, metrics, holdout.seed, world.device, settings.generation, settings.source_dirs)
+        elif world.is_main:
+            print("Warning: no image metric has its weights here, so validation images are not generated (see the warnings above).")
+    prompts = []
+    if settings.sample_schedule.enabled:
+        file_prompts, notes = read_prompts(settings.sample_prompts_file)
+        if world.is_main:
+            for note in notes:
+                print(f"Note: {note}")
+        prompts = choose_sample_prompts(file_prompts, [dataset.caption(item) for item in range(len(dataset))], settings.num_sample_images, seed)
+    return Evaluator(
+        world, settings.num_epochs, dataset, holdout, noise_scheduler, negative, source, settings.generation,
+        loss_schedule=settings.loss_schedule,
+        image_schedule=settings.image_schedule,
+        sample_schedule=settings.sample_schedule,
+        validator=validator,
+        sample_prompts=prompts,
+        sample_seeds=column_seeds(prompts, seed),
+        sample_size=settings.sample_size,
+        grid_path=run_dir / "samples" / "sample_grid.png",
+        caption_chunks=caption_chunks,
+        trained_caption_encoder=trained_caption_encoder,
+        every_n_updates=settings.every_n_updates,
+    )
+
+
+class Evaluator:
+    def __init__(
+        self,
+        world: World,
+        num_epochs: int | None,  # None: no last epoch (--max_train_updates ends the run)
+        dataset: CachedDataset,
+        holdout: Holdout,
+        noise_scheduler: DDPMScheduler,
+        negative: tuple[torch.Tensor, torch.Tensor],
+        source: PipelineSource,
+        generation: GenerationSettings,
+        loss_schedule: Schedule,
+        image_schedule: Schedule,
+        sample_schedule: Schedule,
+        validator: ImageValidator | None,
+        sample_prompts: list[SamplePrompt],
+        sample_seeds: list[int],
+        sample_size: int,
+        grid_path: Path,
+        caption_chunks: int,
+        trained_caption_encoder: StepCaptionEncoder | None = None,
+        every_n_updates: int = 0,
+    ):
+        """sample_prompts: the sample grid's columns, with sample_seeds their seeds and sample_size the side of
+        a column whose prompt sets no size. caption_chunks: the caches' caption length in chunks of 75
+        tokens; sample prompts (and their negative prompts) are encoded with the same rule (encoding.encode_prompts). trained_caption_encoder (--train_text_encoder): validation
+        then encodes captions with the trained encoders instead of reading the cached embeddings."""
+        self.world = world
+        self.num_epochs = num_epochs
+        self.dataset = dataset
+        self.holdout = holdout
+        self.noise_scheduler = noise_scheduler
+        self.negative = negative
+        self.source = source
+        self.generation = generation
+        self.loss_schedule = loss_schedule
+        self.image_schedule = image_schedule if validator is not None and len(holdout.image_items) else Schedule(False, 0)
+        self.sample_schedule = sample_schedule
+        self.validator = validator
+        self.sample_prompts = sample_prompts
+        self.sample_seeds = sample_seeds
+        self.sample_size = sample_size
+        self.grid_path = grid_path
+        self.caption_chunks = caption_chunks
+        self.trained_caption_encoder = trained_caption_encoder
+        self.every_n_updates = every_n_updates
+
+    def due_after_update(self, update: int) -> bool:
+        """--validation_every_n_updates: whether everything that is on runs after this update."""
+        return bool(self.every_n_updates) and update % self.every_n_updates == 0
+
+    def run_and_report(self, epochs_done: int | None, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, update: int) -> None:
+        """Collective: what is due after `epochs_done` epochs, or everything that is on (None: every N
+        updates, or the end of a --max_train_updates run), logged at `update` and printed on one line."""
+        started = time.perf_counter()
+        scores = self.after_updates(models, ema, metrics, update) if epochs_done is None else self(epochs_done, models, ema, metrics, update)
+        if scores and self.world.is_main:
+            what = f"after update {update}" if epochs_done is None else "base model" if epochs_done == 0 else f"after epoch {epochs_done}"
+            numbers = ", ".join(f"{tag.removeprefix('val/')} {value:.4g}" for tag, value in scores.items())
+            tqdm.write(f"Validation ({what}, {time.perf_counter() - started:.1f} s): {numbers}")
+
+    def __call__(self, epochs_done: int, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
+        """Collective. Runs what is due after `epochs_done` epochs and logs it at `step`; returns the scores
+        (on rank 0; other ranks get the loss only)."""
+        due = [schedule.due(epochs_done, self.num_epochs) for schedule in (self.loss_schedule, self.image_schedule, self.sample_schedule)]
+        return self._run(*due, "base" if epochs_done == 0 else f"epoch {epochs_done}", models, ema, metrics, step)
+
+    def after_updates(self, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
+        """Collective. Everything that is on (--validation_every_n_updates), after update `step`."""
+        on = [schedule.enabled for schedule in (self.loss_schedule, self.image_schedule, self.sample_schedule)]
+        return self._run(*on, f"update {step}", models, ema, metrics, step)
+
+    def _run(self, loss_due: bool, images_due: bool, samples_due: bool, label: str, models: TrainedModels, ema: ShardedEMA | None,
+             metrics: MetricsWriter, step: int) -> dict[str, float]:
+        scores: dict[str, float] = {}
+        if loss_due and len(self.holdout.loss_items):
+            def loss() -> dict[str, float]:
+                encode = self.trained_caption_encoder.first_captions if self.trained_caption_encoder else None
+                return validation_loss(
+                    models.unet, self.dataset, self.holdout.loss_items, self.noise_scheduler, self.holdout.seed, self.world.device, encode_batch=encode
+                )
+
+            if ema is None:
+                scores.update(loss())
+            else:
+                # val/loss is that of the weights that are exported and sampled from: the EMA's.
+                with ema.weights_in_model():
+                    scores.update(loss())
+                scores["val/loss_raw"] = loss()["val/loss"]
+        if images_due or samples_due:
+            state = models.exported_weights_on_rank0(ema, self.world.is_main)
+            source = self.source
+            with PipelineHandoff(
+                source.handoff_root, source.run_name, source.base_model, source.single_file_config, self.world.device, source.dtype, source.vae_name_or_path
+            ) as handoff:
+                pipeline = handoff.pipeline(state)
+                del state
+                if source.scheduler_overrides:
+                    pipeline.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config, **source.scheduler_overrides)
+                pipeline.set_progress_bar_config(disable=True)
+                # Trained text encoders encode the captions and the empty negative as the exported pipeline will.
+                encode = partial(self._encode, pipeline) if models.trains_text_encoders else None
+                negative = self.negative
+                if encode is not None:
+                    empty = encode([""])
+                    negative = (empty.prompt_embeds[0], empty.pooled_prompt_embeds[0])
+                if images_due:
+                    scores.update(self.validator(pipeline, negative, encode))
+                if samples_due:
+                    self._add_sample_row(pipeline, negative, label, metrics, step)
+                del pipeline
+            if self.world.device.type == "cuda":
+                torch.cuda.empty_cache()
+        metrics.scalars(scores, step)
+        return scores
+
+    @torch.no_grad()
+    def _encode(self, pipeline, captions: list[str]) -> CaptionEmbeddings:
+        """Captions through the pipeline's text encoders, by the caches' chunk rule."""
+        return encode_prompts(
+            (pipeline.tokenizer, pipeline.tokenizer_2), (pipeline.text_encoder, pipeline.text_encoder_2), captions, self.caption_chunks, self.world.device
+        )
+
+    def _sample_requests(self, pipeline, negative: tuple[torch.Tensor, torch.Tensor]) -> list[ImageRequest]:
+        """One request per sample column, in column order, with the options its prompt line set."""
+        prompts = self.sample_prompts
+        captions = self._encode(pipeline, [prompt.text for prompt in prompts])
+        negative_texts = sorted({prompt.negative for prompt in prompts if prompt.negative is not None})
+        encoded = self._encode(pipeline, negative_texts) if negative_texts else None
+        negatives = {text: (encoded.prompt_embeds[i].cpu(), encoded.pooled_prompt_embeds[i].cpu()) for i, text in enumerate(negative_texts)}
+        return [
+            ImageRequest(
+                position, captions.prompt_embeds[position].cpu(), captions.pooled_prompt_embeds[position].cpu(),
+                prompt.width or self.sample_size, prompt.height or self.sample_size, seed,
+                prompt.steps, prompt.guidance_scale, negatives.get(prompt.negative, negative),
+            )
+            for position, (prompt, seed) in enumerate(zip(prompts, self.sample_seeds))
+        ]
+
+    def _add_sample_row(self, pipeline, negative: tuple[torch.Tensor, torch.Tensor], label: str, metrics: MetricsWriter, step: int) -> None:
+        requests = self._sample_requests(pipeline, negative)
+        mine = rank_share(requests, self.world.rank, self.world.world_size)
+        images = gather_images(generate(pipeline, mine, self.generation, negative, self.world.device), self.world.device)
+        if self.world.is_main:
+            header_and_row = append_grid_row(
+                self.grid_path, [images[position] for position in range(len(requests))], label, [prompt.text for prompt in self.sample_prompts],
+                options=[prompt.options_text() for prompt in self.sample_prompts],
+            )
+            metrics.image("samples/grid", np.asarray(header_and_row), step)
+        dist.barrier()

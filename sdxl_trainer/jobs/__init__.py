@@ -1,0 +1,1 @@
+"""The two jobs as their scripts start them, each read as configuration -> build -> run."""

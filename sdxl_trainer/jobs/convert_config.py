@@ -1,0 +1,24 @@
+"""sdxl_to_single_file.py's configuration: the pipeline folder to convert and the file to write."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from sdxl_trainer.config import option
+
+
+@dataclass
+class ConvertConfig:
+    pipeline: Path = option(help="diffusers SDXL pipeline folder to convert")
+    output: Path = option(help="single-file checkpoint to write (.safetensors)")
+    save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the weights in the file")
+
+    def validate(self) -> list[str]:
+        problems = []
+        if not (self.pipeline / "model_index.json").is_file():
+            problems.append(f"--pipeline {self.pipeline} is not a diffusers pipeline folder (no model_index.json)")
+        if self.output.suffix != ".safetensors":
+            problems.append(f"--output must end in .safetensors, got {self.output}")
+        return problems

@@ -1,0 +1,297 @@
+"""A training run built from its configuration: everything checked before anything loads, then data,
+models, optimizer, train step, logging, evaluator, checkpointer and exporter, each by its owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from sdxl_trainer.cache.compatibility import CacheCheck
+from sdxl_trainer.cache.reader import read_empty_prompt
+from sdxl_trainer.cache.storage import CacheError
+from sdxl_trainer.config import config_to_dict, write_resolved_config
+from sdxl_trainer.distributed.fsdp import prepare_text_encoder, prepare_unet, uses_sharding
+from sdxl_trainer.distributed.stop_request import StopRequest
+from sdxl_trainer.distributed.world import World, broadcast_text
+from sdxl_trainer.evaluation.evaluator import Evaluator, PipelineSource, build_evaluator
+from sdxl_trainer.evaluation.metrics import MetricWeightsError
+from sdxl_trainer.jobs.train_config import (
+    WEIGHTS_DTYPES,
+    TrainConfig,
+    learning_rate_schedule,
+    reduce_every_microbatch,
+    resolve_compute_dtype,
+    with_cache_settings,
+)
+from sdxl_trainer.models.encoders import load_text_encoders
+from sdxl_trainer.models.single_file import config_source, load_unet
+from sdxl_trainer.optimizers.build import build_optimizer
+from sdxl_trainer.outputs.export import Exporter, ExportError
+from sdxl_trainer.outputs.monitor import MetricsWriter, TrainingMonitor, WandbSettings
+from sdxl_trainer.runtime.garbage_collection import exempt_live_objects_from_garbage_collection
+from sdxl_trainer.runtime.quiet_libraries import hide_library_progress_bars
+from sdxl_trainer.state.checkpoint import CheckpointError, TrainerState, load_training_state, read_trainer_state
+from sdxl_trainer.state.checkpointer import Checkpointer, SavePolicy, find_resume_checkpoint, prepare_checkpoints_dir, resume_problems
+from sdxl_trainer.state.run_folder import RunFolderBusy, RunFolderLock, earlier_run_outputs, earlier_run_problems
+from sdxl_trainer.training.captions import StepCaptionEncoder
+from sdxl_trainer.training.dataset import CachedDataset
+from sdxl_trainer.training.ema import ShardedEMA
+from sdxl_trainer.training.holdout import HoldoutError
+from sdxl_trainer.training.objective import (
+    build_noise_scheduler,
+)
+from sdxl_trainer.training.step import TrainStep
+from sdxl_trainer.training.stream import DataPosition, DataStream, TrainingData, load_training_data
+from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES, TrainedModels, text_encoder_label
+
+
+def agree_on_seed(seed: int | None, device: torch.device) -> int:
+    """Use --set_seed, or draw one on rank 0 and share it so every rank plans the same epochs."""
+    chosen = torch.tensor([seed if seed is not None else random.randrange(2**31)], dtype=torch.int64, device=device)
+    dist.broadcast(chosen, src=0)
+    return int(chosen.item())
+
+
+def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tuple[TrainConfig, CacheCheck, Path | None, TrainerState | None]:
+    """Model, caches and the checkpoint to resume from, all checked before anything loads; every problem
+    is reported at once. Returns the run's config (with_cache_settings), the cache check, the checkpoint
+    folder and its trainer state (None, None for a fresh start)."""
+    config, caches = with_cache_settings(config)
+    problems = list(caches.problems)
+    resume_dir, checkpoint_problems = find_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints", world.is_main)
+    problems += checkpoint_problems
+    if config.load_saved_state is None and not config.overwrite_run:
+        problems += earlier_run_problems(run_dir)
+    saved = None
+    if resume_dir is not None and not checkpoint_problems:
+        try:
+            saved = read_trainer_state(resume_dir)
+            problems += resume_problems(saved, config.run_facts(world.world_size), config.set_seed)
+        except CheckpointError as error:
+            problems.append(str(error))
+    if problems:
+        raise SystemExit("Cannot start training:\n  " + "\n  ".join(problems))
+    return config, caches, resume_dir, saved
+
+
+EXPECTED_ERRORS = (CacheError, CheckpointError, ExportError, HoldoutError, MetricWeightsError)  # their messages say it all
+
+
+@contextlib.contextmanager
+def hold_run_folder(run_dir: Path, world: World) -> Iterator[None]:
+    """Rank 0 locks the run folder for the run's life; a second run into the same folder is refused on every
+    rank before any work, naming the process that holds it."""
+    lock, busy = None, ""
+    if world.is_main:
+        try:
+            lock = RunFolderLock(run_dir)
+        except RunFolderBusy as error:
+            busy = str(error)
+    busy = broadcast_text(busy, world.device)
+    if busy:
+        raise SystemExit(f"Cannot start training: {busy}")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+@dataclass
+class Run:
+    """Everything a run's loop uses, built by build_run."""
+
+    config: TrainConfig
+    world: World
+    log_dir: Path
+    models: TrainedModels
+    ema: ShardedEMA | None
+    stream: DataStream
+    train_step: TrainStep
+    first_update: int
+    total_updates: int
+    resumed: bool
+    monitor: TrainingMonitor
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    exporter: Exporter
+    stop: StopRequest
+
+    def close(self) -> None:
+        """After the loop, also when it failed: the logs flushed and closed, the stop signals given back."""
+        self.monitor.close()
+        self.stop.restore_handlers()
+
+
+def build_run(config: TrainConfig, world: World) -> Run:
+    """Check everything, then build the run from its parts: data, models, optimizer, train step, logging,
+    evaluator, checkpointer and exporter, each by its owner."""
+    run_dir = config.output_dir / config.project_name
+    config, caches, resume_dir, saved = check_before_start(config, run_dir, world)
+    # Only now the model libraries load (diffusers, transformers: 5-10 s), which a refused start never waits for.
+    hide_library_progress_bars()
+    if world.is_main:
+        prepare_checkpoints_dir(run_dir / "checkpoints", config.overwrite_run and bool(earlier_run_outputs(run_dir)), saved.update if saved else None)
+    seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
+    torch.manual_seed(seed + world.rank)
+    compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device, config.weights_dtype)
+
+    data = load_training_data(config.data_settings(), run_dir, seed, world.world_size, world.is_main)
+    empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cached_dataset_dirs[0]))
+    models, caption_encoder = build_models(config, world, data.dataset, seed, compute_dtype, caches.caption_chunks)
+    exempt_live_objects_from_garbage_collection()  # the model libraries' objects too, imported by now
+    # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
+    scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
+    optimizer = build_optimizer(
+        config.optimizer, models.parameter_groups(config.learning_rate, config.text_encoder_rates()), config.learning_rate, config.weight_decay,
+        (config.adam_beta1, config.adam_beta2), config.adam_epsilon, loss_scaling=scaler is not None,
+    )
+    ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
+    position = resume(config, world, resume_dir, saved, models, optimizer, ema, run_dir)
+    first_update = saved.update if saved else 0
+    stream = data.stream(position, first_update, world.rank, world.device)
+    total_updates = first_update + stream.num_updates
+    if total_updates == 0:
+        raise SystemExit(
+            f"No optimizer update is possible: {len(data.dataset)} items, global batch {data.global_batch_size} x "
+            f"{config.gradient_accumulation_steps} accumulation steps. Lower --train_batch_size or --gradient_accumulation_steps."
+        )
+    noise_scheduler = build_noise_scheduler(
+        config_source(config.pretrained_model_name_or_path, config.single_file_config), config.prediction_type, config.zero_terminal_snr
+    )
+    train_step = TrainStep(
+        models.unet, optimizer, learning_rate_schedule(config, total_updates), noise_scheduler, config.noise_settings(), empty_prompt, seed,
+        config.max_grad_norm,
+        scaler=scaler,
+        ema=ema,
+        reduce_every_microbatch=reduce_every_microbatch(config, world.device),
+        caption_encoder=caption_encoder,
+    )
+    if saved:
+        train_step.load_state_dict(dataclasses.asdict(saved))
+    if world.is_main:
+        write_resolved_config(dataclasses.replace(config, set_seed=seed), run_dir / "config.json")  # the seed drawn or resumed, to repeat the run
+        describe_run(config, world, data, stream, total_updates, compute_dtype, train_step.reduce_every_microbatch)
+
+    log_dir = config.log_dir or run_dir / "tensorboard"
+    wandb_settings = WandbSettings(config.wandb_project, config.project_name, run_dir, config_to_dict(config)) if config.report_to_wandb else None
+    monitor = TrainingMonitor(MetricsWriter(log_dir, world.is_main, wandb_settings), total_updates, first_update, world.device, world.is_main, config.log_every_n_updates)
+    pipeline_source = PipelineSource(
+        config.pretrained_model_name_or_path, config.single_file_config, compute_dtype, config.sampling_scheduler_overrides(), config.handoff_dir,
+        config.project_name, caches.vae_name_or_path,
+    )
+    evaluator = build_evaluator(
+        config.evaluation_settings(), world, run_dir, data.dataset, data.holdout, noise_scheduler, empty_prompt, pipeline_source, seed, caches.caption_chunks,
+        caption_encoder if config.train_text_encoder else None,
+    )
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints", SavePolicy(config.save_state, config.save_state_every_n_updates, config.checkpoints_total_limit), models.checkpointed,
+        train_step, config.run_facts(world.world_size), seed, report=monitor.say, last_saved_update=first_update if saved else None,
+    )
+    exporter = Exporter(config.export_settings(caches.vae_name_or_path), world, models, ema, run_dir)
+    return Run(
+        config, world, log_dir, models, ema, stream, train_step, first_update, total_updates, saved is not None, monitor, evaluator, checkpointer, exporter,
+        StopRequest(announce=world.is_main),
+    )
+
+
+def build_models(config: TrainConfig, world: World, dataset: CachedDataset, seed: int, compute_dtype: torch.dtype,
+                 caption_chunks: int) -> tuple[TrainedModels, StepCaptionEncoder | None]:
+    """The trained models, sharded and on the device, and in caption mode the encoder of every step's captions.
+    Only the UNet is loaded (and the text encoders in caption mode): latents and caption embeddings come from
+    the cache. Diffusers' default attention processor is PyTorch SDPA (flash / memory-efficient kernels
+    where the GPU has them)."""
+    if world.device.type == "cuda" and config.allow_tf32:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    weights_dtype = WEIGHTS_DTYPES[config.weights_dtype]
+    unet = load_unet(config.pretrained_model_name_or_path, config.single_file_config, weights_dtype)
+    if config.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    unet.to(world.device).train()
+    param_dtype = None if compute_dtype == torch.float32 else compute_dtype
+    prepare_unet(unet, world, param_dtype, config.reshard_after_forward, compile_blocks=config.compile_unet, cpu_offload=config.cpu_offload)
+    if not config.encode_captions_each_step:
+        return TrainedModels(unet, {}), None
+    # Frozen encoders compute in compute_dtype; trained ones keep master weights in --weights_dtype, sharded like the UNet.
+    rates = config.text_encoder_rates()
+    tokenizers, text_encoders = load_text_encoders(
+        config.pretrained_model_name_or_path, world.device, compute_dtype, config.single_file_config,
+        trained=tuple(name in rates for name in TEXT_ENCODER_NAMES), checkpointed=config.gradient_checkpointing, trained_dtype=weights_dtype,
+    )
+    trained = {name: encoder for name, encoder in zip(TEXT_ENCODER_NAMES, text_encoders) if name in rates}
+    for encoder in trained.values():
+        prepare_text_encoder(encoder, world, param_dtype, config.reshard_after_forward, cpu_offload=config.cpu_offload)
+    variations = config.caption_variations()
+    caption_encoder = StepCaptionEncoder(
+        (tokenizers, text_encoders), dataset.caption_texts, lambda item: variations[dataset.cache_index[item]], seed, caption_chunks, world.device,
+        trains=config.train_text_encoder, framing=dataset.framed,
+    )
+    return TrainedModels(unet, trained), caption_encoder
+
+
+def resume(config: TrainConfig, world: World, resume_dir: Path | None, saved: TrainerState | None, models: TrainedModels,
+           optimizer: torch.optim.Optimizer, ema: ShardedEMA | None, run_dir: Path) -> DataPosition:
+    """Collective: load the checkpoint's state into the models, optimizer and EMA; returns where the data
+    stands (the first epoch's start for a fresh run). DCP reshards on load, so the checkpoint may come from
+    another number of processes."""
+    if resume_dir is None:
+        if world.is_main and config.load_saved_state == "latest":
+            print(f"No complete checkpoint in {run_dir / 'checkpoints'} yet: starting from the base model.")
+        return DataPosition.epoch_start(0)
+    started = time.perf_counter()
+    _, position = load_training_state(resume_dir, models.checkpointed, optimizer, ema)
+    if world.is_main:
+        print(
+            f"Resumed from {resume_dir} in {time.perf_counter() - started:.1f} s: update {saved.update}, epoch {position.epoch + 1} "
+            f"after {position.updates_in_epoch} of its updates (saved on {saved.world_size} processes, now {world.world_size})."
+        )
+    return position
+
+
+def describe_run(config: TrainConfig, world: World, data: TrainingData, stream: DataStream, total_updates: int, compute_dtype: torch.dtype,
+                 reduces_every_microbatch: bool) -> None:
+    """The run in a few lines (rank 0): data, processes, length, precision, sharding, caption mode."""
+    global_batch_size = data.global_batch_size
+    print(
+        f"{len(data.dataset)} cached items"
+        + (f" ({len(data.planner.epoch_samples(0))} samples an epoch with --dataset_repeats)" if config.dataset_repeats else "")
+        + f", {world.world_size} process{'es' if world.world_size > 1 else ''}, {run_length(config, stream.num_epochs)}, "
+        f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
+        f"compute {str(compute_dtype).removeprefix('torch.')}, "
+        + ("bf16 weights (stochastic rounding), " if config.weights_dtype == "bf16" else "")
+        + (
+            "UNet sharded with FSDP2"
+            + (f" within {config.replicate_groups} replicated groups of {world.world_size // config.replicate_groups} (HSDP)" if config.replicate_groups > 1 else "")
+            + (", gradients reduced after every microbatch." if reduces_every_microbatch else ".")
+            if uses_sharding(world.world_size, config.cpu_offload)
+            else "one process: UNet not sharded" + (" (autocast)." if compute_dtype != torch.float32 else ".")
+        )
+    )
+    if config.encode_captions_each_step:
+        variations = config.caption_variations()
+        described = (
+            variations[0].describe() if len(set(variations)) == 1
+            else "; ".join(f"{cache_dir}: {variation.describe()}" for cache_dir, variation in zip(config.cached_dataset_dirs, variations))
+        )
+        print(f"Caption mode: both text encoders encode every step's captions: {described}.")
+    if config.train_text_encoder:
+        trained = [f"{text_encoder_label(name)} at {rate:g}" for name, rate in config.text_encoder_rates().items()]
+        frozen = f"; {text_encoder_label(config.frozen_text_encoder())} stays frozen (rate 0)" if config.frozen_text_encoder() else ""
+        print(f"Training {' and '.join(trained)} too (peak learning rates; the UNet's: {config.learning_rate:g}){frozen}.")
+
+
+def run_length(config: TrainConfig, epochs_planned: int) -> str:
+    if not config.max_train_updates:
+        return f"{config.num_train_epochs} epochs"
+    return f"until update {config.max_train_updates} (--max_train_updates; in {epochs_planned} epoch{'s' if epochs_planned != 1 else ''})"

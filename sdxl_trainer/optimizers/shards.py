@@ -1,0 +1,109 @@
+"""What every optimizer here shares: stepping each rank's local shards (not DTensors) in runs of many
+tensors, their fp32 state, and the sums over shards that a factored optimizer needs.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _row_shard_groups(param: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+    """The process groups among which `param`'s rows (dim 0) are split: FSDP2's shard dimension of the mesh
+    (HSDP's replicas already hold the same rows); none for a plain tensor."""
+    if not isinstance(param, DTensor):
+        return ()
+    groups = []
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_shard():
+            if not placement.is_shard(0):
+                raise ValueError(f"a parameter sharded on dim {placement.dim}: these optimizers step FSDP2's dim-0 shards")
+            groups.append(param.device_mesh.get_group(mesh_dim))
+    return tuple(groups)
+
+
+def _sum_over_shards(values: torch.Tensor, groups: tuple[dist.ProcessGroup, ...]) -> torch.Tensor:
+    """`values` (each rank's sums over its rows) summed over all rows, in place: one all-reduce per group."""
+    for group in groups:
+        dist.all_reduce(values, group=group)
+    return values
+
+
+class _Entry(NamedTuple):
+    """One parameter with a gradient: its number over all groups (the stream of its stochastic rounding), the
+    parameter, and the local shards of its weights, its gradient and its state."""
+
+    index: int
+    param: torch.Tensor
+    weights: torch.Tensor
+    grad: torch.Tensor
+    state: dict
+
+
+def _entries_per_group(optimizer: torch.optim.Optimizer, new_state) -> Iterable[tuple[dict, list[_Entry]]]:
+    """Each param group with its parameters that have a gradient; `new_state(param)` fills an empty state."""
+    index = 0
+    for group in optimizer.param_groups:
+        entries = []
+        for param in group["params"]:
+            if param.grad is not None:
+                state = optimizer.state[param]
+                if not state:
+                    state.update(new_state(param))
+                entries.append(_Entry(index, param, _local(param), _local(param.grad), state))
+            index += 1
+        if entries:
+            yield group, entries
+
+
+def runs_of_at_most(items: list, sizes: list[int], max_size: int) -> Iterable[list]:
+    """Consecutive runs of `items` whose `sizes` add up to at most max_size (a larger item alone); the 8-bit
+    AdamW step chunks its shards with it too."""
+    run, total = [], 0
+    for item, size in zip(items, sizes):
+        if run and total + size > max_size:
+            yield run
+            run, total = [], 0
+        run.append(item)
+        total += size
+    if run:
+        yield run
+
+
+def _step_counts(entries: list[_Entry]) -> list[float]:
+    """Each entry's step count after adding 1 (0 where its state keeps none), read with one host sync."""
+    counts = [entry.state["step"] for entry in entries if "step" in entry.state]
+    if not counts:
+        return [0.0] * len(entries)
+    torch._foreach_add_(counts, 1)
+    read = iter(torch.stack(counts).tolist())
+    return [next(read) if "step" in entry.state else 0.0 for entry in entries]
+
+
+def _store_all(entries: list[_Entry], new_values: list[torch.Tensor], steps: list[float]) -> None:
+    """The optimizer's fp32 results into the weights: copied into fp32 ones, rounded stochastically into bf16
+    ones (keyed by step count and parameter number)."""
+    fp32 = [(entry.weights, values) for entry, values in zip(entries, new_values) if entry.weights.dtype == torch.float32]
+    if fp32:
+        torch._foreach_copy_(*(list(tensors) for tensors in zip(*fp32)))
+    for entry, values, step in zip(entries, new_values, steps):
+        if entry.weights.dtype != torch.float32:
+            store_weights(entry.weights, values, rounding_key(int(step), entry.index))
+
+
+def fp32_zeros_like(param: torch.Tensor) -> torch.Tensor:
+    """fp32 zeros laid out as `param` (sharded alike), made from its local shard: DTensor's zeros_like would
+    work out its sharding first, as each DTensor op does (see ShardAdamW). Every optimizer's new state."""
+    zeros = torch.zeros_like(_local(param), dtype=torch.float32)
+    if isinstance(param, DTensor):
+        zeros = DTensor.from_local(zeros, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return zeros

@@ -1,0 +1,1 @@
+"""What outlives a process: resumable checkpoints (DCP) and when they are written, and the run folder's guards."""

@@ -1,0 +1,186 @@
+"""When the training state is saved, one policy for a save that fails, and what a resume must match.
+
+Saves are due after every --save_state_every_n_updates updates, at epoch saves, when a stop is requested,
+when updates keep failing, and at the end. A save that fails (a full disk) never touches the earlier
+checkpoints; what happens next depends on whether training goes on:
+- while it goes on (scheduled and epoch saves): a warning, and training goes on;
+- when the run is about to end (stop request, NaN stop, the end): CheckpointError, which ends the job
+  with its message (at the end only after the model is exported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+from torch import nn
+
+from sdxl_trainer.state.checkpoint import (
+    CheckpointError,
+    TrainerState,
+    Verification,
+    checkpoint_name,
+    find_latest_checkpoint,
+    remove_old_checkpoints,
+    save_training_state,
+    set_aside_later_checkpoints,
+    verify_checkpoint,
+)
+from sdxl_trainer.training.step import TrainStep
+from sdxl_trainer.training.stream import DataPosition
+from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a checkpoint records about its run besides the train step's counters; the tensors' layout among
+    them must match on resume (resume_problems)."""
+
+    optimizer: str
+    weights_dtype: str
+    use_ema: bool
+    train_text_encoder: bool
+    frozen_text_encoder: str  # "" or the name of the text encoder kept frozen (--learning_rate_te1/2 0)
+    global_batch_size: int
+    gradient_accumulation_steps: int
+
+
+def find_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path, is_main: bool) -> tuple[Path | None, list[str]]:
+    """Collective: the checkpoint folder to resume from, and what is wrong with it. 'latest' takes the newest
+    intact checkpoint (None if there is none yet) and says which damaged ones it skipped; a named folder must
+    be intact. Intact includes matching the checksums recorded at save, which every process verifies its
+    share of."""
+    if load_saved_state is None:
+        return None, []
+    verifications: dict[Path, Verification] = {}
+
+    def problem_of(path: Path) -> str | None:
+        verifications[path] = verify_checkpoint(path)
+        return verifications[path].problem
+
+    if load_saved_state == "latest":
+        path, skipped = find_latest_checkpoint(checkpoints_dir, problem_of)
+        problems = []
+        if is_main:
+            for damaged, reason in skipped.items():
+                print(f"Skipping damaged checkpoint {damaged}: {reason}")
+    else:
+        path = Path(load_saved_state)
+        problem = problem_of(path)
+        problems = [f"--load_saved_state {path}: {problem}"] if problem else []
+    if is_main and path is not None and not problems:
+        print(verifications[path].describe(path))
+    return path, problems
+
+
+def resume_problems(saved: TrainerState, facts: RunFacts, set_seed: int | None) -> list[str]:
+    """What would make the checkpoint's tensors or data order not fit this run; checked before any work."""
+    problems = []
+    if saved.optimizer != facts.optimizer:
+        problems.append(f"the checkpoint holds {saved.optimizer} optimizer state: resume with --optimizer {saved.optimizer}")
+    if saved.weights_dtype != facts.weights_dtype:
+        problems.append(f"the checkpoint holds {saved.weights_dtype} weights: resume with --weights_dtype {saved.weights_dtype}")
+    if saved.use_ema != facts.use_ema:
+        flag = "--use_ema" if saved.use_ema else "--no-use_ema"
+        problems.append(f"the checkpoint was saved {'with' if saved.use_ema else 'without'} an EMA: resume with {flag}")
+    if saved.train_text_encoder != facts.train_text_encoder:
+        flag = "--train_text_encoder" if saved.train_text_encoder else "--no-train_text_encoder"
+        problems.append(f"the checkpoint was saved {'with' if saved.train_text_encoder else 'without'} trained text encoders: resume with {flag}")
+    elif saved.frozen_text_encoder != facts.frozen_text_encoder:
+        for number, name in enumerate(TEXT_ENCODER_NAMES, start=1):
+            if saved.frozen_text_encoder == name:
+                problems.append(f"the checkpoint kept text encoder {number} frozen: resume with --learning_rate_te{number} 0")
+            elif facts.frozen_text_encoder == name:
+                problems.append(f"the checkpoint trained text encoder {number}: resume with --learning_rate_te{number} above 0 (0 keeps it frozen)")
+    if set_seed is not None and set_seed != saved.seed:
+        problems.append(f"the checkpoint's run used seed {saved.seed} (data order and noise follow it): drop --set_seed or pass {saved.seed}")
+    return problems
+
+
+def prepare_checkpoints_dir(checkpoints_dir: Path, delete_earlier: bool, resumed_update: int | None) -> None:
+    """Rank 0, before the run: delete an earlier run's checkpoints (--overwrite_run), or on resume set this
+    folder's checkpoints of later updates aside, so --checkpoints_total_limit and 'latest' follow the resumed run."""
+    if delete_earlier and checkpoints_dir.exists():
+        shutil.rmtree(checkpoints_dir)
+        print(f"--overwrite_run: deleted the earlier run's checkpoints in {checkpoints_dir}; its exported models are replaced as this run exports.")
+    if resumed_update is not None:
+        aside, moved = set_aside_later_checkpoints(checkpoints_dir, resumed_update)
+        if aside is not None:
+            print(
+                f"Resuming from update {resumed_update}, before this run's newer checkpoints ({', '.join(path.name for path in moved)}): moved them "
+                f"to {aside}, so --checkpoints_total_limit and --load_saved_state latest follow the resumed run. Nothing was deleted."
+            )
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    enabled: bool  # --save_state
+    every_n_updates: int  # 0 = off
+    keep: int  # --checkpoints_total_limit (0 = all)
+
+
+class Checkpointer:
+    def __init__(self, checkpoints_dir: Path, policy: SavePolicy, model: nn.Module, train_step: TrainStep, run_facts: RunFacts, seed: int,
+                 report: Callable[[str], None], last_saved_update: int | None):
+        """`model`: what the checkpoint holds with the optimizer state (TrainedModels.checkpointed); `run_facts`
+        and `seed`: the TrainerState fields the train step does not know; `report` prints a message once (rank 0)."""
+        self.checkpoints_dir = checkpoints_dir
+        self.model = model
+        self.policy = policy
+        self.train_step = train_step
+        self.run_facts = run_facts
+        self.seed = seed
+        self.report = report
+        self.last_saved_update = last_saved_update
+        self.last_saved_dir: Path | None = None
+
+    def save(self, position: DataPosition) -> Path:
+        """Collective: save now, then keep the newest checkpoints. Raises CheckpointError on every rank."""
+        state = TrainerState(
+            **self.train_step.state_dict(),
+            **dataclasses.asdict(self.run_facts),
+            seed=self.seed,
+            epoch=position.epoch,
+            updates_in_epoch=position.updates_in_epoch,
+            ema_updates=self.train_step.ema.updates if self.train_step.ema is not None else 0,
+            world_size=dist.get_world_size(),
+        )
+        started = time.perf_counter()
+        step = self.train_step
+        checkpoint_dir = save_training_state(self.checkpoints_dir / checkpoint_name(state.update), self.model, step.optimizer, step.ema, state, position)
+        self.last_saved_update, self.last_saved_dir = state.update, checkpoint_dir
+        if dist.get_rank() == 0:
+            removed = remove_old_checkpoints(self.checkpoints_dir, self.policy.keep)
+            self.report(f"Saved state to {checkpoint_dir} in {time.perf_counter() - started:.1f} s" + (f"; removed {len(removed)} older" if removed else "") + ".")
+        return checkpoint_dir
+
+    def _save_or_warn(self, position: DataPosition) -> None:
+        try:
+            self.save(position)
+        except CheckpointError as error:
+            self.report(f"Warning: {error} Training goes on.")
+
+    @property
+    def _unsaved(self) -> bool:
+        return self.policy.enabled and self.last_saved_update != self.train_step.updates_done
+
+    def after_update(self, position: DataPosition) -> None:
+        every = self.policy.every_n_updates
+        if self.policy.enabled and every and self.train_step.updates_done % every == 0:
+            self._save_or_warn(position)
+
+    def at_epoch_save(self, position: DataPosition) -> None:
+        if self._unsaved:
+            self._save_or_warn(position)
+
+    def before_exit(self, position: DataPosition, even_without_save_state: bool = False) -> Path | None:
+        """Save the state of a run that ends now unless it is saved already; returns the newest checkpoint.
+        Raises CheckpointError. A stop request or a NaN stop saves even with --no-save_state: the run is cut short."""
+        if self.last_saved_update != self.train_step.updates_done and (self.policy.enabled or even_without_save_state):
+            self.save(position)
+        return self.last_saved_dir

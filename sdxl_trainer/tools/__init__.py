@@ -1,0 +1,1 @@
+"""Answers about a configuration before running it: the memory estimate."""

@@ -1,0 +1,65 @@
+"""The modules a run trains, under the pipeline's component names: the UNet, and with --train_text_encoder
+the text encoders whose learning rate is not 0. One object for what is checkpointed, exported and handed
+to sampling, so those three always agree on which weights were trained.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sdxl_trainer.distributed.fsdp import full_state_dict_on_rank0
+from sdxl_trainer.training.ema import ShardedEMA
+from sdxl_trainer.training.lr_schedule import LR_SCALE
+
+TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2")  # the pipeline's attribute names
+
+ComponentWeights = dict[str, dict[str, torch.Tensor]]  # pipeline component name -> its full state dict
+
+
+def text_encoder_label(name: str) -> str:
+    """"text encoder 1" for CLIP ViT-L (pipeline name "text_encoder"), "text encoder 2" for OpenCLIP bigG."""
+    return f"text encoder {TEXT_ENCODER_NAMES.index(name) + 1}"
+
+
+class TrainedModels(nn.Module):
+    def __init__(self, unet: nn.Module, text_encoders: dict[str, nn.Module] | None = None):
+        """text_encoders: the trained ones by pipeline name (TEXT_ENCODER_NAMES); frozen ones stay out."""
+        super().__init__()
+        self.unet = unet
+        for name in TEXT_ENCODER_NAMES:
+            if name in (text_encoders or {}):
+                self.add_module(name, text_encoders[name])
+
+    @property
+    def trains_text_encoders(self) -> bool:
+        return len(self._modules) > 1
+
+    @property
+    def checkpointed(self) -> nn.Module:
+        """The module whose weights and optimizer state a checkpoint holds: the UNet alone when only it trains
+        (its parameter names are the checkpoint's, as in every UNet-only checkpoint), else all of them
+        (names prefixed "unet.", "text_encoder.", "text_encoder_2.": the trained ones)."""
+        return self if self.trains_text_encoders else self.unet
+
+    def parameter_groups(self, learning_rate: float, text_encoder_rates: dict[str, float]) -> list[dict]:
+        """Optimizer param groups: the UNet at learning_rate, each trained text encoder (its parameters that
+        require gradients) at its own rate (by pipeline name). The rates are peaks: the schedule scales every
+        group alike (lr_schedule.LR_SCALE)."""
+        groups = [{"params": list(self.unet.parameters()), "lr": learning_rate}]
+        for name in TEXT_ENCODER_NAMES:
+            if name in self._modules:
+                trained = [parameter for parameter in self._modules[name].parameters() if parameter.requires_grad]
+                rate = text_encoder_rates[name]
+                groups.append({"params": trained, "lr": rate, LR_SCALE: rate / learning_rate})
+        return groups
+
+    def exported_weights_on_rank0(self, ema: ShardedEMA | None, is_main: bool) -> ComponentWeights:
+        """Collective: the full weights that get exported and sampled from, per component, in rank 0's CPU
+        memory ({} per component elsewhere). The UNet's are the EMA's when there is one (the EMA averages the
+        UNet only); trained text encoders give their own weights."""
+        weights = {"unet": ema.full_state_dict_on_rank0(is_main) if ema is not None else full_state_dict_on_rank0(self.unet)}
+        for name, module in self.named_children():
+            if name != "unet":
+                weights[name] = full_state_dict_on_rank0(module)
+        return weights
