@@ -27,7 +27,7 @@ from pathlib import Path
 
 from sdxl_trainer.training.objective import sample_seed
 
-DEFAULT_SAMPLE_PROMPTS = Path(__file__).resolve().parent.parent / "sample_prompts.txt"
+DEFAULT_SAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "sample_prompts.txt"  # at the repository root
 SAMPLE_KEY = 1_000_003  # stands in for the epoch in sample_seed(seed, key, prompt position)
 SIZE_MULTIPLE = 64  # px
 MAX_STEPS = 1000  # the noise schedule's training timesteps: no sampler takes more steps
