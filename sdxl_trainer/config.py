@@ -3,6 +3,12 @@
 Every field carries its help text (units, what 0 / None mean) in `field(metadata={"help": ...})`;
 the command-line parser is generated from the dataclass, so flags and config keys cannot drift apart.
 Unknown keys in the TOML file are errors, as are required fields left unset.
+
+A script's config is composed of sections: dataclasses defined beside the component that uses their options
+(the trainer's ObjectiveOptions in training/objective.py, ...), each checking its own options (`problems()`),
+inherited by the script's config class. Flags and TOML keys stay flat (--noise_offset, noise_offset = 0.05);
+--help lists them by section. A field whose type is a list of dataclass records (the trainer's datasets) is
+read from a TOML array of tables ([[datasets]]) and has no flag of its own.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
-def _add_argument(parser: argparse.ArgumentParser, field: dataclasses.Field, annotation: Any) -> None:
+def _add_argument(parser: Any, field: dataclasses.Field, annotation: Any) -> None:  # a parser or one of its argument groups
     base, _ = _unwrap_optional(annotation)
     default = field.default if field.default is not REQUIRED else None
     if field.default_factory is not REQUIRED:  # type: ignore[misc]
@@ -66,11 +72,40 @@ def parse_bool(text: str) -> bool:
     return words[text.lower()]
 
 
+def record_type(annotation: Any) -> type | None:
+    """The record class of a list-of-records field (list[SomeDataclass]), else None."""
+    base, _ = _unwrap_optional(annotation)
+    if typing.get_origin(base) is list and dataclasses.is_dataclass(typing.get_args(base)[0]):
+        return typing.get_args(base)[0]
+    return None
+
+
+def _records(value: Any, record_class: type, name: str, source: str) -> list:
+    """A TOML array of tables ([[name]]) as a list of record_class, each table's keys checked and coerced."""
+    if not isinstance(value, list) or not all(isinstance(table, dict) for table in value):
+        raise ValueError(f"{source}: {name} must be an array of tables ([[{name}]] sections)")
+    hints = typing.get_type_hints(record_class)
+    fields = {field.name: field for field in dataclasses.fields(record_class)}
+    records = []
+    for number, table in enumerate(value, start=1):
+        where = f"{source}: [[{name}]] number {number}"
+        unknown = sorted(set(table) - set(fields))
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; valid: {sorted(fields)}")
+        missing = [key for key, field in fields.items() if key not in table and field.default is REQUIRED and field.default_factory is REQUIRED]  # type: ignore[misc]
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(missing)}")
+        records.append(record_class(**{key: _coerce(item, hints[key], key, where) for key, item in table.items()}))
+    return records
+
+
 def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
     """Convert a TOML value to the field's type, or explain the mismatch."""
     base, optional = _unwrap_optional(annotation)
     if value is None and optional:
         return None
+    if record_type(annotation) is not None:
+        return _records(value, record_type(annotation), name, source)
     if typing.get_origin(base) is Literal:
         if value not in typing.get_args(base):
             raise ValueError(f"{source}: {name} = {value!r} is not one of {typing.get_args(base)}")
@@ -123,8 +158,11 @@ def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, des
     parser_class = _QuietParser if quiet else argparse.ArgumentParser
     parser = parser_class(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=None, help="TOML file with any of the options below; flags override it")
-    for field in fields:
-        _add_argument(parser, field, hints[field.name])
+    for section, section_fields in sections(config_class):
+        group = parser.add_argument_group(section) if section else parser
+        for field in section_fields:
+            if record_type(hints[field.name]) is None:
+                _add_argument(group, field, hints[field.name])
     cli = vars(parser.parse_args(argv))
 
     values: dict[str, Any] = {}
@@ -157,11 +195,25 @@ def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, des
     return config
 
 
+def sections(config_class: type) -> list[tuple[str, list[dataclasses.Field]]]:
+    """The config's fields by the section (dataclass) that declares them, in the order of its bases: each
+    section's title is its docstring's first line ("" for fields the config class declares itself)."""
+    all_fields = {field.name: field for field in dataclasses.fields(config_class)}  # type: ignore[arg-type]
+    grouped: dict[type, list[dataclasses.Field]] = {}
+    for name, field in all_fields.items():
+        owner = next(cls for cls in config_class.__mro__ if name in vars(cls).get("__annotations__", {}))
+        grouped.setdefault(owner, []).append(field)
+    ordered = [cls for cls in config_class.__mro__ if cls in grouped]
+    return [("" if cls is config_class else (cls.__doc__ or cls.__name__).strip().splitlines()[0], grouped[cls]) for cls in ordered]
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, list):
         return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
     return value
 
 

@@ -399,3 +399,80 @@ def test_a_quiet_rank_leaves_the_first_rank_time_to_name_a_bad_flag_then_names_i
     with pytest.raises(SystemExit) as stopped:  # --help: nothing from a quiet rank, no wait
         parse_config(TrainConfig, ["--help"], quiet=True)
     assert stopped.value.code == 0 and capsys.readouterr() == ("", "")
+
+
+# --- per-dataset records ([[datasets]]) and sections ------------------------------------------------------------
+
+
+def test_datasets_tables_are_the_same_records_as_the_per_cache_flags(train_config_class, tmp_path):
+    """A TOML [[datasets]] table per cache builds exactly the run the --cached_dataset_dirs / --dataset_* shorthand
+    builds: the same data (caches, loss weights, repeats), caption variation per cache and real-image folders."""
+    toml = toml_file(tmp_path, "\n".join([
+        "encode_captions_each_step = true", "shuffle_caption = true", "",
+        "[[datasets]]", 'cache_dir = "photos"', "repeats = 2", "loss_weight = 0.5", 'validation_source_dir = "real/photos"', "",
+        "[[datasets]]", 'cache_dir = "tags"', "keep_tokens = 1", "caption_tag_dropout_rate = 0.25", "shuffle_caption = false",
+        'validation_source_dir = "real/tags"',
+    ]))
+    from_tables = parse_config(train_config_class, ["--config", str(toml)])
+    from_flags = parse_config(train_config_class, [
+        "--cached_dataset_dirs", "photos", "tags", "--encode_captions_each_step", "--shuffle_caption", "--dataset_repeats", "2", "1",
+        "--dataset_loss_weights", "0.5", "1", "--dataset_shuffle_caption", "true", "false", "--dataset_keep_tokens", "0", "1",
+        "--dataset_caption_tag_dropout_rate", "0", "0.25", "--validation_source_dirs", "real/photos", "real/tags",
+    ])
+    assert from_tables.cache_dirs() == ["photos", "tags"]
+    assert from_tables.data_settings() == from_flags.data_settings()
+    assert from_tables.data_settings().loss_weights == [0.5, 1.0] and from_tables.data_settings().repeats == [2.0, 1.0]
+    assert [(v.shuffle_tags, v.keep_tags, v.tag_dropout) for v in from_tables.caption_variations()] == [(True, 0, 0.0), (False, 1, 0.25)]
+    assert from_tables.caption_variations() == from_flags.caption_variations()
+    assert from_tables.evaluation_settings().source_dirs == [Path("real/photos"), Path("real/tags")] == from_flags.evaluation_settings().source_dirs
+    resolved = config_to_dict(from_tables)
+    assert resolved["datasets"][1] == {"cache_dir": "tags", "repeats": 1.0, "loss_weight": 1.0, "shuffle_caption": False, "keep_tokens": 1,
+                                       "caption_tag_dropout_rate": 0.25, "validation_source_dir": "real/tags"}
+
+
+@pytest.mark.parametrize(
+    "table,flags,message",
+    [
+        ('[[datasets]]\ncache_dir = "a"\nrepeat = 2\n', [], "[[datasets]] number 1: unknown keys ['repeat']"),
+        ("[[datasets]]\nrepeats = 2\n", [], "[[datasets]] number 1: missing cache_dir"),
+        ('[[datasets]]\ncache_dir = "a"\nrepeats = "two"\n', [], "repeats = 'two' should be of type float"),
+        ('[[datasets]]\ncache_dir = "a"\n', ["--cached_dataset_dirs", "b"], "give the caches either as [[datasets]] tables in --config or as --cached_dataset_dirs"),
+        ('[[datasets]]\ncache_dir = "a"\n', ["--dataset_repeats", "2"], "not both: found --dataset_repeats"),
+        ('[[datasets]]\ncache_dir = "a"\nrepeats = 0\n', [], "[[datasets]] number 1 (a): repeats and loss_weight must be > 0 and finite"),
+        ('[[datasets]]\ncache_dir = "a"\nvalidation_source_dir = "real"\n[[datasets]]\ncache_dir = "b"\n', [],
+         "give validation_source_dir for every cache or for none"),
+        ('[[datasets]]\ncache_dir = "a"\nkeep_tokens = 2\n', [], "--dataset_keep_tokens vary captions at every step, which needs --encode_captions_each_step"),
+        ("learning_rate = 1e-5\n", [], "no caches to train on: give --cached_dataset_dirs"),
+    ],
+)
+def test_datasets_tables_are_checked_like_the_flags(train_config_class, tmp_path, capsys, table, flags, message):
+    with pytest.raises(SystemExit):
+        parse_config(train_config_class, ["--config", str(toml_file(tmp_path, table)), *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_help_lists_each_section_under_its_title(train_config_class, capsys):
+    """--help groups the trainer's flags by the section that owns them (each defined beside its component)."""
+    with pytest.raises(SystemExit):
+        parse_config(train_config_class, ["--help"])
+    out = capsys.readouterr().out
+    titles = ["Data: caches, batches, run length:", "Optimizer:", "Objective: noise, timesteps, target and loss:", "Checkpoints and resuming:"]
+    positions = [out.index(title) for title in titles]
+    assert positions == sorted(positions)
+    objective = out[positions[2]:out.index("Caption mode and text-encoder training:")]
+    assert "--noise_offset" in objective and "--learning_rate " not in objective
+    assert "--datasets" not in out  # TOML tables only
+
+
+def test_the_model_and_resolution_options_are_one_definition_for_both_scripts(train_config_class, cache_config_class):
+    """The caching script and the trainer share the model and resolution sections; each resolves unset values its
+    own way (caching: SDXL base, 512-1024 px; training: whatever the caches were made with)."""
+    from sdxl_trainer.cache.buckets import ResolutionOptions
+    from sdxl_trainer.models.options import ModelOptions
+
+    for section in (ModelOptions, ResolutionOptions):
+        assert issubclass(train_config_class, section) and issubclass(cache_config_class, section)
+    caching = parse_config(cache_config_class, ["--cache_dir", "c", "--verify"])
+    assert (caching.pretrained_model_name_or_path, caching.min_resolution, caching.max_resolution) == ("stabilityai/stable-diffusion-xl-base-1.0", 512, 1024)
+    training = parse_config(train_config_class, ["--cached_dataset_dirs", "c"])
+    assert (training.pretrained_model_name_or_path, training.min_resolution, training.max_resolution) == (None, None, None)

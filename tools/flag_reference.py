@@ -17,7 +17,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from sdxl_trainer.config import REQUIRED  # noqa: E402
+from sdxl_trainer.config import REQUIRED, record_type, sections  # noqa: E402
 from sdxl_trainer.jobs.cache_config import CacheConfig  # noqa: E402
 from sdxl_trainer.jobs.convert_config import ConvertConfig  # noqa: E402
 from sdxl_trainer.jobs.extract_config import ExtractConfig  # noqa: E402
@@ -41,13 +41,13 @@ SCRIPTS = (
         "Export flags",
         "sdxl_to_single_file.py",
         ConvertConfig,
-        "Converts a diffusers SDXL folder into one single-file `.safetensors` (see README, \"Exporting the model\").",
+        "Converts a diffusers SDXL folder into one single-file `.safetensors` (see docs/exporting.md).",
     ),
     (
         "LoRA extraction flags",
         "sdxl_extract_lora.py",
         ExtractConfig,
-        "Extracts a LoRA (kohya / A1111 layout) from a fine-tune and its base model (see README, \"Extracting a LoRA\").",
+        "Extracts a LoRA (kohya / A1111 layout) from a fine-tune and its base model (see docs/exporting.md).",
     ),
 )
 
@@ -99,10 +99,26 @@ def render() -> str:
         lines.append(f"`{script}`. {note}\n")
         lines.append("| flag | default | meaning |")
         lines.append("|---|---|---|")
-        for field in dataclasses.fields(config_class):
-            annotation = hints[field.name]
-            lines.append(f"| {_flag_text(field.name, annotation)} | {_default_text(field, annotation)} | {_cell(field.metadata.get('help', ''))} |")
+        records = []
+        for section, fields in sections(config_class):
+            if section:
+                lines.append(f"| **{section}** | | |")
+            for field in fields:
+                annotation = hints[field.name]
+                if record_type(annotation) is not None:
+                    records.append((field, record_type(annotation)))
+                    continue
+                lines.append(f"| {_flag_text(field.name, annotation)} | {_default_text(field, annotation)} | {_cell(field.metadata.get('help', ''))} |")
         lines.append("")
+        for field, record_class in records:
+            lines.append(f"`[[{field.name}]]` tables in the TOML file: {_cell(field.metadata.get('help', ''))}.\n")
+            lines.append("| key | default | meaning |")
+            lines.append("|---|---|---|")
+            record_hints = typing.get_type_hints(record_class)
+            for record_field in dataclasses.fields(record_class):
+                annotation = record_hints[record_field.name]
+                lines.append(f"| `{record_field.name}` | {_default_text(record_field, annotation)} | {_cell(record_field.metadata.get('help', ''))} |")
+            lines.append("")
     return "\n".join(lines)
 
 

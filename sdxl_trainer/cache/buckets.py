@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from sdxl_trainer.config import option
+
 BUCKET_TABLE_VERSION = 1
 SIDE_MULTIPLE = 64
 LATENT_DOWNSCALE = 8  # VAE: latent side = image side / 8
@@ -56,6 +58,33 @@ def validate_resolution(resolution: int, flag: str) -> None:
             f"{flag}={resolution} is not a bucket category: use a multiple of {SIDE_MULTIPLE} "
             f"from {MIN_CATEGORY} to {MAX_CATEGORY}."
         )
+
+
+@dataclass(kw_only=True)
+class ResolutionOptions:
+    """Resolution range"""
+
+    min_resolution: int | None = option(
+        None,
+        help="smallest bucket category in px (multiple of 64, 256-2048). Caching: smaller images are skipped; None = 512. Training: "
+        "None = the caches' (read from them); given, it must equal theirs",
+    )
+    max_resolution: int | None = option(
+        None,
+        help="largest bucket category in px (multiple of 64, 256-2048). Caching: larger images are scaled down; None = 1024. Training: "
+        "also the sample images' size; None = the caches' (read from them); given, it must equal theirs",
+    )
+
+    def problems(self) -> list[str]:
+        problems = []
+        for name in ("min_resolution", "max_resolution"):
+            if getattr(self, name) is None:
+                continue
+            try:
+                validate_resolution(getattr(self, name), f"--{name}")
+            except ValueError as error:
+                problems.append(str(error))
+        return problems
 
 
 @lru_cache(maxsize=None)

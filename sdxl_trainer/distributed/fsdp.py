@@ -7,6 +7,9 @@ plain module.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -14,7 +17,48 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from sdxl_trainer.config import option
 from sdxl_trainer.distributed.world import World
+
+
+@dataclass(kw_only=True)
+class ComputeOptions:
+    """Precision, memory and sharding"""
+
+    mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
+        "auto", help="UNet compute precision over fp32 master weights (FSDP2's param dtype; torch.autocast on one process): auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, about 5x slower)"
+    )
+    weights_dtype: Literal["fp32", "bf16"] = option(
+        "fp32",
+        help="dtype of the trained weights and their gradients: fp32 (master weights; compute in --mixed_precision) or bf16 "
+        "(half the memory of weights and gradients, compute in bf16, gradients accumulated in bf16; every optimizer computes in "
+        "fp32 and rounds the new weights stochastically, so updates below bf16's resolution still land on average; kohya's --full_bf16)",
+    )
+    gradient_checkpointing: bool = option(
+        True, help="recompute activations in backward (the UNet's, and trained text encoders'): much less memory, about 30%% more compute"
+    )
+    cpu_offload: bool = option(
+        False,
+        help="keep the sharded weights, gradients and optimizer state in CPU memory (FSDP2 CPU offload): one 24 GB GPU "
+        "can then train the full UNet, at the cost of host-device copies and an optimizer step on the CPU",
+    )
+    reshard_after_forward: bool = option(True, help="FSDP FULL_SHARD (True, least memory) or SHARD_GRAD_OP (False, faster, more memory); unused where the UNet is not sharded")
+    replicate_groups: int = option(
+        1,
+        help="HSDP: split the processes into this many groups of consecutive ranks (give the number of machines); models are sharded "
+        "within a group and replicated across groups, so weights are all-gathered over each machine's NVLink instead of the network. "
+        "Each GPU then holds 1/(GPUs per group) of the weights and optimizer state instead of 1/(all GPUs); 1 = shard over every GPU",
+    )
+    compile_unet: bool = option(False, help="torch.compile each transformer and ResNet block (regional): faster steps after a compile of minutes")
+    allow_tf32: bool = option(True, help="TF32 matmuls and convolutions for fp32 work on Ampere and newer GPUs")
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.weights_dtype == "bf16" and self.mixed_precision in ("fp16", "fp32"):
+            problems.append(f"--weights_dtype bf16 computes in bf16: drop --mixed_precision {self.mixed_precision} (or pass bf16), or keep fp32 weights")
+        if self.replicate_groups < 1:
+            problems.append("--replicate_groups must be >= 1 (1 = shard over every GPU)")
+        return problems
 
 
 def uses_sharding(world_size: int, cpu_offload: bool) -> bool:

@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from sdxl_trainer.config import option
 from sdxl_trainer.distributed.world import World
 from sdxl_trainer.evaluation.handoff import PipelineHandoff
 from sdxl_trainer.evaluation.metrics import METRICS, MetricWeights, MetricWeightsError, load_image_metrics
 from sdxl_trainer.evaluation.sample_grid import append_grid_row, is_due
-from sdxl_trainer.evaluation.sample_prompts import SamplePrompt, choose_sample_prompts, column_seeds, read_prompts
+from sdxl_trainer.evaluation.sample_prompts import DEFAULT_SAMPLE_PROMPTS, SamplePrompt, choose_sample_prompts, column_seeds, read_prompts
 from sdxl_trainer.evaluation.sampling import GenerationSettings, ImageRequest, gather_images, generate, rank_share
 from sdxl_trainer.evaluation.validation import ImageValidator, validation_loss
 from sdxl_trainer.models.encoders import CaptionEmbeddings, encode_prompts
@@ -40,6 +41,66 @@ from sdxl_trainer.training.trained_models import TrainedModels
 
 if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
     from diffusers import DDPMScheduler
+
+@dataclass(kw_only=True)
+class EvaluationOptions:
+    """Validation and sample images"""
+
+    validation_every_n_updates: int = option(
+        0, help="also run every validation that is on (loss, images, sample row) after every N updates; 0 = by epochs only"
+    )
+    validation_loss: bool = option(True, help="validation loss on held-out items (fixed noise and timesteps) before training and every N epochs")
+    validation_loss_every_n_epochs: int = option(1, help="epochs between validation losses (0 = only before training)")
+    validation_loss_percent: float = option(0.10, help="share (0-1) of items held out for the validation loss (never trained on)")
+    max_validation_loss_items: int = option(5000, help="at most this many validation-loss items (0 = no cap)")
+    validation_image: bool = option(True, help="generate the held-out captions' images and score them (FID, KID, IS, LPIPS, HPSv2.1) every N epochs")
+    validation_image_every_n_epochs: int = option(1, help="epochs between image validations (0 = only before training)")
+    validation_image_percent: float = option(0.10, help="share (0-1) of items whose images are generated and scored (a subset of the loss items)")
+    max_validation_images: int = option(1000, help="at most this many validation images (0 = no cap)")
+    validation_metrics: list[str] | None = option(
+        None, help=f"metrics that must be computed (missing weights are then an error), from {METRICS}; None = every metric whose weights are found"
+    )
+    inception_weights: Path | None = option(None, help="InceptionV3 file for FID/KID/IS (weights-inception-2015-12-05-6726825d.pth); None = TORCH_HOME cache or download")
+    lpips_weights: Path | None = option(None, help="AlexNet file for LPIPS (alexnet-owt-7be5be79.pth); None = TORCH_HOME cache or download")
+    hpsv2_checkpoint: Path | None = option(None, help="HPS_v2.1_compressed.pt; None = Hugging Face cache (xswu/HPSv2) or download")
+    save_samples: bool = option(True, help="add a row of sample images to OUTPUT_DIR/PROJECT_NAME/samples/sample_grid.png before training and every N epochs")
+    num_sample_images: int = option(8, help="sample images per row: the --sample_prompts topped up with dataset captions")
+    save_samples_every_n_epochs: int = option(1, help="epochs between sample rows (0 = only the base model's row)")
+    start_save_samples_epoch: int = option(1, help="first epoch (counting from 1) after which sample rows are added")
+    sample_prompts: Path = option(
+        DEFAULT_SAMPLE_PROMPTS,
+        help="text file, one prompt per line (# = comment), each with optional kohya-style options: --w WIDTH --h HEIGHT --d SEED "
+        "--l GUIDANCE --s STEPS --n NEGATIVE; default: sample_prompts.txt beside this script",
+    )
+    num_inference_steps: int = option(30, help="denoising steps of validation and sample images (a sample prompt's --s overrides it)")
+    guidance_scale: float = option(5.0, help="classifier-free guidance of validation and sample images (a sample prompt's --l overrides it)")
+    handoff_dir: Path | None = option(None, help="folder through which the trained UNet reaches every process for images; None = /dev/shm, else the temp folder")
+
+    def problems(self) -> list[str]:
+        problems = []
+        for name in ("num_sample_images", "num_inference_steps"):
+            if getattr(self, name) < 1:
+                problems.append(f"--{name} must be at least 1")
+        for name in ("validation_loss_percent", "validation_image_percent"):
+            if not 0 <= getattr(self, name) <= 1:
+                problems.append(f"--{name} is a share between 0 and 1 (0.1 = 10%), got {getattr(self, name)}")
+        unknown_metrics = set(self.validation_metrics or ()) - set(METRICS)
+        if unknown_metrics:
+            problems.append(f"--validation_metrics: unknown {sorted(unknown_metrics)}; choose from {METRICS}")
+        if not self.sample_prompts.is_file():
+            problems.append(f"--sample_prompts {self.sample_prompts} does not exist")
+        elif self.save_samples:
+            try:
+                read_prompts(self.sample_prompts)
+            except ValueError as error:
+                problems.append(f"--sample_prompts: {error}")
+        for name in ("validation_loss_every_n_epochs", "validation_image_every_n_epochs", "save_samples_every_n_epochs", "max_validation_loss_items",
+                     "max_validation_images", "validation_every_n_updates"):
+            if getattr(self, name) < 0:
+                problems.append(f"--{name} must be >= 0 (0 turns it off)")
+        if self.guidance_scale < 0:
+            problems.append(f"--guidance_scale must be >= 0, got {self.guidance_scale}")
+        return problems
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@ from typing import Literal
 
 import torch
 
-from sdxl_trainer.cache.buckets import categories
+from sdxl_trainer.cache.buckets import ResolutionOptions, categories
 from sdxl_trainer.cache.storage import StorageError, is_remote
 from sdxl_trainer.config import option
 from sdxl_trainer.models.encoders import chunks_for
+from sdxl_trainer.models.options import ModelOptions
 from sdxl_trainer.models.single_file import SDXL_CONFIG_SOURCE
 from sdxl_trainer.preparation.tables import (
     TABLE_SUFFIXES,
@@ -26,9 +27,14 @@ from sdxl_trainer.preparation.tables import (
 from sdxl_trainer.preparation.tar_sources import TAR_SUFFIX, find_tars
 from sdxl_trainer.preparation.upscale import weights_problems
 
+DEFAULT_MIN_RESOLUTION, DEFAULT_MAX_RESOLUTION = 512, 1024  # px, the caching script's range where the flags leave it unset
 
-@dataclass
-class CacheConfig:
+
+@dataclass(kw_only=True)
+class CacheConfig(ModelOptions, ResolutionOptions):
+    """Every option of sdxl_process_data_dir.py; the model and the resolution range are the sections the trainer
+    shares (models/options.py, cache/buckets.py), with the caching defaults filled in where they are unset."""
+
     cache_dir: str = option(
         help="folder to write the cache into (not inside --data_dir), or s3://bucket/prefix in S3-compatible object storage (credentials the "
         "standard AWS way; AWS_ENDPOINT_URL_S3 for MinIO, R2, B2)"
@@ -72,18 +78,9 @@ class CacheConfig:
         "highest one its score reaches (--score_tag_prefix + threshold: scr800); rows without a score or below all get none",
     )
     score_tag_prefix: str = option("scr", help="with --score_tags: the text before the threshold in a score tag")
-    pretrained_model_name_or_path: str = option(
-        "stabilityai/stable-diffusion-xl-base-1.0",
-        help="SDXL model whose text encoders and VAE encode the data: hub id, local diffusers folder, or single-file .safetensors (A1111/ComfyUI layout)",
-    )
-    single_file_config: str = option(
-        SDXL_CONFIG_SOURCE, help="diffusers config (hub id or folder) describing a single-file --pretrained_model_name_or_path; only its config files are read"
-    )
     vae_name_or_path: str | None = option(
         None, help="replacement VAE (hub id or folder), e.g. madebyollin/sdxl-vae-fp16-fix; None = the pipeline's own VAE"
     )
-    min_resolution: int = option(512, help="smallest bucket category in px (multiple of 64, 256-2048); smaller images are skipped")
-    max_resolution: int = option(1024, help="largest bucket category in px (multiple of 64, 256-2048); larger images are scaled down")
     upscale_to_resolution: int = option(
         0, help="images whose bucket category is below this (px, a category above --min_resolution) are upscaled and bucketed in it; 0 = no upscaling"
     )
@@ -138,6 +135,14 @@ class CacheConfig:
     num_io_threads: int = option(4, help="threads that read, decode and crop images while the encoders run")
     dry_run: bool = option(False, help="only scan: print the bucket histogram and how many images would be skipped or upscaled; loads no model, writes nothing")
     verify: bool = option(False, help="only check --cache_dir: every shard, cache_info.json and empty_prompt.safetensors against their checksums and every manifest row against its shard; exit 1 if damaged")
+
+    def __post_init__(self) -> None:
+        if self.pretrained_model_name_or_path is None:
+            self.pretrained_model_name_or_path = SDXL_CONFIG_SOURCE
+        if self.min_resolution is None:
+            self.min_resolution = DEFAULT_MIN_RESOLUTION
+        if self.max_resolution is None:
+            self.max_resolution = DEFAULT_MAX_RESOLUTION
 
     def _table_problems(self) -> list[str]:
         problems = []

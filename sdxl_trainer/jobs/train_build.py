@@ -147,13 +147,13 @@ def build_run(config: TrainConfig, world: World) -> Run:
     compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device, config.weights_dtype)
 
     data = load_training_data(config.data_settings(), run_dir, seed, world.world_size, world.is_main)
-    empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cached_dataset_dirs[0]))
+    empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cache_dirs()[0]))
     models, caption_encoder = build_models(config, world, data.dataset, seed, compute_dtype, caches.caption_chunks)
     exempt_live_objects_from_garbage_collection()  # the model libraries' objects too, imported by now
     # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
     scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
     optimizer = build_optimizer(
-        config.optimizer, models.parameter_groups(config.learning_rate, config.text_encoder_rates()), config.learning_rate, config.weight_decay,
+        config.optimizer, models.parameter_groups(config.learning_rate, config.text_encoder_rates(config.learning_rate)), config.learning_rate, config.weight_decay,
         (config.adam_beta1, config.adam_beta2), config.adam_epsilon, loss_scaling=scaler is not None,
     )
     ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
@@ -224,7 +224,7 @@ def build_models(config: TrainConfig, world: World, dataset: CachedDataset, seed
     if not config.encode_captions_each_step:
         return TrainedModels(unet, {}), None
     # Frozen encoders compute in compute_dtype; trained ones keep master weights in --weights_dtype, sharded like the UNet.
-    rates = config.text_encoder_rates()
+    rates = config.text_encoder_rates(config.learning_rate)
     tokenizers, text_encoders = load_text_encoders(
         config.pretrained_model_name_or_path, world.device, compute_dtype, config.single_file_config,
         trained=tuple(name in rates for name in TEXT_ENCODER_NAMES), checkpointed=config.gradient_checkpointing, trained_dtype=weights_dtype,
@@ -265,7 +265,7 @@ def describe_run(config: TrainConfig, world: World, data: TrainingData, stream: 
     global_batch_size = data.global_batch_size
     print(
         f"{len(data.dataset)} cached items"
-        + (f" ({len(data.planner.epoch_samples(0))} samples an epoch with --dataset_repeats)" if config.dataset_repeats else "")
+        + (f" ({len(data.planner.epoch_samples(0))} samples an epoch with --dataset_repeats)" if any(record.repeats != 1 for record in config.dataset_records()) else "")
         + f", {world.world_size} process{'es' if world.world_size > 1 else ''}, {run_length(config, stream.num_epochs)}, "
         f"{total_updates} optimizer updates of {global_batch_size * config.gradient_accumulation_steps} images, "
         f"compute {str(compute_dtype).removeprefix('torch.')}, "
@@ -282,11 +282,11 @@ def describe_run(config: TrainConfig, world: World, data: TrainingData, stream: 
         variations = config.caption_variations()
         described = (
             variations[0].describe() if len(set(variations)) == 1
-            else "; ".join(f"{cache_dir}: {variation.describe()}" for cache_dir, variation in zip(config.cached_dataset_dirs, variations))
+            else "; ".join(f"{cache_dir}: {variation.describe()}" for cache_dir, variation in zip(config.cache_dirs(), variations))
         )
         print(f"Caption mode: both text encoders encode every step's captions: {described}.")
     if config.train_text_encoder:
-        trained = [f"{text_encoder_label(name)} at {rate:g}" for name, rate in config.text_encoder_rates().items()]
+        trained = [f"{text_encoder_label(name)} at {rate:g}" for name, rate in config.text_encoder_rates(config.learning_rate).items()]
         frozen = f"; {text_encoder_label(config.frozen_text_encoder())} stays frozen (rate 0)" if config.frozen_text_encoder() else ""
         print(f"Training {' and '.join(trained)} too (peak learning rates; the UNet's: {config.learning_rate:g}){frozen}.")
 

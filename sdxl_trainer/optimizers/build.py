@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Literal
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from sdxl_trainer.config import option
 from sdxl_trainer.optimizers.adafactor import Adafactor
 from sdxl_trainer.optimizers.adamw import ShardAdamW
 from sdxl_trainer.optimizers.lion import Lion
@@ -18,6 +20,34 @@ OPTIMIZERS = ("adamw8bit", "adamw", "adafactor", "lion")
 # beta2 when --adam_beta2 is not given: AdamW's usual value, and the Lion paper's (Chen et al. 2023, 0.99:
 # Lion's update is the sign of an interpolation, and 0.999 makes its momentum too slow).
 DEFAULT_BETA2 = {"adamw8bit": 0.999, "adamw": 0.999, "lion": 0.99}
+
+@dataclass(kw_only=True)
+class OptimizerOptions:
+    """Optimizer"""
+
+    optimizer: Literal["adamw8bit", "adamw", "adafactor", "lion"] = option(
+        "adamw8bit",
+        help="adamw8bit = 8-bit AdamW (torchao's state, 2 bytes per weight, stepped many tensors per kernel); adamw = fp32 AdamW (8 bytes); "
+        "adafactor = factored second moments, no momentum (least memory); lion = sign updates, one fp32 momentum "
+        "(4 bytes; use a 3-10x lower --learning_rate)",
+    )
+    learning_rate: float = option(1e-5, help="peak learning rate")
+    adam_beta1: float = option(0.9, help="beta1 of AdamW and Lion")
+    adam_beta2: float | None = option(None, help="beta2 of AdamW and Lion; None = the optimizer's own default: 0.999 for AdamW, 0.99 for Lion (the paper's)")
+    adam_epsilon: float = option(1e-8, help="AdamW's epsilon, added to the root of the second moment (keeps tiny moments from blowing up the step)")
+    weight_decay: float = option(1e-2, help="decoupled weight decay of every optimizer")
+
+    def problems(self) -> list[str]:
+        problems = []
+        for name in ("learning_rate", "adam_epsilon"):
+            if not getattr(self, name) > 0:
+                problems.append(f"--{name} must be > 0, got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            problems.append(f"--weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1:
+                problems.append(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        return problems
 
 
 def build_optimizer(

@@ -9,12 +9,13 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from sdxl_trainer.config import option
 from sdxl_trainer.distributed.world import World, broadcast_text
 from sdxl_trainer.models.single_file import SDXL_CONFIG_SOURCE, hf_clip_names, load_pipeline, save_single_file
 from sdxl_trainer.outputs.monitor import TrainingMonitor
@@ -26,6 +27,28 @@ from sdxl_trainer.training.stream import DataPosition
 from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES, ComponentWeights, TrainedModels, text_encoder_label
 
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+@dataclass(kw_only=True)
+class ExportOptions:
+    """Exported models"""
+
+    save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the exported models")
+    save_diffusers: bool = option(True, help="export the trained pipeline: OUTPUT_DIR/PROJECT_NAME/pipeline at the end, pipeline_epoch_NNNN at epoch saves")
+    save_single_file: bool = option(
+        False,
+        help="also export each model as one SDXL .safetensors file (A1111 / ComfyUI / kohya layout) beside the pipeline, with its scheduler config "
+        "for diffusers; with --no-save_diffusers, only those",
+    )
+    save_model_every_n_epochs: int = option(1, help="export the model (and save state, with --save_state) after every N epochs; 0 = only at the end")
+    start_save_model_epoch: int = option(1, help="first epoch (counting from 1) after which the epoch saves happen")
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.start_save_model_epoch < 1:
+            problems.append("--start_save_model_epoch must be at least 1")
+        if self.save_model_every_n_epochs < 0:
+            problems.append("--save_model_every_n_epochs must be >= 0 (0 turns it off)")
+        return problems
 
 
 class ExportError(RuntimeError):

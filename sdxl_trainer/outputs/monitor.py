@@ -14,7 +14,21 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from sdxl_trainer.config import option
+
 WANDB_ID_FILE = "wandb_run_id.txt"
+
+@dataclass(kw_only=True)
+class LoggingOptions:
+    """Logging"""
+
+    log_dir: Path | None = option(None, help="TensorBoard folder; None = OUTPUT_DIR/PROJECT_NAME/tensorboard")
+    log_every_n_updates: int = option(1, help="write the training scalars every N updates (loss and gradient norm averaged over them)")
+    report_to_wandb: bool = option(False, help="also log scalars, sample grids and the config to Weights & Biases (run `wandb login` first, or set WANDB_MODE=offline)")
+    wandb_project: str = option("sdxl_finetune", help="Weights & Biases project of the run (the run's name is --project_name)")
+
+    def problems(self) -> list[str]:
+        return ["--log_every_n_updates must be at least 1"] if self.log_every_n_updates < 1 else []
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -20,6 +20,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch import nn
 
+from sdxl_trainer.config import option
 from sdxl_trainer.state.checkpoint import (
     CheckpointError,
     TrainerState,
@@ -34,6 +35,40 @@ from sdxl_trainer.state.checkpoint import (
 from sdxl_trainer.training.step import TrainStep
 from sdxl_trainer.training.stream import DataPosition
 from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES
+
+
+@dataclass(kw_only=True)
+class CheckpointOptions:
+    """Checkpoints and resuming"""
+
+    save_state: bool = option(
+        True,
+        help="save resumable training state (sharded UNet, optimizer, EMA, LR schedule, data position, RNG) to "
+        "OUTPUT_DIR/PROJECT_NAME/checkpoints at epoch saves, every --save_state_every_n_updates, on SIGTERM/SIGINT and at the end",
+    )
+    save_state_every_n_updates: int = option(0, help="also save state every N optimizer updates (0 = off); with week-long epochs, set this")
+    checkpoints_total_limit: int = option(2, help="keep only the newest K state checkpoints (0 = keep all); exported models are never deleted")
+    load_saved_state: str | None = option(
+        None,
+        help="resume from a state checkpoint folder, or 'latest' = the newest complete one in OUTPUT_DIR/PROJECT_NAME/checkpoints "
+        "(starts from scratch if there is none, so one command serves the first start and every restart)",
+    )
+    overwrite_run: bool = option(
+        False,
+        help="start over in a run folder that holds an earlier run's checkpoints or exported models: its checkpoints are deleted "
+        "at the start and its exports replaced as this run exports (without this flag such a start is refused)",
+    )
+
+    def problems(self) -> list[str]:
+        problems = []
+        for name in ("save_state_every_n_updates", "checkpoints_total_limit"):
+            if getattr(self, name) < 0:
+                problems.append(f"--{name} must be >= 0 (0 turns it off)")
+        if self.load_saved_state not in (None, "latest") and not Path(self.load_saved_state).is_dir():
+            problems.append(f"--load_saved_state {self.load_saved_state} is not a folder: give a checkpoint folder (OUTPUT_DIR/PROJECT_NAME/checkpoints/update_N) or 'latest'")
+        if self.load_saved_state is not None and self.overwrite_run:
+            problems.append("--overwrite_run starts the run over, --load_saved_state continues it: give one of them")
+        return problems
 
 
 @dataclass(frozen=True)

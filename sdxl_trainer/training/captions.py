@@ -30,13 +30,67 @@ import numpy as np
 import torch
 
 from sdxl_trainer.cache.format import captions_in
+from sdxl_trainer.config import option
 from sdxl_trainer.models.encoders import encode_prompts
+from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES
 
 if TYPE_CHECKING:
     from sdxl_trainer.models.encoders import TextSide
 
 TAG_SEPARATOR = ","
 CAPTION_STREAM = 7  # the 4th entry of the seed sequence: apart from the noise draws' (seed, epoch, sample)
+
+@dataclass(kw_only=True)
+class CaptionOptions:
+    """Caption mode and text-encoder training"""
+
+    encode_captions_each_step: bool = option(
+        False,
+        help="caption mode: run both text encoders (frozen, replicated on every GPU: 1.6 GB in bf16) in every step on the captions the "
+        "cache keeps, instead of reading its cached embeddings; needed to choose among several captions per image (one per line) "
+        "and for --shuffle_caption / --keep_tokens / --caption_tag_dropout_rate",
+    )
+    shuffle_caption: bool = option(False, help="caption mode: shuffle the comma-separated tags of each caption at every step (seeded per sample)")
+    keep_tokens: int = option(0, help="caption mode: leading comma-separated tags (as kohya counts them) never shuffled or dropped, e.g. a trigger word")
+    caption_tag_dropout_rate: float = option(0.0, help="caption mode: chance (0-1) of dropping each tag after the --keep_tokens ones, at every step")
+    train_text_encoder: bool = option(
+        False,
+        help="caption mode: train both text encoders with the UNet (fp32 weights sharded like the UNet's: about 8 GB more over all "
+        "GPUs with adamw8bit); checkpoints, validation, samples and exports then hold the trained encoders",
+    )
+    learning_rate_te1: float | None = option(
+        None, help="peak learning rate of text encoder 1 (CLIP ViT-L) with --train_text_encoder; None = --learning_rate; 0 keeps it frozen"
+    )
+    learning_rate_te2: float | None = option(
+        None, help="peak learning rate of text encoder 2 (OpenCLIP ViT-bigG) with --train_text_encoder; None = --learning_rate; 0 keeps it frozen"
+    )
+
+    def text_encoder_rates(self, unet_rate: float) -> dict[str, float]:
+        """The peak learning rate of each trained text encoder, by pipeline name: --learning_rate_te1/te2, unset
+        = unet_rate (--learning_rate). An encoder at 0 stays frozen and is left out (kohya's rule); {} without
+        --train_text_encoder."""
+        if not self.train_text_encoder:
+            return {}
+        rates = (self.learning_rate_te1, self.learning_rate_te2)
+        return {name: unet_rate if rate is None else rate for name, rate in zip(TEXT_ENCODER_NAMES, rates) if rate != 0}
+
+    def frozen_text_encoder(self) -> str:
+        """The text encoder kept frozen by a rate of 0 while the other trains ("" if none)."""
+        trained = self.text_encoder_rates(unet_rate=1.0)  # which encoders train; their rates do not matter here
+        return next((name for name in TEXT_ENCODER_NAMES if name not in trained), "") if trained else ""
+
+    def problems(self) -> list[str]:
+        problems = []
+        if not self.encode_captions_each_step and self.train_text_encoder:
+            problems.append("--train_text_encoder needs --encode_captions_each_step: cached embeddings cannot carry gradients to the encoders")
+        if not self.train_text_encoder and (self.learning_rate_te1 is not None or self.learning_rate_te2 is not None):
+            problems.append("--learning_rate_te1 / --learning_rate_te2 apply to trained text encoders: add --train_text_encoder")
+        for name in ("learning_rate_te1", "learning_rate_te2"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
+                problems.append(f"--{name} must be >= 0 (0 keeps that text encoder frozen), got {getattr(self, name)}")
+        if self.train_text_encoder and self.learning_rate_te1 == 0 and self.learning_rate_te2 == 0:
+            problems.append("--learning_rate_te1 and --learning_rate_te2 are both 0, so no text encoder trains: drop --train_text_encoder")
+        return problems
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,9 @@ weight and (with --flip_aug) the view drawn for it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -12,8 +15,30 @@ from torch.utils.data import Dataset
 
 from sdxl_trainer.cache.format import FLIPPED_KEY, LOSS_MASK_KEY, TENSOR_KEYS, CacheLocation, captions_in, read_cache_info
 from sdxl_trainer.cache.reader import CacheReader, intact_parts, merge_parts
+from sdxl_trainer.config import option
 
 FLIP_STREAM = 13  # seed-sequence entry of the --flip_aug draws, apart from the noise and caption draws
+
+@dataclass(kw_only=True)
+class DatasetOptions:
+    """One cache a run trains on: a [[datasets]] table of a TOML --config. The --cached_dataset_dirs and --dataset_*
+    flags are the command line's shorthand for the same records (DataOptions.dataset_records)."""
+
+    cache_dir: str = option(help="a cache written by sdxl_process_data_dir.py: a folder, or s3://bucket/prefix in S3-compatible object storage")
+    repeats: float = option(
+        1.0, help="times its items are trained per epoch: 3 = three copies, each with its own noise and caption draws; 0.5 = a seeded half "
+        "of the items, another half every epoch (--dataset_repeats)",
+    )
+    loss_weight: float = option(
+        1.0, help="its samples' training loss is multiplied by this before the batch mean, so 0.5 halves its pull on the weights (kohya's "
+        "prior_loss_weight, OneTrainer's concept loss_weight; --dataset_loss_weights); the validation loss stays unweighted",
+    )
+    shuffle_caption: bool | None = option(None, help="caption mode: --shuffle_caption for this cache's captions; None = the run-wide flag")
+    keep_tokens: int | None = option(None, help="caption mode: --keep_tokens for this cache's captions; None = the run-wide flag")
+    caption_tag_dropout_rate: float | None = option(None, help="caption mode: --caption_tag_dropout_rate for this cache; None = the run-wide flag")
+    validation_source_dir: Path | None = option(
+        None, help="the image folder the cache was made from: real images for FID/LPIPS (give one for every cache or for none); None = decoded cached latents"
+    )
 
 
 class CachedDataset(Dataset):

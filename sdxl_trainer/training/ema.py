@@ -10,11 +10,28 @@ the full EMA UNet can be gathered one tensor at a time.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from sdxl_trainer.config import option
+
+
+@dataclass(kw_only=True)
+class EMAOptions:
+    """EMA of the UNet weights"""
+
+    use_ema: bool = option(False, help="keep an exponential moving average of the UNet weights; the export then holds the EMA weights")
+    ema_decay: float = option(0.9999, help="EMA decay per update (warmed up as min(decay, (1+n)/(10+n)))")
+    ema_on_cpu: bool = option(False, help="keep each rank's EMA shard in CPU memory instead of GPU memory")
+
+    def problems(self) -> list[str]:
+        if not 0 < self.ema_decay < 1:
+            return [f"--ema_decay must be between 0 and 1 (typically 0.999-0.9999), got {self.ema_decay}"]
+        return []
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,32 @@ from typing import Literal, get_args
 
 import torch
 
+from sdxl_trainer.config import option
+
 ScheduleName = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
+
+@dataclass(kw_only=True)
+class ScheduleOptions:
+    """Learning-rate schedule"""
+
+    learning_rate_scheduler: ScheduleName = option("constant_with_warmup", help="learning-rate schedule over optimizer updates")
+    percent_lr_warm_up_steps: float = option(0.05, help="share (0-1) of all optimizer updates spent warming up linearly from 0")
+    lr_num_cycles: int = option(1, help="hard restarts for cosine_with_restarts")
+    polynomial_lr_end: float = option(1e-7, help="final learning rate of the polynomial schedule")
+    polynomial_power: float = option(1.0, help="power of the polynomial schedule (1 = linear decay)")
+
+    def problems(self) -> list[str]:
+        problems = []
+        if not 0 <= self.percent_lr_warm_up_steps <= 1:
+            problems.append(f"--percent_lr_warm_up_steps is a share between 0 and 1 (0.1 = 10%), got {self.percent_lr_warm_up_steps}")
+        if not self.polynomial_power > 0:
+            problems.append(f"--polynomial_power must be > 0, got {self.polynomial_power}")
+        if self.polynomial_lr_end < 0:
+            problems.append(f"--polynomial_lr_end must be >= 0, got {self.polynomial_lr_end}")
+        if self.lr_num_cycles < 1:
+            problems.append(f"--lr_num_cycles must be at least 1, got {self.lr_num_cycles}")
+        return problems
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
+from sdxl_trainer.config import option
 from sdxl_trainer.training.captions import StepCaptionEncoder
 from sdxl_trainer.training.dataset import choose_views
 from sdxl_trainer.training.ema import ShardedEMA
@@ -29,6 +30,30 @@ from sdxl_trainer.training.objective import NoiseSettings, training_loss
 
 if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
     from diffusers import DDPMScheduler
+
+@dataclass(kw_only=True)
+class StepOptions:
+    """The update: clipping, skipped updates, gradient reduction"""
+
+    max_grad_norm: float = option(1.0, help="clip the global gradient norm to this; 0 = no clipping (the norm is still logged)")
+    max_consecutive_skipped_updates: int = option(
+        10, help="stop (after saving state) when this many updates in a row have a NaN/inf loss or gradient and are skipped"
+    )
+    gradient_reduction: Literal["auto", "every_microbatch", "once_per_update"] = option(
+        "auto",
+        help="when accumulated gradients are reduce-scattered: once_per_update (least communication; FSDP2 holds the full "
+        "fp32 gradient, 10.3 GB for SDXL, on every GPU meanwhile) or every_microbatch (sharded gradients only, more "
+        "communication); auto = every_microbatch on GPUs under 40 GB with accumulation, else once_per_update; "
+        "unused on one process without --cpu_offload (the UNet is not sharded there)",
+    )
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.max_grad_norm < 0:
+            problems.append("--max_grad_norm must be >= 0 (0 turns clipping off)")
+        if self.max_consecutive_skipped_updates < 1:
+            problems.append("--max_consecutive_skipped_updates must be at least 1")
+        return problems
 
 
 @dataclass
