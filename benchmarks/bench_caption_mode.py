@@ -67,6 +67,7 @@ def timed(updates_per_round: int, rounds: int) -> None:
 
     from sdxl_trainer.distributed.fsdp import prepare_unet
     from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
+    from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
     from sdxl_trainer.models.encoders import encode_prompts, load_text_encoders
     from sdxl_trainer.models.tiny import save_tiny_pipeline
     from sdxl_trainer.optimizers.build import build_optimizer
@@ -74,7 +75,7 @@ def timed(updates_per_round: int, rounds: int) -> None:
     from sdxl_trainer.training.lr_schedule import LearningRateSchedule
     from sdxl_trainer.training.objective import NoiseSettings, build_noise_scheduler
     from sdxl_trainer.training.step import TrainStep
-    from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES, TrainedModels
+    from sdxl_trainer.training.trained_models import TrainedModels
 
     world = init_distributed()
     with tempfile.TemporaryDirectory() as folder:

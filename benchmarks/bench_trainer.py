@@ -166,9 +166,9 @@ def main() -> None:
     import numpy as np
 
     from sdxl_trainer.config import parse_config
+    from sdxl_trainer.distributed.world import free_port
     from sdxl_trainer.jobs.cache_config import CacheConfig
     from sdxl_trainer.jobs.cache_job import run_caching
-    from sdxl_trainer.distributed.world import free_port
     from sdxl_trainer.models.tiny import save_tiny_pipeline
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdxl_trainer.cache import writer
+from sdxl_trainer.cache import writer as cache_writer
 from sdxl_trainer.cache.format import (
     CACHE_FORMAT_VERSION,
     CACHE_INFO_FILE,
@@ -68,7 +68,7 @@ def make_item(image_path: str, seed: int, caption: str = "a caption") -> CachedI
 def fake_clock(monkeypatch, start: int = 1_000) -> None:
     """Make ShardWriter's written_at_ns a counter: 1000, 1001, ... in call order."""
     ticks = iter(range(start, start + 10_000))
-    monkeypatch.setattr(writer, "time", types.SimpleNamespace(time_ns=lambda: next(ticks)))
+    monkeypatch.setattr(cache_writer, "time", types.SimpleNamespace(time_ns=lambda: next(ticks)))
 
 
 def rows_by_path(table) -> dict[str, dict]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_cache import SETTINGS, make_item
 
+from sdxl_trainer.cache import writer as cache_writer
 from sdxl_trainer.cache.format import (
     CACHE_INFO_FILE,
     DAMAGED_DIR,
@@ -184,7 +185,7 @@ def test_failed_write_keeps_committed_shards_and_leaves_no_temporary_file(tmp_pa
             handle.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device", str(filename))
 
-    monkeypatch.setattr(writer, "save_file", disk_full)
+    monkeypatch.setattr(cache_writer, "save_file", disk_full)
     with pytest.raises(OSError) as info:
         writer.write([make_item("b.png", 1)])
     assert info.value.errno == errno.ENOSPC

@@ -22,7 +22,7 @@ from conftest import REPO_ROOT, process_data_dir, run_processes
 from PIL import Image
 from test_upscale import save_weights, tiny_rrdbnet
 
-from sdxl_trainer.cache import writer
+from sdxl_trainer.cache import writer as cache_writer
 from sdxl_trainer.cache.buckets import Bucket, nearest_aspect_bucket
 from sdxl_trainer.cache.format import CACHE_INFO_FILE, EMPTY_PROMPT_FILE, MANIFEST_DIR, SHARD_DIR
 from sdxl_trainer.cache.reader import CacheReader, load_manifest
@@ -192,7 +192,7 @@ def test_moved_cache_verifies_and_resumes(small_cache, tiny_pipeline_dir, tmp_pa
 def test_full_disk_stops_cleanly_and_a_rerun_finishes(tmp_path, tiny_pipeline_dir, monkeypatch, capsys):
     data_dir = make_dataset(tmp_path / "data", 5)
     cache_dir = tmp_path / "cache"
-    real_save_file = writer.save_file
+    real_save_file = cache_writer.save_file
     calls = []
 
     def fills_up(tensors, filename):
@@ -201,14 +201,14 @@ def test_full_disk_stops_cleanly_and_a_rerun_finishes(tmp_path, tiny_pipeline_di
             raise OSError(errno.ENOSPC, "No space left on device", str(filename))
         return real_save_file(tensors, filename)
 
-    monkeypatch.setattr(writer, "save_file", fills_up)
+    monkeypatch.setattr(cache_writer, "save_file", fills_up)
     assert run_cache(data_dir, cache_dir, tiny_pipeline_dir, "--items_per_shard", "2") == 1
     out = capsys.readouterr().out
     assert "stopped: cannot write into" in out and "the disk is full" in out and "re-run the same command" in out
     assert sum(manifest_paths(cache_dir).values()) == 2
     assert [p for p in cache_dir.rglob("*") if p.name.endswith(".tmp")] == []
 
-    monkeypatch.setattr(writer, "save_file", real_save_file)
+    monkeypatch.setattr(cache_writer, "save_file", real_save_file)
     assert run_cache(data_dir, cache_dir, tiny_pipeline_dir, "--items_per_shard", "2") == 0
     assert manifest_paths(cache_dir) == Counter({f"img{index:03d}.png": 1 for index in range(5)})
 

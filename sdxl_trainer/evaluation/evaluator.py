@@ -184,102 +184,102 @@ def build_evaluator(settings: EvaluationSettings, world: World, run_dir: Path, d
             for note in notes:
                 print(f"Note: {note}")
         prompts = choose_sample_prompts(file_prompts, [dataset.caption(item) for item in range(len(dataset))], settings.num_sample_images, seed)
-    return Evaluator(
-        world, settings.num_epochs, dataset, holdout, noise_scheduler, negative, source, settings.generation,
-        loss_schedule=settings.loss_schedule,
-        image_schedule=settings.image_schedule,
-        sample_schedule=settings.sample_schedule,
-        validator=validator,
-        sample_prompts=prompts,
-        sample_seeds=column_seeds(prompts, seed),
-        sample_size=settings.sample_size,
-        grid_path=run_dir / "samples" / "sample_grid.png",
-        caption_chunks=caption_chunks,
-        trained_caption_encoder=trained_caption_encoder,
-        every_n_updates=settings.every_n_updates,
-    )
+    held_out = HeldOutData(dataset, holdout, noise_scheduler, negative)
+    samples = SampleColumns(prompts, column_seeds(prompts, seed), settings.sample_size, run_dir / "samples" / "sample_grid.png")
+    return Evaluator(settings, world, held_out, source, validator, samples, caption_chunks, trained_caption_encoder)
+
+
+@dataclass(frozen=True)
+class HeldOutData:
+    """What validation works on: the dataset with its held-out items, the noise schedule, and the empty
+    prompt's embeddings (the negative of every generated image)."""
+
+    dataset: CachedDataset
+    holdout: Holdout
+    noise_scheduler: DDPMScheduler
+    negative: tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SampleColumns:
+    """The sample grid's columns: their prompts and seeds, the side of a column whose prompt sets no size, the grid's file."""
+
+    prompts: list[SamplePrompt]
+    seeds: list[int]
+    size: int
+    grid_path: Path
 
 
 class Evaluator:
-    def __init__(
-        self,
-        world: World,
-        num_epochs: int | None,  # None: no last epoch (--max_train_updates ends the run)
-        dataset: CachedDataset,
-        holdout: Holdout,
-        noise_scheduler: DDPMScheduler,
-        negative: tuple[torch.Tensor, torch.Tensor],
-        source: PipelineSource,
-        generation: GenerationSettings,
-        loss_schedule: Schedule,
-        image_schedule: Schedule,
-        sample_schedule: Schedule,
-        validator: ImageValidator | None,
-        sample_prompts: list[SamplePrompt],
-        sample_seeds: list[int],
-        sample_size: int,
-        grid_path: Path,
-        caption_chunks: int,
-        trained_caption_encoder: StepCaptionEncoder | None = None,
-        every_n_updates: int = 0,
-    ):
-        """sample_prompts: the sample grid's columns, with sample_seeds their seeds and sample_size the side of
-        a column whose prompt sets no size. caption_chunks: the caches' caption length in chunks of 75
-        tokens; sample prompts (and their negative prompts) are encoded with the same rule (encoding.encode_prompts). trained_caption_encoder (--train_text_encoder): validation
-        then encodes captions with the trained encoders instead of reading the cached embeddings."""
+    """Decides and runs what is due before training, after an update, at an epoch's end and at the run's end:
+    the validation loss, validation images with their metrics, and the sample grid's next row."""
+
+    def __init__(self, settings: EvaluationSettings, world: World, held_out: HeldOutData, source: PipelineSource, validator: ImageValidator | None,
+                 samples: SampleColumns, caption_chunks: int, trained_caption_encoder: StepCaptionEncoder | None = None):
+        """caption_chunks: the caches' caption length in chunks of 75 tokens; sample prompts (and their negative
+        prompts) are encoded with the same rule (encoding.encode_prompts). trained_caption_encoder
+        (--train_text_encoder): validation then encodes captions with the trained encoders instead of reading
+        the cached embeddings."""
+        self.settings = settings
         self.world = world
-        self.num_epochs = num_epochs
-        self.dataset = dataset
-        self.holdout = holdout
-        self.noise_scheduler = noise_scheduler
-        self.negative = negative
+        self.held_out = held_out
         self.source = source
-        self.generation = generation
-        self.loss_schedule = loss_schedule
-        self.image_schedule = image_schedule if validator is not None and len(holdout.image_items) else Schedule(False, 0)
-        self.sample_schedule = sample_schedule
+        self.image_schedule = settings.image_schedule if validator is not None and len(held_out.holdout.image_items) else Schedule(False, 0)
         self.validator = validator
-        self.sample_prompts = sample_prompts
-        self.sample_seeds = sample_seeds
-        self.sample_size = sample_size
-        self.grid_path = grid_path
+        self.samples = samples
         self.caption_chunks = caption_chunks
         self.trained_caption_encoder = trained_caption_encoder
-        self.every_n_updates = every_n_updates
 
-    def due_after_update(self, update: int) -> bool:
-        """--validation_every_n_updates: whether everything that is on runs after this update."""
-        return bool(self.every_n_updates) and update % self.every_n_updates == 0
+    def before_training(self, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, update: int) -> None:
+        """Collective: the base model's scores and sample row (epoch 0 of every schedule)."""
+        self._run_and_report(0, models, ema, metrics, update)
 
-    def run_and_report(self, epochs_done: int | None, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, update: int) -> None:
+    def after_update(self, update: int, finished_epochs: int | None, run_ends: bool, models: TrainedModels, ema: ShardedEMA | None,
+                     metrics: MetricsWriter) -> None:
+        """Collective, after every update: everything that is on every --validation_every_n_updates updates, and
+        at an epoch's end (finished_epochs) what the epoch schedules ask. A run without a last epoch
+        (--max_train_updates) validates at its end instead (at_run_end)."""
+        if self._every_n_updates_due(update):
+            self._run_and_report(None, models, ema, metrics, update)
+        if finished_epochs is not None and not (self.settings.num_epochs is None and run_ends):
+            self._run_and_report(finished_epochs, models, ema, metrics, update)
+
+    def at_run_end(self, update: int, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter) -> None:
+        """Collective: a --max_train_updates run ends inside an epoch or at an epoch's end without its own
+        validation, so what is exported is validated here (unless every N updates just did)."""
+        if self.settings.num_epochs is None and not self._every_n_updates_due(update):
+            self._run_and_report(None, models, ema, metrics, update)
+
+    def _every_n_updates_due(self, update: int) -> bool:
+        every = self.settings.every_n_updates
+        return bool(every) and update % every == 0
+
+    def _run_and_report(self, epochs_done: int | None, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, update: int) -> None:
         """Collective: what is due after `epochs_done` epochs, or everything that is on (None: every N
         updates, or the end of a --max_train_updates run), logged at `update` and printed on one line."""
         started = time.perf_counter()
-        scores = self.after_updates(models, ema, metrics, update) if epochs_done is None else self(epochs_done, models, ema, metrics, update)
+        schedules = (self.settings.loss_schedule, self.image_schedule, self.settings.sample_schedule)
+        if epochs_done is None:
+            due, label = [schedule.enabled for schedule in schedules], f"update {update}"
+        else:
+            due = [schedule.due(epochs_done, self.settings.num_epochs) for schedule in schedules]
+            label = "base" if epochs_done == 0 else f"epoch {epochs_done}"
+        scores = self._run(*due, label, models, ema, metrics, update)
         if scores and self.world.is_main:
             what = f"after update {update}" if epochs_done is None else "base model" if epochs_done == 0 else f"after epoch {epochs_done}"
             numbers = ", ".join(f"{tag.removeprefix('val/')} {value:.4g}" for tag, value in scores.items())
             tqdm.write(f"Validation ({what}, {time.perf_counter() - started:.1f} s): {numbers}")
 
-    def __call__(self, epochs_done: int, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
-        """Collective. Runs what is due after `epochs_done` epochs and logs it at `step`; returns the scores
-        (on rank 0; other ranks get the loss only)."""
-        due = [schedule.due(epochs_done, self.num_epochs) for schedule in (self.loss_schedule, self.image_schedule, self.sample_schedule)]
-        return self._run(*due, "base" if epochs_done == 0 else f"epoch {epochs_done}", models, ema, metrics, step)
-
-    def after_updates(self, models: TrainedModels, ema: ShardedEMA | None, metrics: MetricsWriter, step: int) -> dict[str, float]:
-        """Collective. Everything that is on (--validation_every_n_updates), after update `step`."""
-        on = [schedule.enabled for schedule in (self.loss_schedule, self.image_schedule, self.sample_schedule)]
-        return self._run(*on, f"update {step}", models, ema, metrics, step)
-
     def _run(self, loss_due: bool, images_due: bool, samples_due: bool, label: str, models: TrainedModels, ema: ShardedEMA | None,
              metrics: MetricsWriter, step: int) -> dict[str, float]:
         scores: dict[str, float] = {}
-        if loss_due and len(self.holdout.loss_items):
+        held_out = self.held_out
+        if loss_due and len(held_out.holdout.loss_items):
             def loss() -> dict[str, float]:
                 encode = self.trained_caption_encoder.first_captions if self.trained_caption_encoder else None
                 return validation_loss(
-                    models.unet, self.dataset, self.holdout.loss_items, self.noise_scheduler, self.holdout.seed, self.world.device, encode_batch=encode
+                    models.unet, held_out.dataset, held_out.holdout.loss_items, held_out.noise_scheduler, held_out.holdout.seed, self.world.device,
+                    encode_batch=encode,
                 )
 
             if ema is None:
@@ -302,7 +302,7 @@ class Evaluator:
                 pipeline.set_progress_bar_config(disable=True)
                 # Trained text encoders encode the captions and the empty negative as the exported pipeline will.
                 encode = partial(self._encode, pipeline) if models.trains_text_encoders else None
-                negative = self.negative
+                negative = held_out.negative
                 if encode is not None:
                     empty = encode([""])
                     negative = (empty.prompt_embeds[0], empty.pooled_prompt_embeds[0])
@@ -325,7 +325,7 @@ class Evaluator:
 
     def _sample_requests(self, pipeline, negative: tuple[torch.Tensor, torch.Tensor]) -> list[ImageRequest]:
         """One request per sample column, in column order, with the options its prompt line set."""
-        prompts = self.sample_prompts
+        prompts = self.samples.prompts
         captions = self._encode(pipeline, [prompt.text for prompt in prompts])
         negative_texts = sorted({prompt.negative for prompt in prompts if prompt.negative is not None})
         encoded = self._encode(pipeline, negative_texts) if negative_texts else None
@@ -333,20 +333,20 @@ class Evaluator:
         return [
             ImageRequest(
                 position, captions.prompt_embeds[position].cpu(), captions.pooled_prompt_embeds[position].cpu(),
-                prompt.width or self.sample_size, prompt.height or self.sample_size, seed,
+                prompt.width or self.samples.size, prompt.height or self.samples.size, seed,
                 prompt.steps, prompt.guidance_scale, negatives.get(prompt.negative, negative),
             )
-            for position, (prompt, seed) in enumerate(zip(prompts, self.sample_seeds))
+            for position, (prompt, seed) in enumerate(zip(prompts, self.samples.seeds))
         ]
 
     def _add_sample_row(self, pipeline, negative: tuple[torch.Tensor, torch.Tensor], label: str, metrics: MetricsWriter, step: int) -> None:
         requests = self._sample_requests(pipeline, negative)
         mine = rank_share(requests, self.world.rank, self.world.world_size)
-        images = gather_images(generate(pipeline, mine, self.generation, negative, self.world.device), self.world.device)
+        images = gather_images(generate(pipeline, mine, self.settings.generation, negative, self.world.device), self.world.device)
         if self.world.is_main:
             header_and_row = append_grid_row(
-                self.grid_path, [images[position] for position in range(len(requests))], label, [prompt.text for prompt in self.sample_prompts],
-                options=[prompt.options_text() for prompt in self.sample_prompts],
+                self.samples.grid_path, [images[position] for position in range(len(requests))], label, [prompt.text for prompt in self.samples.prompts],
+                options=[prompt.options_text() for prompt in self.samples.prompts],
             )
             metrics.image("samples/grid", np.asarray(header_and_row), step)
         dist.barrier()

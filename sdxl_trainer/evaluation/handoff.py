@@ -21,8 +21,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from sdxl_trainer.distributed.world import broadcast_text
+from sdxl_trainer.models.components import ComponentWeights
 from sdxl_trainer.models.single_file import load_pipeline
-from sdxl_trainer.training.trained_models import ComponentWeights
 
 if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
     from diffusers import StableDiffusionXLPipeline

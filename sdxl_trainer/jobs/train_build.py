@@ -33,6 +33,7 @@ from sdxl_trainer.jobs.train_config import (
     resolve_compute_dtype,
     with_cache_settings,
 )
+from sdxl_trainer.models.components import TEXT_ENCODER_NAMES, text_encoder_label
 from sdxl_trainer.models.encoders import load_text_encoders
 from sdxl_trainer.models.single_file import config_source, load_unet
 from sdxl_trainer.optimizers.build import build_optimizer
@@ -41,7 +42,7 @@ from sdxl_trainer.outputs.monitor import MetricsWriter, TrainingMonitor, WandbSe
 from sdxl_trainer.runtime.garbage_collection import exempt_live_objects_from_garbage_collection
 from sdxl_trainer.runtime.quiet_libraries import hide_library_progress_bars
 from sdxl_trainer.state.checkpoint import CheckpointError, TrainerState, load_training_state, read_trainer_state
-from sdxl_trainer.state.checkpointer import Checkpointer, SavePolicy, find_resume_checkpoint, prepare_checkpoints_dir, resume_problems
+from sdxl_trainer.state.checkpointer import Checkpointer, find_resume_checkpoint, prepare_checkpoints_dir, resume_problems
 from sdxl_trainer.state.run_folder import RunFolderBusy, RunFolderLock, earlier_run_outputs, earlier_run_problems
 from sdxl_trainer.training.captions import StepCaptionEncoder
 from sdxl_trainer.training.dataset import CachedDataset
@@ -52,7 +53,7 @@ from sdxl_trainer.training.objective import (
 )
 from sdxl_trainer.training.step import TrainStep
 from sdxl_trainer.training.stream import DataPosition, DataStream, TrainingData, load_training_data
-from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES, TrainedModels, text_encoder_label
+from sdxl_trainer.training.trained_models import TrainedModels
 
 
 def agree_on_seed(seed: int | None, device: torch.device) -> int:
@@ -107,7 +108,7 @@ def hold_run_folder(run_dir: Path, world: World) -> Iterator[None]:
             lock.release()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """Everything a run's loop uses, built by build_run."""
 
@@ -195,13 +196,14 @@ def build_run(config: TrainConfig, world: World) -> Run:
         caption_encoder if config.train_text_encoder else None,
     )
     checkpointer = Checkpointer(
-        run_dir / "checkpoints", SavePolicy(config.save_state, config.save_state_every_n_updates, config.checkpoints_total_limit), models.checkpointed,
-        train_step, config.run_facts(world.world_size), seed, report=monitor.say, last_saved_update=first_update if saved else None,
+        run_dir / "checkpoints", config, models.checkpointed, optimizer, ema, train_step, config.run_facts(world.world_size), seed, report=monitor.say,
+        last_saved_update=first_update if saved else None,
     )
     exporter = Exporter(config.export_settings(caches.vae_name_or_path), world, models, ema, run_dir)
     return Run(
-        config, world, log_dir, models, ema, stream, train_step, first_update, total_updates, saved is not None, monitor, evaluator, checkpointer, exporter,
-        StopRequest(announce=world.is_main),
+        config=config, world=world, log_dir=log_dir, models=models, ema=ema, stream=stream, train_step=train_step, first_update=first_update,
+        total_updates=total_updates, resumed=saved is not None, monitor=monitor, evaluator=evaluator, checkpointer=checkpointer, exporter=exporter,
+        stop=StopRequest(announce=world.is_main),
     )
 
 
@@ -250,7 +252,8 @@ def resume(config: TrainConfig, world: World, resume_dir: Path | None, saved: Tr
             print(f"No complete checkpoint in {run_dir / 'checkpoints'} yet: starting from the base model.")
         return DataPosition.epoch_start(0)
     started = time.perf_counter()
-    _, position = load_training_state(resume_dir, models.checkpointed, optimizer, ema)
+    _, position_state = load_training_state(resume_dir, models.checkpointed, optimizer, ema)
+    position = DataPosition.from_state_dict(position_state)
     if world.is_main:
         print(
             f"Resumed from {resume_dir} in {time.perf_counter() - started:.1f} s: update {saved.update}, epoch {position.epoch + 1} "

@@ -15,7 +15,7 @@ def run_loop(run: Run) -> None:
     validation, an epoch's end), until the data stream ends; then the run finishes (state, model)."""
     config, monitor, step, checkpointer, evaluator = run.config, run.monitor, run.train_step, run.checkpointer, run.evaluator
     if not run.resumed:
-        evaluator.run_and_report(0, run.models, run.ema, monitor.metrics, run.first_update)
+        evaluator.before_training(run.models, run.ema, monitor.metrics, run.first_update)
     if config.optimizer == "adamw8bit" or config.compile_unet:
         monitor.say(
             f"The first update compiles kernels ({'the 8-bit AdamW step' if config.optimizer == 'adamw8bit' else 'the UNet blocks'}): "
@@ -45,20 +45,30 @@ def run_loop(run: Run) -> None:
             monitor.say(f"Stopped on request after update {step.updates_done}. Resume with: --load_saved_state latest (or {checkpoint_dir}).")
             return
         checkpointer.after_update(update.position_after)
-        if evaluator.due_after_update(step.updates_done):
-            evaluator.run_and_report(None, run.models, run.ema, monitor.metrics, step.updates_done)
         last_update = step.updates_done == run.total_updates
-        if update.ends_epoch:
-            finished_epochs = update.epoch + 1
+        finished_epochs = update.epoch + 1 if update.ends_epoch else None
+        if finished_epochs is not None:
             monitor.log_epoch(finished_epochs)
-            if not (config.max_train_updates and last_update):  # the final validation below covers it
-                evaluator.run_and_report(finished_epochs, run.models, run.ema, monitor.metrics, step.updates_done)
-            if not last_update and run.exporter.epoch_save_due(finished_epochs):
-                run.exporter.export_epoch(finished_epochs, monitor.say)
-                checkpointer.at_epoch_save(update.position_after)
+        evaluator.after_update(step.updates_done, finished_epochs, last_update, run.models, run.ema, monitor.metrics)
+        if finished_epochs is not None and not last_update and run.exporter.epoch_save_due(finished_epochs):
+            run.exporter.export_epoch(finished_epochs, monitor.say)
+            checkpointer.at_epoch_save(update.position_after)
         monitor.throughput.start()
-    if config.max_train_updates and not evaluator.due_after_update(step.updates_done):
-        # The run ends inside an epoch or at an epoch end without its own validation: validate what is exported.
-        evaluator.run_and_report(None, run.models, run.ema, monitor.metrics, step.updates_done)
-    run.exporter.finish(checkpointer, run.stream.position, monitor)
+    evaluator.at_run_end(step.updates_done, run.models, run.ema, monitor.metrics)
+    finish(run)
     monitor.say(f"TensorBoard logs: {run.log_dir}   (view with: tensorboard --logdir {run.log_dir})")
+
+
+def finish(run: Run) -> None:
+    """Collective, the end of a run: its state, then the model. A state that cannot be saved still lets the
+    model be exported, then ends the job with exit code 1."""
+    run.monitor.close()
+    try:
+        run.checkpointer.before_exit(run.stream.position)
+        state_error = None
+    except CheckpointError as error:
+        state_error = error
+        run.monitor.say(f"Warning: {error} The model export below goes on.")
+    run.exporter.export_final()
+    if state_error is not None:
+        raise SystemExit(f"Training finished, but its final state could not be saved: {state_error}")

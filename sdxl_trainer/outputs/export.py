@@ -1,5 +1,5 @@
 """Writing the trained model out as a diffusers pipeline folder and, optionally, one single-file checkpoint;
-when a run exports (after epochs, at its end), and how it finishes."""
+and when a run exports (after epochs, at its end). Saving the training state is the checkpointer's."""
 
 from __future__ import annotations
 
@@ -17,14 +17,11 @@ from tqdm import tqdm
 
 from sdxl_trainer.config import option
 from sdxl_trainer.distributed.world import World, broadcast_text
+from sdxl_trainer.models.components import TEXT_ENCODER_NAMES, ComponentWeights, text_encoder_label
 from sdxl_trainer.models.single_file import SDXL_CONFIG_SOURCE, hf_clip_names, load_pipeline, save_single_file
-from sdxl_trainer.outputs.monitor import TrainingMonitor
 from sdxl_trainer.runtime.files import make_shareable, write_error_reason
-from sdxl_trainer.state.checkpoint import CheckpointError
-from sdxl_trainer.state.checkpointer import Checkpointer
 from sdxl_trainer.training.ema import ShardedEMA
-from sdxl_trainer.training.stream import DataPosition
-from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES, ComponentWeights, TrainedModels, text_encoder_label
+from sdxl_trainer.training.trained_models import TrainedModels
 
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -129,20 +126,10 @@ class Exporter:
         except ExportError as error:
             say(f"Warning: {error} Training goes on.")
 
-    def finish(self, checkpointer: Checkpointer, position: DataPosition, monitor: TrainingMonitor) -> None:
-        """Collective, the end of a run: its state, then the model. A state that cannot be saved still lets the
-        model be exported, then ends the job with exit code 1."""
-        monitor.close()
-        try:
-            checkpointer.before_exit(position)
-            state_error = None
-        except CheckpointError as error:
-            state_error = error
-            monitor.say(f"Warning: {error} The model export below goes on.")
+    def export_final(self) -> None:
+        """Collective: the run's model at its end, into OUTPUT_DIR/PROJECT_NAME/pipeline."""
         if self.enabled:
             self.export(self.run_dir / "pipeline")
-        if state_error is not None:
-            raise SystemExit(f"Training finished, but its final state could not be saved: {state_error}")
 
 
 def save_pipeline(

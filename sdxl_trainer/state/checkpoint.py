@@ -36,7 +36,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -63,8 +63,6 @@ from torch.futures import Future
 
 from sdxl_trainer.distributed.world import all_gather_text
 from sdxl_trainer.runtime.files import make_shareable, write_durably, write_error_reason
-from sdxl_trainer.training.ema import ShardedEMA
-from sdxl_trainer.training.stream import DataPosition
 
 TRAINER_STATE_FILE = "trainer_state.json"
 DATA_POSITION_FILE = "data_position.safetensors"
@@ -440,13 +438,28 @@ def verify_checkpoint(checkpoint_dir: Path) -> Verification:
 # ---- save and load ----------------------------------------------------------------------------------
 
 
-def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: ShardedEMA | None) -> dict[str, Any]:
+class Stateful(Protocol):
+    """A part of the training state that saves and restores itself (the EMA, the train step's counters)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class HasState(Protocol):
+    """A value a checkpoint records (the data position), rebuilt by its owner from what state_dict() gave."""
+
+    def state_dict(self) -> dict: ...
+
+
+def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: Stateful | None) -> dict[str, Any]:
     """What goes through DCP: tensors only. The optimizer's param_groups (learning rate, betas, ...) stay out:
-    DCP would pickle them, and a resume takes them from its own flags."""
+    DCP would pickle them, and a resume takes them from its own flags. The EMA's update count goes into
+    trainer_state.json (ema_updates)."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": {"state": optimizer_state["state"]}}
     if ema is not None:
-        state["ema"] = ema.sharded_state_dict()
+        state["ema"] = ema.state_dict()["weights"]
     return state
 
 
@@ -464,9 +477,9 @@ def save_training_state(
     checkpoint_dir: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    ema: ShardedEMA | None,
+    ema: Stateful | None,
     trainer_state: TrainerState,
-    position: DataPosition,
+    position: HasState,
     writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter,
 ) -> Path:
     """Collective: every rank calls it. Returns the final folder, or raises CheckpointError on every rank
@@ -482,10 +495,8 @@ def save_training_state(
         dcp.save(_tensor_state(model, optimizer, ema), storage_writer=writer_factory(tmp_dir))
         _save_rng_states(_rng_file(tmp_dir, rank))
         if rank == 0:
-            save_numpy_file(
-                {"carried_in": position.carried_in.astype(np.int64), "consumed": position.consumed.astype(np.int64)},
-                str(tmp_dir / DATA_POSITION_FILE),
-            )
+            arrays = {name: value for name, value in position.state_dict().items() if isinstance(value, np.ndarray)}  # the rest: trainer_state.json
+            save_numpy_file(arrays, str(tmp_dir / DATA_POSITION_FILE))
             make_shareable(tmp_dir / DATA_POSITION_FILE)
         # Each rank hashes what it wrote, in parallel, while it is still in this machine's page cache.
         written = {name: file_checksum(tmp_dir / name) for name in _files_written_by(tmp_dir, rank)}
@@ -552,10 +563,11 @@ def checkpoint_problem(checkpoint_dir: Path) -> str | None:
 
 
 def load_training_state(
-    checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: ShardedEMA | None
-) -> tuple[TrainerState, DataPosition]:
+    checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: Stateful | None
+) -> tuple[TrainerState, dict[str, Any]]:
     """Collective: restore model, optimizer state, EMA and this rank's RNG states in place; returns
-    trainer_state.json's values and the data position. The optimizer's hyperparameters stay this run's.
+    trainer_state.json's values and the data position's state (DataPosition.from_state_dict rebuilds it). The
+    optimizer's hyperparameters stay this run's.
     (get_state_dict creates a fresh optimizer's state with a zero-learning-rate step, as DCP needs a template.)
     A rank with no saved RNG state (the run now has more processes) keeps its own seeded RNG."""
     problem = checkpoint_problem(checkpoint_dir)
@@ -575,13 +587,12 @@ def load_training_state(
     # dtype: the fp32 moments of bf16 weights (--weights_dtype bf16) would come back rounded to bf16.
     set_model_state_dict(model, state["model"])
     if ema is not None:
-        ema.load_sharded_state_dict(state["ema"], trainer_state.ema_updates)
+        ema.load_state_dict({"weights": state["ema"], "updates": trainer_state.ema_updates})
     rng_file = _rng_file(checkpoint_dir, dist.get_rank())
     if rng_file.is_file():
         _restore_rng_states(rng_file)
     arrays = load_numpy_file(str(checkpoint_dir / DATA_POSITION_FILE))
-    position = DataPosition(trainer_state.epoch, trainer_state.updates_in_epoch, arrays["carried_in"], arrays["consumed"])
-    return trainer_state, position
+    return trainer_state, {"epoch": trainer_state.epoch, "updates_in_epoch": trainer_state.updates_in_epoch, **arrays}
 
 
 # ---- the checkpoints folder --------------------------------------------------------------------------

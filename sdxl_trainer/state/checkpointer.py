@@ -17,12 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from sdxl_trainer.config import option
+from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.state.checkpoint import (
     CheckpointError,
+    HasState,
+    Stateful,
     TrainerState,
     Verification,
     checkpoint_name,
@@ -32,9 +36,6 @@ from sdxl_trainer.state.checkpoint import (
     set_aside_later_checkpoints,
     verify_checkpoint,
 )
-from sdxl_trainer.training.step import TrainStep
-from sdxl_trainer.training.stream import DataPosition
-from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES
 
 
 @dataclass(kw_only=True)
@@ -152,49 +153,52 @@ def prepare_checkpoints_dir(checkpoints_dir: Path, delete_earlier: bool, resumed
             )
 
 
-@dataclass(frozen=True)
-class SavePolicy:
-    enabled: bool  # --save_state
-    every_n_updates: int  # 0 = off
-    keep: int  # --checkpoints_total_limit (0 = all)
-
-
 class Checkpointer:
-    def __init__(self, checkpoints_dir: Path, policy: SavePolicy, model: nn.Module, train_step: TrainStep, run_facts: RunFacts, seed: int,
-                 report: Callable[[str], None], last_saved_update: int | None):
-        """`model`: what the checkpoint holds with the optimizer state (TrainedModels.checkpointed); `run_facts`
-        and `seed`: the TrainerState fields the train step does not know; `report` prints a message once (rank 0)."""
+    """Saves the run's state as a whole: the trained modules with their optimizer's state and the EMA (through
+    DCP), the train step's counters and the data position, each through its own state_dict()."""
+
+    def __init__(self, checkpoints_dir: Path, options: CheckpointOptions, model: nn.Module, optimizer: torch.optim.Optimizer, ema: Stateful | None,
+                 step: Stateful, run_facts: RunFacts, seed: int, report: Callable[[str], None], last_saved_update: int | None):
+        """`model`: what the checkpoint holds with the optimizer state (TrainedModels.checkpointed); `step`: the
+        train step, whose state_dict() gives the counters (update, skipped updates, loss scaler); `run_facts` and
+        `seed`: the rest of trainer_state.json; `report` prints a message once (rank 0)."""
         self.checkpoints_dir = checkpoints_dir
+        self.options = options
         self.model = model
-        self.policy = policy
-        self.train_step = train_step
+        self.optimizer = optimizer
+        self.ema = ema
+        self.step = step
         self.run_facts = run_facts
         self.seed = seed
         self.report = report
         self.last_saved_update = last_saved_update
         self.last_saved_dir: Path | None = None
 
-    def save(self, position: DataPosition) -> Path:
+    @property
+    def _updates_done(self) -> int:
+        return self.step.state_dict()["update"]
+
+    def save(self, position: HasState) -> Path:
         """Collective: save now, then keep the newest checkpoints. Raises CheckpointError on every rank."""
+        data = position.state_dict()
         state = TrainerState(
-            **self.train_step.state_dict(),
+            **self.step.state_dict(),
             **dataclasses.asdict(self.run_facts),
             seed=self.seed,
-            epoch=position.epoch,
-            updates_in_epoch=position.updates_in_epoch,
-            ema_updates=self.train_step.ema.updates if self.train_step.ema is not None else 0,
+            epoch=data["epoch"],
+            updates_in_epoch=data["updates_in_epoch"],
+            ema_updates=self.ema.state_dict()["updates"] if self.ema is not None else 0,
             world_size=dist.get_world_size(),
         )
         started = time.perf_counter()
-        step = self.train_step
-        checkpoint_dir = save_training_state(self.checkpoints_dir / checkpoint_name(state.update), self.model, step.optimizer, step.ema, state, position)
+        checkpoint_dir = save_training_state(self.checkpoints_dir / checkpoint_name(state.update), self.model, self.optimizer, self.ema, state, position)
         self.last_saved_update, self.last_saved_dir = state.update, checkpoint_dir
         if dist.get_rank() == 0:
-            removed = remove_old_checkpoints(self.checkpoints_dir, self.policy.keep)
+            removed = remove_old_checkpoints(self.checkpoints_dir, self.options.checkpoints_total_limit)
             self.report(f"Saved state to {checkpoint_dir} in {time.perf_counter() - started:.1f} s" + (f"; removed {len(removed)} older" if removed else "") + ".")
         return checkpoint_dir
 
-    def _save_or_warn(self, position: DataPosition) -> None:
+    def _save_or_warn(self, position: HasState) -> None:
         try:
             self.save(position)
         except CheckpointError as error:
@@ -202,20 +206,20 @@ class Checkpointer:
 
     @property
     def _unsaved(self) -> bool:
-        return self.policy.enabled and self.last_saved_update != self.train_step.updates_done
+        return self.options.save_state and self.last_saved_update != self._updates_done
 
-    def after_update(self, position: DataPosition) -> None:
-        every = self.policy.every_n_updates
-        if self.policy.enabled and every and self.train_step.updates_done % every == 0:
+    def after_update(self, position: HasState) -> None:
+        every = self.options.save_state_every_n_updates
+        if self.options.save_state and every and self._updates_done % every == 0:
             self._save_or_warn(position)
 
-    def at_epoch_save(self, position: DataPosition) -> None:
+    def at_epoch_save(self, position: HasState) -> None:
         if self._unsaved:
             self._save_or_warn(position)
 
-    def before_exit(self, position: DataPosition, even_without_save_state: bool = False) -> Path | None:
+    def before_exit(self, position: HasState, even_without_save_state: bool = False) -> Path | None:
         """Save the state of a run that ends now unless it is saved already; returns the newest checkpoint.
         Raises CheckpointError. A stop request or a NaN stop saves even with --no-save_state: the run is cut short."""
-        if self.last_saved_update != self.train_step.updates_done and (self.policy.enabled or even_without_save_state):
+        if self.last_saved_update != self._updates_done and (self.options.save_state or even_without_save_state):
             self.save(position)
         return self.last_saved_dir

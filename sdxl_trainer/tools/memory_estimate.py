@@ -51,6 +51,7 @@ except ImportError:  # torch before 2.12 (the lent GPUs' image has 2.11): import
 
 from sdxl_trainer.distributed.fsdp import local_parameter_bytes, prepare_text_encoder, prepare_unet
 from sdxl_trainer.distributed.world import World
+from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.models.encoders import TEXT_MAX_LENGTH, trainable_text_encoder
 from sdxl_trainer.models.sdxl import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, build_full_size_text_encoders, sdxl_tokenizers
 from sdxl_trainer.optimizers.build import build_optimizer, local_optimizer_state_bytes
@@ -59,7 +60,7 @@ from sdxl_trainer.training.ema import ShardedEMA
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule
 from sdxl_trainer.training.objective import NoiseSettings
 from sdxl_trainer.training.step import TrainStep
-from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES, TrainedModels
+from sdxl_trainer.training.trained_models import TrainedModels
 
 GIB = 2**30
 CARD_SIZES_GIB = (16, 24, 48, 80)

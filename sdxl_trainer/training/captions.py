@@ -31,8 +31,8 @@ import torch
 
 from sdxl_trainer.cache.format import captions_in
 from sdxl_trainer.config import option
+from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.models.encoders import encode_prompts
-from sdxl_trainer.training.trained_models import TEXT_ENCODER_NAMES
 
 if TYPE_CHECKING:
     from sdxl_trainer.models.encoders import TextSide

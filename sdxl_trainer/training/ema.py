@@ -66,15 +66,16 @@ class ShardedEMA:
         torch._foreach_lerp_(self.shadow, current, weight_of_new)
         self.updates += 1
 
-    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameter name -> EMA weights as a DTensor laid out like the parameter (for DCP and gathering).
-        With on_cpu the DTensors sit on the CPU; gather them with a CPU-capable backend."""
-        return {name: _laid_out_like(parameter, shadow) for name, parameter, shadow in zip(self.names, self.parameters, self.shadow)}
+    def state_dict(self) -> dict:
+        """"weights": parameter name -> EMA weights as a DTensor laid out like the parameter (DCP saves and
+        reshards them; with on_cpu they sit on the CPU), and "updates": how many updates it has averaged."""
+        weights = {name: _laid_out_like(parameter, shadow) for name, parameter, shadow in zip(self.names, self.parameters, self.shadow)}
+        return {"weights": weights, "updates": self.updates}
 
-    def load_sharded_state_dict(self, state: dict[str, torch.Tensor], updates: int) -> None:
+    def load_state_dict(self, state: dict) -> None:
         for name, shadow in zip(self.names, self.shadow):
-            shadow.copy_(_local(state[name]))
-        self.updates = updates
+            shadow.copy_(_local(state["weights"][name]))
+        self.updates = state["updates"]
 
     @contextlib.contextmanager
     def weights_in_model(self) -> Iterator[None]:

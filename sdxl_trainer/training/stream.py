@@ -50,6 +50,16 @@ class DataPosition:
         nothing = np.zeros(0, dtype=np.int64)
         return cls(epoch, 0, nothing if carried_in is None else carried_in, nothing)
 
+    def state_dict(self) -> dict:
+        """What a checkpoint records: the epoch and its updates done (trainer_state.json), the items carried into
+        the epoch and those already trained on (data_position.safetensors)."""
+        return {"epoch": self.epoch, "updates_in_epoch": self.updates_in_epoch, "carried_in": self.carried_in.astype(np.int64),
+                "consumed": self.consumed.astype(np.int64)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> DataPosition:
+        return cls(state["epoch"], state["updates_in_epoch"], state["carried_in"], state["consumed"])
+
     def __repr__(self) -> str:
         return f"DataPosition(epoch={self.epoch}, updates_in_epoch={self.updates_in_epoch}, {len(self.carried_in)} carried in, {len(self.consumed)} consumed)"
 

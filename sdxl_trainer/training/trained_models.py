@@ -5,21 +5,12 @@ to sampling, so those three always agree on which weights were trained.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from sdxl_trainer.distributed.fsdp import full_state_dict_on_rank0
+from sdxl_trainer.models.components import TEXT_ENCODER_NAMES, ComponentWeights
 from sdxl_trainer.training.ema import ShardedEMA
 from sdxl_trainer.training.lr_schedule import LR_SCALE
-
-TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2")  # the pipeline's attribute names
-
-ComponentWeights = dict[str, dict[str, torch.Tensor]]  # pipeline component name -> its full state dict
-
-
-def text_encoder_label(name: str) -> str:
-    """"text encoder 1" for CLIP ViT-L (pipeline name "text_encoder"), "text encoder 2" for OpenCLIP bigG."""
-    return f"text encoder {TEXT_ENCODER_NAMES.index(name) + 1}"
 
 
 class TrainedModels(nn.Module):
