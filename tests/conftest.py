@@ -126,15 +126,56 @@ def process_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO_ROOT))
 
 
+# run_tests.sh --quick: the tier without process launches (pytest.ini's markers say which tests are left out).
+QUICK_TIER = os.environ.get("QUICK_TIER") == "1"
+STARTS_PROCESSES = "starts processes: mark it @pytest.mark.multiprocess (the quick tier, run_tests.sh --quick, starts none)"
+
+
 @functools.cache
 def warm_launcher() -> WarmLauncher:
+    if QUICK_TIER:
+        raise AssertionError(f"This test {STARTS_PROCESSES}")
     return WarmLauncher(process_env())
 
 
 @pytest.fixture(scope="session", autouse=True)
 def start_the_warm_launcher_early() -> None:
     """Its server imports (some 30 s) while this worker makes or waits for the shared folders (made_once)."""
-    warm_launcher()
+    if not QUICK_TIER:
+        warm_launcher()
+
+
+# What the quick tier refuses: Python processes (scripts, ranks, servers), shells, and forks (multiprocessing).
+# torch.compile's own helpers (the C++ compiler, openssl, its compile workers) start processes too and are allowed.
+LAUNCHERS = ("python", "bash", "sh", "torchrun")
+
+
+def _is_launch(command: str) -> bool:
+    program = Path(command.split(" ", 1)[0]).name
+    return command.startswith("os.") or (program.startswith(LAUNCHERS) and "torch._inductor" not in command)
+started_processes: list[str] = []  # what the current test started (the audit hook below), quick tier only
+
+
+def _record_process_start(event: str, args: tuple) -> None:
+    """A Python audit hook (PEP 578): every subprocess, fork and spawn of this process, as it starts."""
+    if event == "subprocess.Popen":
+        started_processes.append(" ".join(map(str, args[1] if isinstance(args[1], (list, tuple)) else [args[1]])))
+    elif event in ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn"):
+        started_processes.append(event)
+
+
+if QUICK_TIER:
+    sys.addaudithook(_record_process_start)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """In the quick tier a test that starts a process (other than the compiler's) fails, naming the marker it needs."""
+    started_processes.clear()
+    outcome = yield
+    launched = [command for command in started_processes if _is_launch(command)]
+    if QUICK_TIER and outcome.excinfo is None and launched:
+        outcome.force_exception(AssertionError(f"{item.nodeid} {STARTS_PROCESSES}; it started: {launched[0][:200]}"))
 
 
 def run_processes(

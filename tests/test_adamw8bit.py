@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import REPO_ROOT, run_processes
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
@@ -67,6 +68,7 @@ def assert_same_state(ours: torch.optim.Optimizer, ours_params, theirs: torch.op
     assert weights_off <= weights // 1000  # measured: 57 of 159,792
 
 
+@pytest.mark.slow
 def test_the_multi_tensor_step_gives_torchaos_weights_and_8bit_state():
     ours_params, their_params = parameters(), parameters()
     ours, theirs = AdamW8bit(ours_params, **SETTINGS), TorchaoAdamW8bit(their_params, **SETTINGS)
@@ -105,6 +107,7 @@ def test_chunks_cut_anywhere_give_the_same_update(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.multiprocess
 def test_sharded_parameters_on_two_ranks_step_as_with_torchao(tmp_path):
     """FSDP2 DTensor shards, uneven ones included: one parameter leaves rank 1 no values at all."""
     run_processes(2, REPO_ROOT / "tests" / "adamw8bit_worker.py", [str(tmp_path)])

@@ -20,6 +20,7 @@ from sdxl_trainer.training.ema import ShardedEMA
 BF16_STEP_AT_1 = 2.0**-7  # bf16 keeps 8 significant bits: its spacing between 1 and 2
 
 
+@pytest.mark.slow
 def test_rounding_goes_up_as_often_as_the_share_of_the_step_passed():
     values = 1.0 + BF16_STEP_AT_1 * torch.tensor([0.0, 0.125, 0.5, 0.9]).repeat_interleave(40_000)
     rounded = round_to_bf16(values, rounding_key(step=1, stream=0)).float().view(4, -1)
@@ -44,6 +45,7 @@ def test_the_key_fixes_the_rounding_and_another_key_redraws_it():
     assert abs(errors.mean().item()) < 0.02 * errors.abs().mean().item()  # unbiased, unlike truncation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 def test_updates_below_half_a_bf16_step_land_in_expectation(optimizer_name):
     """Weights at 1.0, a constant gradient: every optimizer here moves a weight by about lr per update
@@ -78,6 +80,7 @@ def loss_trajectory(world, pipeline_dir, weights_dtype: torch.dtype, optimizer_f
     return np.array([step([synthetic_batch(unet, [update % 4, update % 4 + 4], seed=3, height=8, width=8)], epoch=0).loss for update in range(updates)])
 
 
+@pytest.mark.slow
 def test_bf16_weights_train_the_tiny_unet_as_fp32_weights_do(world, tiny_pipeline_dir):
     """30 AdamW updates at lr 1e-4 (below half a bf16 step of most of the tiny UNet's weights), bf16 compute
     in all three runs. Measured: the last 10 losses average 0.5897 with fp32 weights, 0.5904 with bf16 +
@@ -94,6 +97,7 @@ def test_bf16_weights_train_the_tiny_unet_as_fp32_weights_do(world, tiny_pipelin
     assert final["nearest"] > 1.1 * final["fp32"]  # what stochastic rounding is for
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 @pytest.mark.parametrize("layout", ["fsdp2", "plain"])
 def test_bf16_weights_resume_exactly(world, tiny_pipeline_dir, tmp_path, optimizer_name, layout):

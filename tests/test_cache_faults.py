@@ -12,6 +12,7 @@ import sys
 import time
 from collections import Counter
 
+import pytest
 from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_data_dir, process_env, small_filesystem_prefix, unprivileged
 from test_process_data_dir import make_dataset, run_cache
 
@@ -21,6 +22,7 @@ from sdxl_trainer.cache.writer import WorkerLock
 from sdxl_trainer.runtime.files import SHAREABLE_MODE, is_disk_full, write_error_reason
 
 
+@pytest.mark.multiprocess
 def test_a_real_full_disk_stops_with_the_message_and_a_rerun_after_freeing_space_resumes(tmp_path, tiny_pipeline_dir):
     mounted, copied = tmp_path / "disk", tmp_path / "copied"
     command = [sys.executable, str(REPO_ROOT / "sdxl_process_data_dir.py"), "--data_dir", str(SAMPLE_DATASET), "--cache_dir", str(mounted / "cache"),

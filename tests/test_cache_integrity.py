@@ -217,6 +217,7 @@ def test_cache_info_without_upscale_fields_still_reads(tmp_path):
     assert read_cache_info(tmp_path).upscale_to_resolution is None
 
 
+@pytest.mark.slow
 def test_million_row_manifest_loads_fast_and_finds_items(tmp_path):
     """1,000,000 rows in parts of 256 (the default --items_per_shard), written without tensors."""
     num_rows, rows_per_part = 1_000_000, 256

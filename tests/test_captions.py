@@ -134,6 +134,7 @@ def test_the_cache_keeps_every_caption_and_says_which_one_it_encoded(tag_cache):
 VARIATION_FLAGS = ("--encode_captions_each_step", "--shuffle_caption", "--keep_tokens", "1", "--caption_tag_dropout_rate", "0.3")
 
 
+@pytest.mark.multiprocess
 def test_varied_captions_change_what_is_learned(tmp_path, tag_cache, tiny_pipeline_dir):
     """The same 3 updates (1 process) on the varied captions and on the cached embeddings end apart. Caption
     mode with this variation resumes bitwise on 2 processes in test_text_encoder_training.py."""
@@ -148,6 +149,7 @@ def test_varied_captions_change_what_is_learned(tmp_path, tag_cache, tiny_pipeli
     assert varied != cached
 
 
+@pytest.mark.multiprocess
 def test_caption_variation_without_caption_mode_is_refused(tmp_path, tag_cache, tiny_pipeline_dir):
     flags = trainer_flags(tag_cache, tiny_pipeline_dir, tmp_path, "refused", "--shuffle_caption", "--keep_tokens", "2")
     result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", flags, expect_success=False)

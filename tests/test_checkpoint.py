@@ -68,6 +68,7 @@ def straight_and_resumed(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir):
     return output_dir, straight.stdout, resumed.stdout
 
 
+@pytest.mark.multiprocess
 def test_resumed_run_ends_with_exactly_the_weights_losses_and_rates_of_the_straight_run(straight_and_resumed, tiny_pipeline_dir):
     output_dir, _, resumed_log = straight_and_resumed
     assert "Resumed from" in resumed_log and "update 5, epoch 1 after 5 of its updates" in resumed_log
@@ -84,6 +85,7 @@ def test_resumed_run_ends_with_exactly_the_weights_losses_and_rates_of_the_strai
     assert any(not torch.equal(tensor, base[name]) for name, tensor in straight.items())  # training moved the weights
 
 
+@pytest.mark.multiprocess
 def test_the_exported_pipeline_encodes_the_empty_caption_as_training_did(straight_and_resumed, sample_cache_dir):
     """Caption dropout trained the encoded "" (the cache's empty_prompt); the stock SDXL pipeline config puts
     zeros in its place when no negative prompt is given, embeddings the fine-tune never saw."""
@@ -100,6 +102,7 @@ def test_the_exported_pipeline_encodes_the_empty_caption_as_training_did(straigh
     assert torch.allclose(negative_pooled[0], trained_empty_pooled.float(), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.multiprocess
 def test_train_lr_is_the_rate_each_update_used_also_with_torchaos_tensor_rate(straight_and_resumed):
     """torchao keeps the learning rate in a tensor; logging that tensor logged whatever the schedule wrote into
     it afterwards (the next update's rate)."""
@@ -110,6 +113,7 @@ def test_train_lr_is_the_rate_each_update_used_also_with_torchaos_tensor_rate(st
     assert logged[0] == 0.0 and max(logged) == pytest.approx(1e-4)  # a warm-up from 0 to the peak
 
 
+@pytest.mark.multiprocess
 def test_with_ema_the_validation_loss_is_that_of_the_exported_ema_weights(straight_and_resumed):
     output_dir, _, _ = straight_and_resumed
     run = output_dir / "straight"
@@ -119,6 +123,7 @@ def test_with_ema_the_validation_loss_is_that_of_the_exported_ema_weights(straig
     assert exported[1:] != raw[1:]
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_folder_holds_every_part_and_no_pickle(straight_and_resumed):
     output_dir, _, _ = straight_and_resumed
     checkpoint = output_dir / "straight" / "checkpoints" / checkpoint_name(5)
@@ -133,6 +138,7 @@ def test_checkpoint_folder_holds_every_part_and_no_pickle(straight_and_resumed):
     assert len(position["consumed"]) == 5 * 2  # 5 updates of a global batch of 2
 
 
+@pytest.mark.multiprocess
 def test_scheduled_saves_and_total_limit(straight_and_resumed):
     output_dir, _, _ = straight_and_resumed
     straight = [path.name for path in complete_checkpoints(output_dir / "straight" / "checkpoints")]
@@ -167,6 +173,7 @@ def saved_on(tmp_path_factory, tiny_pipeline_dir):
 RESHARDED_OPTIMIZERS = ("adamw8bit", "adafactor")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("saved_processes,processes", [(2, 1), (1, 2)])
 def test_state_resumes_on_another_number_of_processes(saved_on, tiny_pipeline_dir, saved_processes, processes):
     """DCP reshards on load, between FSDP2 shards and the plain UNet one process trains. From shards to more
@@ -185,6 +192,7 @@ def test_state_resumes_on_another_number_of_processes(saved_on, tiny_pipeline_di
         assert np.isfinite(result["next_loss"])
 
 
+@pytest.mark.multiprocess
 def test_a_save_killed_halfway_leaves_the_last_good_checkpoint(tmp_path, tiny_pipeline_dir):
     result = run_processes(2, WORKER, ["die_during_save", str(tiny_pipeline_dir), str(tmp_path), "adamw"], expect_success=False)
     assert result.returncode != 0
@@ -217,6 +225,7 @@ def test_latest_skips_incomplete_checkpoints_and_pruning_removes_dead_saves(tmp_
 # ---- signals -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_sigterm_saves_state_and_exits_zero_then_latest_resumes(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "signalled", "--num_train_epochs", "20", "--optimizer", "adamw",
                           "--save_state_every_n_updates", "2", "--load_saved_state", "latest", "--save_diffusers")
@@ -317,6 +326,7 @@ def test_single_file_carries_the_objective_markers_and_model_spec(tmp_path, tiny
         assert not {"v_pred", "ztsnr"} & set(handle.keys()) and handle.metadata()["modelspec.prediction_type"] == "epsilon"
 
 
+@pytest.mark.multiprocess
 def test_trains_from_a_single_file_base_and_exports_one(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     """The exported files are named after the run in their metadata (`modelspec.title`, shown by UIs and
     model hubs), not after the file ("pipeline")."""
@@ -344,6 +354,7 @@ def test_trains_from_a_single_file_base_and_exports_one(tmp_path, sample_cache_d
     assert not (tmp_path / "from_file" / "checkpoints").exists()
 
 
+@pytest.mark.multiprocess
 def test_the_vae_a_cache_was_encoded_with_is_the_one_exported(tmp_path, tiny_pipeline_dir):
     """Caching with --vae_name_or_path (README's fp16-fix example) used to export the base model's VAE,
     which decodes those latents differently."""
@@ -367,6 +378,7 @@ def test_the_vae_a_cache_was_encoded_with_is_the_one_exported(tmp_path, tiny_pip
 # ---- pipeline handoff ----------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_every_process_gets_the_trained_weights_through_the_handoff_folder(tmp_path, tiny_pipeline_dir):
     run_processes(2, WORKER, ["handoff", str(tiny_pipeline_dir), str(tmp_path), "adamw"])
     reports = [json.loads((tmp_path / f"handoff_rank{rank}.json").read_text()) for rank in range(2)]

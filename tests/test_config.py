@@ -369,6 +369,7 @@ def test_there_is_an_example_config_per_common_machine():
     assert {"2x24gb_consumer", "8x80gb_datacenter", "multinode_4x8x80gb"} <= names
 
 
+@pytest.mark.multiprocess
 def test_a_run_without_a_seed_records_the_one_it_drew(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     """The drawn seed reaches config.json (to repeat the run) and the checkpoint."""
     from conftest import REPO_ROOT, run_processes, trainer_flags

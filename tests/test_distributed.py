@@ -14,6 +14,8 @@ import pytest
 from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.multiprocess
+
 
 def test_each_rank_holds_half_of_the_unet(tmp_path, tiny_pipeline_dir):
     run_processes(2, REPO_ROOT / "tests" / "fsdp_shard_worker.py", [str(tiny_pipeline_dir), str(tmp_path)])

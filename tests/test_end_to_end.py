@@ -9,10 +9,13 @@ import re
 import subprocess
 
 import numpy as np
+import pytest
 import torch
 from conftest import REPO_ROOT
 from diffusers import StableDiffusionXLPipeline
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.end_to_end]
 
 
 def test_quickstart_trains_and_exports_a_loadable_pipeline(tmp_path):

@@ -94,6 +94,7 @@ def plant_pickle(checkpoint: Path, marker: Path) -> None:
     (checkpoint / METADATA_FILE).write_text(json.dumps(index))
 
 
+@pytest.mark.multiprocess
 def test_every_entry_of_a_checkpoint_is_a_tensor(saved_run):
     for checkpoint in (saved_run / "checkpoints").iterdir():
         entries = json.loads((checkpoint / METADATA_FILE).read_text())["state_dict_metadata"]
@@ -101,6 +102,7 @@ def test_every_entry_of_a_checkpoint_is_a_tensor(saved_run):
         assert not any(".param_groups." in name for name in entries)  # hyperparameters come from the flags
 
 
+@pytest.mark.multiprocess
 def test_every_file_of_a_checkpoint_has_its_checksum_recorded(saved_run):
     import hashlib
 
@@ -113,6 +115,7 @@ def test_every_file_of_a_checkpoint_has_its_checksum_recorded(saved_run):
             assert hashlib.new(recorded["algorithm"], (checkpoint / name).read_bytes()).hexdigest() == digest, name
 
 
+@pytest.mark.multiprocess
 def test_a_planted_pickle_never_runs_and_the_load_fails_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     run = copy_of(saved_run, tmp_path)
     planted = run / "checkpoints" / checkpoint_name(12)
@@ -184,6 +187,7 @@ DAMAGE_KINDS = ["truncated shard", "missing shard", "index not JSON", "unknown d
                 "shard without a checksum"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", DAMAGE_KINDS)
 def test_damaged_checkpoints_are_named(tmp_path, saved_run, kind):
     checkpoint = copy_of(saved_run, tmp_path) / "checkpoints" / checkpoint_name(12)
@@ -193,6 +197,7 @@ def test_damaged_checkpoints_are_named(tmp_path, saved_run, kind):
     assert problem is not None and expected in problem, problem
 
 
+@pytest.mark.multiprocess
 def test_latest_skips_damaged_checkpoints_says_so_and_resumes_from_the_newest_intact_one(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     run = copy_of(saved_run, tmp_path)
     marker = tmp_path / "code_ran"
@@ -207,6 +212,7 @@ def test_latest_skips_damaged_checkpoints_says_so_and_resumes_from_the_newest_in
     assert not marker.exists()
 
 
+@pytest.mark.multiprocess
 def test_a_resume_whose_global_batch_no_bucket_fills_stops_before_the_model_loads_naming_the_flags_and_buckets(
     tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir
 ):
@@ -249,6 +255,7 @@ def without_checksums(checkpoint: Path) -> None:
     (checkpoint / TRAINER_STATE_FILE).write_text(json.dumps(state))
 
 
+@pytest.mark.multiprocess
 def test_latest_skips_a_checkpoint_whose_shard_changed_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     run = copy_of(saved_run, tmp_path)
     shard = zero_inside_the_largest_record(run / "checkpoints" / checkpoint_name(12))
@@ -258,6 +265,7 @@ def test_latest_skips_a_checkpoint_whose_shard_changed_naming_the_file(tmp_path,
     assert "Verified the checksums of" in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_a_named_checkpoint_whose_shard_changed_is_refused_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     run = copy_of(saved_run, tmp_path)
     checkpoint = run / "checkpoints" / checkpoint_name(12)
@@ -268,6 +276,7 @@ def test_a_named_checkpoint_whose_shard_changed_is_refused_naming_the_file(tmp_p
     assert result.stderr.count("does not match its checksum") == 1  # printed once, by one rank
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_saved_before_checksums_resumes_and_says_it_carries_none(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     run = copy_of(saved_run, tmp_path)
     for checkpoint in (run / "checkpoints").iterdir():
@@ -277,6 +286,7 @@ def test_a_checkpoint_saved_before_checksums_resumes_and_says_it_carries_none(tm
     assert f"Resumed from {run / 'checkpoints' / checkpoint_name(12)}" in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_an_unreadable_record_of_a_checkpoint_without_checksums_is_refused_naming_the_file(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     """Without checksums, only DCP's reading finds damage in a shard: its error must name the file."""
     run = copy_of(saved_run, tmp_path)
@@ -295,6 +305,7 @@ def test_an_unreadable_record_of_a_checkpoint_without_checksums_is_refused_namin
 # ---- the run folder: one run at a time, no silent start over a finished run, going back -----------------
 
 
+@pytest.mark.multiprocess
 def test_a_second_run_into_the_same_folder_is_refused_on_every_rank_naming_the_first(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     flags = train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest")
     log = tmp_path / "run" / "train.log"
@@ -319,6 +330,7 @@ def test_a_second_run_into_the_same_folder_is_refused_on_every_rank_naming_the_f
     assert "Stopped on request after update" in first.stdout
 
 
+@pytest.mark.multiprocess
 def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_starts_over(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     run = copy_of(saved_run, tmp_path)
     refused = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path), expect_success=False)
@@ -338,6 +350,7 @@ def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_st
     assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(2)]
 
 
+@pytest.mark.multiprocess
 def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside_and_keeps_the_resumed_runs(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
     """Going back to update 4 of a run that saved 4, 8 and 12, keeping 2: while 8 and 12 stayed, the limit (it
     keeps the highest update numbers) deleted each new save and the one resumed from, and 'latest' then
@@ -369,6 +382,7 @@ def one_item_per_shard_cache(tmp_path_factory, tiny_pipeline_dir) -> Path:
     return cache_dir
 
 
+@pytest.mark.multiprocess
 def test_an_error_in_one_rank_ends_every_process_at_once_with_its_message_printed_once(tmp_path, one_item_per_shard_cache, tiny_pipeline_dir):
     cache = tmp_path / "cache"
     shutil.copytree(one_item_per_shard_cache, cache)
@@ -409,6 +423,7 @@ def run_processes_of(marker: str) -> list[int]:
     return found
 
 
+@pytest.mark.multiprocess
 def test_killing_only_the_launcher_leaves_no_rank_training_on(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     output_dir = tmp_path / "killed_launcher_output"
     command = launcher_command(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, "--num_train_epochs", "50", "--dataloader_num_workers", "2",
@@ -437,6 +452,7 @@ def test_killing_only_the_launcher_leaves_no_rank_training_on(tmp_path, sample_c
 # ---- a full disk ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_a_full_disk_warns_at_state_saves_keeps_the_last_checkpoint_and_stops_cleanly_at_the_export(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     """A checkpoint of the tiny model takes about 15 MB and its fp32 export 28 MB: on a 24 MB disk the save
     after update 4 fits, the one after update 8 does not, and neither does the export."""
@@ -484,6 +500,7 @@ def test_bad_numbers_are_refused_naming_the_flag(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_a_wrong_model_path_is_named_before_anything_loads(tmp_path, sample_cache_dir):
     from sdxl_trainer.models.single_file import model_location_problem
 

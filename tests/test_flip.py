@@ -31,6 +31,7 @@ def flip_cache(tmp_path_factory, tiny_pipeline_dir):
     return cache_dir
 
 
+@pytest.mark.slow
 def test_the_cache_holds_each_crops_mirror_and_the_mirrored_crop_offset(flip_cache, tiny_pipeline_dir):
     manifest = load_manifest(flip_cache).to_pylist()
     reader = CacheReader(flip_cache)
@@ -85,6 +86,7 @@ def test_a_flipped_sample_trains_the_mirrored_latents_and_crop_offset(flip_cache
     assert choose_views(unflipped, 5, 0) is unflipped  # without --flip_aug nothing is drawn or changed
 
 
+@pytest.mark.multiprocess
 def test_caches_without_mirrors_are_refused_naming_them(tmp_path, sample_cache_dir, tiny_pipeline_dir):
     result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "refused", "--flip_aug"),
                            expect_success=False)

@@ -23,6 +23,7 @@ def reports(tmp_path_factory, tiny_pipeline_dir) -> list[dict]:
     return [json.loads((output / f"rank{rank}.json").read_text()) for rank in range(4)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name,tolerance", [("adamw", 1e-5), ("adamw8bit", 1e-3)])
 def test_hsdp_trains_like_full_sharding(reports, name, tolerance):
     """adamw: fp32 reduction order only. adamw8bit: the same differences can move a moment across one of its
@@ -33,6 +34,7 @@ def test_hsdp_trains_like_full_sharding(reports, name, tolerance):
         assert 0 < result["hsdp_vs_full"] <= tolerance
 
 
+@pytest.mark.multiprocess
 def test_hsdp_state_resumes_in_either_layout(reports):
     """8-bit AdamW's quantised state (AdamW's moments are laid out as the weights, compared in both resumes)."""
     for report in reports:
@@ -40,6 +42,7 @@ def test_hsdp_state_resumes_in_either_layout(reports):
         assert report["adamw8bit"]["resumed_as_full_vs_hsdp"] <= 1e-6
 
 
+@pytest.mark.multiprocess
 def test_each_rank_holds_its_groups_share_and_the_same_shard_as_its_replica(reports):
     for name in ("adamw", "adamw8bit"):
         local_bytes = [report[name]["local_bytes"] for report in reports]
@@ -49,6 +52,7 @@ def test_each_rank_holds_its_groups_share_and_the_same_shard_as_its_replica(repo
         assert checksums[0] != checksums[1]
 
 
+@pytest.mark.multiprocess
 def test_clipping_on_local_shards_gives_torchs_norm_and_gradients_under_hsdp(reports):
     for report in reports:
         assert_clipped_as_torch(report["clipping"])

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO_ROOT, process_env
 
 from sdxl_trainer.distributed.stop_request import StopRequest
@@ -41,6 +42,7 @@ def make_venv(folder: Path) -> Path:
     return folder / "bin" / "python"
 
 
+@pytest.mark.multiprocess
 def test_a_fresh_process_keeps_compiled_kernels_in_its_virtual_env_and_the_next_one_reuses_them(tmp_path):
     python = make_venv(tmp_path / "venv")
     env = process_env()
@@ -89,6 +91,7 @@ def run_train_sh(tmp_path: Path, processes: int | None, flags: list[str]) -> tup
     return process, console, log.read_text().splitlines()
 
 
+@pytest.mark.multiprocess
 def test_one_process_starts_the_trainer_itself_without_torchrun_and_its_refusal_is_the_last_line(tmp_path, sample_cache_dir):
     process, console, calls = run_train_sh(tmp_path, 1, ["--cached_dataset_dirs", str(sample_cache_dir), "--min_resolution", "512", "--output_dir", str(tmp_path)])
     assert process.returncode == 1
@@ -103,6 +106,7 @@ def test_one_process_starts_the_trainer_itself_without_torchrun_and_its_refusal_
     assert console.count("Cannot start training:") == 1 and "[rank" not in console
 
 
+@pytest.mark.multiprocess
 def test_two_processes_go_through_the_launcher_and_a_bad_flag_is_the_last_line(tmp_path, sample_cache_dir):
     # No NUM_PROCESSES: a machine without a GPU runs 2 processes, and learns it has none without importing torch.
     process, console, calls = run_train_sh(tmp_path, None, ["--cached_dataset_dirs", str(sample_cache_dir), "--learning_rate", "-1"])
@@ -116,6 +120,7 @@ def test_two_processes_go_through_the_launcher_and_a_bad_flag_is_the_last_line(t
     assert "Traceback" not in console and "OMP_NUM_THREADS" not in console
 
 
+@pytest.mark.multiprocess
 def test_two_processes_refused_before_training_leave_the_refusal_last(tmp_path, sample_cache_dir):
     process, console, _ = run_train_sh(tmp_path, 2, ["--cached_dataset_dirs", str(sample_cache_dir), "--max_resolution", "1024", "--output_dir", str(tmp_path)])
     assert process.returncode == 1
@@ -168,6 +173,7 @@ with JobWatchdog(rank=0, world_size=1):
 """
 
 
+@pytest.mark.multiprocess
 def test_a_trainer_started_without_a_launcher_outlives_the_shell_that_started_it(tmp_path):
     ready, marker = tmp_path / "ready", tmp_path / "marker"
     env = process_env()
@@ -204,6 +210,7 @@ runpy.run_path("sdxl_FSDP_train.py", run_name="__main__")  # refused: the proces
 """
 
 
+@pytest.mark.multiprocess
 def test_a_dry_run_and_a_refused_start_never_import_the_model_libraries(tmp_path, sample_cache_dir):
     """A start refused for its flags, caches or run folder, and a dry run of the caching script, end before the
     model libraries (and the image-metric ones) load: in the seconds torch takes to import, not the 10-15 s a full
@@ -228,6 +235,7 @@ print(sorted(name for name in ('open_clip', 'timm', 'wandb') if name in sys.modu
 """
 
 
+@pytest.mark.multiprocess
 def test_importing_the_trainer_prints_nothing_and_leaves_the_image_metric_libraries_out():
     result = subprocess.run(
         [sys.executable, "-c", IMPORTS_THE_TRAINER_AND_MAKES_TOKENIZERS],

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT, run_processes, scalars, trainer_flags
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.fixture(scope="module")
 def logged_run(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> tuple[Path, str]:

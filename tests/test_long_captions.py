@@ -151,6 +151,7 @@ def test_bad_lengths_are_refused_naming_the_flag(tmp_path, tiny_pipeline_dir, ca
     assert "--max_token_length must be a multiple of 75 (75, 150 or 225), got 100" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_the_trainer_trains_on_long_captions_and_refuses_mixed_lengths(long_caption_caches, tiny_pipeline_dir, tmp_path):
     """A 150-token cache trains, and its sample prompts (one of them the long caption) are encoded with the
     same chunk rule; a 75- and a 150-token cache together are refused before anything loads."""

@@ -77,6 +77,7 @@ def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
     return float((output - reference).norm() / reference.norm())
 
 
+@pytest.mark.slow
 def test_extracted_lora_approaches_the_tuned_model_as_the_rank_grows(tmp_path, tiny_pipeline_dir, tuned_dir):
     base, tuned = load_pipeline(tiny_pipeline_dir), load_pipeline(tuned_dir)
     target_unet, target_text = unet_output(tuned.unet), text_outputs(tuned)
@@ -140,6 +141,7 @@ def test_keys_shapes_and_metadata_follow_kohyas_layout(tmp_path, tiny_pipeline_d
     assert metadata["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora" and metadata["modelspec.title"] == "my_lora"
 
 
+@pytest.mark.slow
 def test_cli_takes_a_single_file_fine_tune_and_leaves_unchanged_text_encoders_out(tmp_path, tiny_pipeline_dir, capsys):
     """The usual case: a UNet-only fine-tune exported as one fp16 file. Its text encoders differ from the fp32
     base only by rounding, so they are left out; conv_in, which no LoRA key carries, is named as left out."""

@@ -246,6 +246,7 @@ def test_masked_loss_is_refused_without_masks_in_any_cache(sample_cache_dir):
     ]
 
 
+@pytest.mark.multiprocess
 def test_flips_masks_huber_logit_normal_and_two_weighted_caches_resume_bitwise_on_2_processes(tmp_path, masked_cache, plain_cache, tiny_pipeline_dir):
     caches = [masked_cache, plain_cache]
     options = ("--flip_aug", "--masked_loss", "--masked_loss_normalize_area", "--loss_type", "huber", "--timestep_sampling", "logit_normal",

@@ -39,6 +39,7 @@ def fake_estimate(world_size: int, optimizer: str) -> MemoryEstimate:
     return estimate_memory(settings(world_size, optimizer), TINY_UNET_CONFIG)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world_size", "optimizer"),
     [(1, "adamw8bit"), (2, "adamw")],
@@ -53,6 +54,7 @@ def test_fake_tensors_give_what_real_tensors_of_the_same_run_give(world_size, op
     assert fake.gpu_peak > 2 * rank0_shard_bytes(world_size)  # weights and gradients at least
 
 
+@pytest.mark.slow
 def test_trained_text_encoders_are_estimated_like_the_unet():
     """With --train_text_encoder (caption mode) the estimate trains both text encoders too (the tiny ones
     here): fake tensors give what real ones give, and on 2 ranks AdamW's state is two fp32 copies of rank 0's
@@ -91,6 +93,7 @@ def two_ranks_8bit() -> MemoryEstimate:
     return estimate_memory(settings(2, "adamw8bit", gradient_accumulation_steps=1), TINY_UNET_CONFIG)
 
 
+@pytest.mark.slow
 def test_bf16_weights_halve_the_weight_shards_and_keep_the_fp32_moments():
     """--weights_dtype bf16 on 2 ranks with AdamW (ours, fp32 moments): the sharded weights are stored in bf16.
     That run peaks in its optimizer step, when the parameters are rank 0's shards alone: exactly half their
@@ -107,6 +110,7 @@ def test_bf16_weights_halve_the_weight_shards_and_keep_the_fp32_moments():
     assert bf16_weights["gradients"] < fp32_weights["gradients"]
 
 
+@pytest.mark.slow
 def test_cpu_offload_moves_the_sharded_state_to_the_host(two_ranks_8bit):
     offloaded = estimate_memory(settings(2, "adamw8bit", gradient_accumulation_steps=1, cpu_offload=True), TINY_UNET_CONFIG)
     assert offloaded.gpu_peak_by_category["optimizer state"] == 0
@@ -115,6 +119,7 @@ def test_cpu_offload_moves_the_sharded_state_to_the_host(two_ranks_8bit):
     assert offloaded.host_bytes == 2 * rank0_shard_bytes(2) + two_ranks_8bit.gpu_peak_by_category["optimizer state"]
 
 
+@pytest.mark.slow
 def test_cpu_offload_on_one_gpu_keeps_no_fp32_copy_on_the_gpu():
     """One GPU with --cpu_offload (configs/1x24gb_offload.toml): the GPU holds a block's gathered bf16 weights,
     activations and backward's temporaries, not an fp32 copy of the weights. The first update's zero gradients
@@ -127,6 +132,7 @@ def test_cpu_offload_on_one_gpu_keeps_no_fp32_copy_on_the_gpu():
     assert offloaded.host_bytes > 2 * fp32_weight_bytes  # weights and gradients in fp32, and the 8-bit state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ema_on_cpu", [False, True], ids=["EMA on the GPU", "EMA on the CPU"])
 def test_the_ema_is_counted_where_it_lives(two_ranks_8bit, ema_on_cpu):
     with_ema = estimate_memory(settings(2, "adamw8bit", gradient_accumulation_steps=1, use_ema=True, ema_on_cpu=ema_on_cpu), TINY_UNET_CONFIG)

@@ -186,6 +186,7 @@ def test_the_dry_run_buckets_rows_by_the_tables_size_without_opening_images(tmp_
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow
 def test_workers_split_the_rows_and_each_bad_row_is_named_once(tmp_path):
     rows = [{"path": f"folder{index % 10}/image_{index:06d}.jpg", "tags": ["tag"]} for index in range(50_000)] + [{"tags": ["no path"]}]
     table = write_table(tmp_path / "big.parquet", rows)

@@ -62,6 +62,7 @@ def metrics(weights):
     return load_image_metrics(weights, allow_download=False, hps_architecture=TINY_CLIP)
 
 
+@pytest.mark.slow
 def test_all_metrics_load_from_explicit_files(metrics):
     assert metrics.enabled == ("fid", "kid", "is", "lpips", "hpsv2") and not metrics.skipped
 
@@ -80,6 +81,7 @@ def unbiased_kid(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(off_diagonal(kernel(x, x)) + off_diagonal(kernel(y, y)) - 2 * kernel(x, y).mean())
 
 
+@pytest.mark.slow
 def test_scores_of_a_set_with_itself_and_with_a_different_set(metrics):
     real, noise = images(0), noise_images(1)
     itself = metrics.score(real, real, CAPTIONS)
@@ -103,6 +105,7 @@ def test_inception_features_differ_between_images(metrics):
     assert pool.std(dim=0).mean() > 1e-3 * pool.abs().mean(), "a random Inception without Kaiming init gives the same features for every image"
 
 
+@pytest.mark.slow
 def test_fid_matches_the_textbook_formula(metrics):
     # The formula does not depend on the width: 64 feature dimensions keep the matrix square root quick.
     real, _ = metrics.inception_features(images(0) + images(2))
@@ -252,6 +255,7 @@ def _register_tiny_clip_repeatedly(folder: Path, times: int) -> int:
     return failures
 
 
+@pytest.mark.multiprocess
 def test_ranks_registering_the_tiny_clip_at_once_never_read_a_half_written_config(tmp_path):
     """The ranks of validation_worker.py register it together; rewriting the file in place failed a rank on an
     empty file now and then (before the fix, 43 of this test's 200 registrations failed)."""

@@ -22,6 +22,8 @@ from sdxl_trainer.cache.reader import CacheReader, load_manifest
 from sdxl_trainer.cache.storage import CacheError, open_store
 from sdxl_trainer.cache.writer import WorkerLock
 
+pytestmark = pytest.mark.multiprocess
+
 BUCKET = "caches"
 
 

@@ -54,6 +54,7 @@ def shard_digests(cache_dir: Path) -> dict[str, str]:
     return {path.name: sha256_file(path) for path in (cache_dir / SHARD_DIR).glob("*.safetensors")}
 
 
+@pytest.mark.multiprocess
 def test_killed_worker_resumes_without_redoing_finished_shards(tmp_path, tiny_pipeline_dir):
     data_dir = make_dataset(tmp_path / "data", 24)
     cache_dir = tmp_path / "cache"
@@ -289,6 +290,7 @@ def test_two_workers_split_a_folder_into_one_cache(tmp_path, tiny_pipeline_dir):
     assert workers == {"w0000of0002", "w0001of0002"}
 
 
+@pytest.mark.multiprocess
 def test_launcher_starts_one_worker_per_shard(tmp_path):
     """NUM_WORKERS=2 starts shards 0 and 1 of 2 over the same folder (dry runs: no model loads)."""
     data_dir = make_dataset(tmp_path / "data", 8)
@@ -298,6 +300,7 @@ def test_launcher_starts_one_worker_per_shard(tmp_path):
     assert sorted(counts) == ["w0000of0002", "w0001of0002"] and sum(counts.values()) == 8 and min(counts.values()) > 0
 
 
+@pytest.mark.multiprocess
 def test_launcher_maps_machines_to_shards_and_fails_when_a_worker_fails(tmp_path):
     data_dir = make_dataset(tmp_path / "data", 4)
     result = run_launcher({"NUM_WORKERS": "1", "NUM_MACHINES": "3", "MACHINE_RANK": "2"}, "--data_dir", str(data_dir),

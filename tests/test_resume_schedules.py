@@ -100,6 +100,7 @@ def capped_and_longer(tmp_path_factory, sample_cache_dir, tiny_pipeline_dir) -> 
             capped_run(tmp_path_factory.mktemp("longer"), sample_cache_dir, tiny_pipeline_dir, 9))
 
 
+@pytest.mark.multiprocess
 def test_a_run_of_so_many_updates_stops_inside_an_epoch_validates_exports_and_a_longer_resume_goes_on_exactly(
     capped_and_longer, tmp_path, sample_cache_dir, tiny_pipeline_dir
 ):
@@ -116,6 +117,7 @@ def test_a_run_of_so_many_updates_stops_inside_an_epoch_validates_exports_and_a_
     assert all(torch.equal(weight, exported_unet(straight)[key]) for key, weight in exported_unet(resumed).items())
 
 
+@pytest.mark.multiprocess
 def test_a_learning_rate_lowered_on_resume_applies_from_the_next_update(capped_and_longer, tmp_path, sample_cache_dir, tiny_pipeline_dir):
     short, straight = capped_and_longer
     shutil.copytree(short, tmp_path / "run")

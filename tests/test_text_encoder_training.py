@@ -35,6 +35,7 @@ def bitwise_equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor
     return first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
 
 
+@pytest.mark.multiprocess
 def test_trained_encoders_resume_bitwise_and_are_exported(tmp_path, tag_cache, table_cache, tiny_pipeline_dir):
     """Multi-line tag captions and a Parquet table's tags (with score tags, repeated 2.5 times an epoch),
     shuffled and dropped, train the UNet and both encoders on 2 processes: 4 updates of 5 microbatches
@@ -78,6 +79,7 @@ def read_checkpoint_keys(run: Path) -> list[str]:
     return [key.removeprefix("model.") for key in index["state_dict_metadata"] if key.startswith("model.")]
 
 
+@pytest.mark.multiprocess
 def test_a_rate_of_zero_keeps_that_encoder_frozen_and_the_other_trains(tmp_path, tag_cache, tiny_pipeline_dir):
     """One process (no sharding), bf16 autocast: --learning_rate_te1 0 (kohya's "0 = not trained") leaves
     CLIP-L exactly the base model's, in the export and out of the checkpoint, while bigG trains at the

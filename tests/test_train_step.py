@@ -207,6 +207,7 @@ def test_nonfinite_update_is_skipped_without_touching_weights_or_state_but_count
     assert (step.skipped_updates, step.consecutive_skipped_updates) == (1, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp16_scaler_overflow_lowers_the_scale_and_skips_the_step(world, tiny_pipeline_dir, layout, optimizer_name):
@@ -322,6 +323,7 @@ def test_ema_follows_the_warmed_up_decay_and_gathers_in_full(world, tiny_pipelin
     assert all(shadow.device.type == "cpu" for shadow in ema.shadow)
 
 
+@pytest.mark.slow
 def test_regional_compile_gives_the_eager_loss(world, tiny_pipeline_dir):
     batch = synthetic_batch(UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet"), [0, 1], seed=8)
     losses = []
@@ -460,6 +462,7 @@ def three_updates(unet, optimizer_name: str, pipeline_dir, stepped_gradients: li
     return weights(unet), results, stepped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 def test_one_process_trains_a_plain_unet_like_the_sharded_one(world, tiny_pipeline_dir, optimizer_name):
     """prepare_unet leaves the UNet unsharded on one process. Its losses and gradient norms are the sharded
@@ -475,6 +478,7 @@ def test_one_process_trains_a_plain_unet_like_the_sharded_one(world, tiny_pipeli
     assert largest_difference(sharded_weights, plain_weights) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 def test_a_plain_unet_resumes_exactly(world, tiny_pipeline_dir, tmp_path, optimizer_name):
     """One process: "2 updates straight" equals "1 update, save, restore into a fresh UNet and optimizer,

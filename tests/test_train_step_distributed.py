@@ -11,6 +11,8 @@ from unet_batches import assert_clipped_as_torch
 
 from sdxl_trainer.optimizers.build import OPTIMIZERS
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory, tiny_pipeline_dir) -> list[dict]:

@@ -50,6 +50,7 @@ def assert_measured(row: dict[str, str]) -> None:
         assert float(row["step time / reference"]) == 1.0
 
 
+@pytest.mark.multiprocess
 def test_sweep_on_one_process(tmp_path):
     output, figures = tmp_path / "results" / "tiny.md", tmp_path / "results" / "tiny.json"
     result = run_processes(1, SCRIPT, [*TINY, "--sweep", "--output", str(output), "--json", str(figures)], timeout=300)
@@ -76,6 +77,7 @@ def test_sweep_on_one_process(tmp_path):
         assert figure["first_step_seconds"] is None  # no warm-up step to time
 
 
+@pytest.mark.multiprocess
 def test_two_processes_compare_with_the_fsdp2_loop(tmp_path):
     profiles = tmp_path / "profiles"
     result = run_processes(2, SCRIPT, [*TINY, "--batch_size", "2", "--profile", str(profiles)], timeout=300)
@@ -152,6 +154,7 @@ def test_bf16_weights_start_from_the_fp32_weights_rounded(bench):
         torch.testing.assert_close(rounded, full.to(torch.bfloat16), rtol=0, atol=0)
 
 
+@pytest.mark.multiprocess
 def test_numerics_compare_each_precision_with_fp32(tmp_path):
     """gpu_numerics.py on the tiny UNet (fp16 only on a GPU): the same start and draws in every precision."""
     output = tmp_path / "numerics.json"

@@ -17,6 +17,8 @@ from sdxl_trainer.evaluation.sample_grid import BACKGROUND, CELL_SIZE, LABEL_WID
 from sdxl_trainer.training.dataset import CachedDataset
 from sdxl_trainer.training.holdout import HOLDOUT_FILE
 
+pytestmark = pytest.mark.multiprocess
+
 
 def tensorboard(run_dir: Path) -> EventAccumulator:
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0})

@@ -87,6 +87,7 @@ def runs(tmp_path_factory, tiny_pipeline_dir, sample_cache_dir) -> dict[int, tup
     return results
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("processes", [1, 2])
 def test_same_model_gives_the_same_validation_loss(runs, processes):
     report, _ = runs[processes]
@@ -96,12 +97,14 @@ def test_same_model_gives_the_same_validation_loss(runs, processes):
     assert report["loss_changed_weights"]["val/loss"] != first["val/loss"]
 
 
+@pytest.mark.multiprocess
 def test_validation_loss_is_the_same_on_one_and_two_processes(runs):
     one, two = runs[1][0]["loss"][0], runs[2][0]["loss"][0]
     for tag in one:
         assert two[tag] == pytest.approx(one[tag], rel=1e-5), tag
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("processes", [1, 2])
 def test_validation_images_come_from_the_given_weights(runs, processes):
     report, images = runs[processes]
@@ -110,6 +113,7 @@ def test_validation_images_come_from_the_given_weights(runs, processes):
     assert report["changed_max_difference"] > 0, "changed weights must change every image"
 
 
+@pytest.mark.multiprocess
 def test_validation_images_do_not_depend_on_the_number_of_processes(runs):
     one, two = runs[1][1], runs[2][1]
     assert one.keys() == two.keys()
@@ -119,6 +123,7 @@ def test_validation_images_do_not_depend_on_the_number_of_processes(runs):
         assert (one[key].int() - two[key].int()).abs().max() <= 2, key
 
 
+@pytest.mark.multiprocess
 def test_image_metrics_end_to_end_on_two_processes(runs):
     report, _ = runs[2]
     scores = report["scores"]
@@ -129,6 +134,7 @@ def test_image_metrics_end_to_end_on_two_processes(runs):
     assert runs[1][0]["scores"] == {}  # no metric wanted: nothing loaded, nothing scored
 
 
+@pytest.mark.multiprocess
 def test_generation_with_bf16_compute_over_fp32_shards(runs):
     report, images = runs[2]
     assert len(report["bf16_image_shapes"]) == 2  # one image per rank

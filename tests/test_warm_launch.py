@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from conftest import run_processes
+import pytest
+from conftest import REPO_ROOT, process_env, run_processes
 from warm_launch import PRELOADED_MODULES, WarmLauncher
+
+pytestmark = pytest.mark.multiprocess
 
 REPORT_ENVIRONMENT = """
 import json, multiprocessing, os, sys
@@ -154,3 +159,28 @@ def test_a_rank_killed_while_holding_tqdms_lock_leaves_the_next_rank_free(tmp_pa
     (tmp_path / "bar.py").write_text(OPENS_A_BAR)
     assert "ended by SIGKILL" in run_processes(1, tmp_path / "killed.py", [], expect_success=False).stderr
     assert run_processes(1, tmp_path / "bar.py", [], timeout=60).stdout.strip() == "bar done"
+
+
+PROBE_TESTS = '''
+import subprocess, sys
+
+def test_starts_a_python_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_starts_none():
+    assert sum(range(4)) == 6
+'''
+
+
+@pytest.mark.multiprocess
+def test_the_quick_tier_fails_a_test_that_starts_a_process_and_names_the_marker(tmp_path):
+    """run_tests.sh --quick: a test without the multiprocess marker that starts a process fails, naming the marker,
+    and the rest pass; the same tests outside the quick tier both pass."""
+    (tmp_path / "test_probe.py").write_text(PROBE_TESTS)
+    command = [sys.executable, "-m", "pytest", "-p", "conftest", "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path / "test_probe.py"), "-p", "no:cacheprovider"]
+    env = dict(process_env(), PYTHONPATH=f"{REPO_ROOT / 'tests'}:{REPO_ROOT}")
+    quick = subprocess.run(command, env=dict(env, QUICK_TIER="1"), capture_output=True, text=True, timeout=300)
+    assert "1 failed, 1 passed" in quick.stdout
+    assert "test_starts_a_python_process starts processes: mark it @pytest.mark.multiprocess" in quick.stdout
+    everything = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert "2 passed" in everything.stdout

@@ -154,7 +154,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
     scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
     optimizer = build_optimizer(
-        config.optimizer, models.parameter_groups(config.learning_rate, config.text_encoder_rates(config.learning_rate)), config.learning_rate, config.weight_decay,
+        config.optimizer, models.parameter_groups(config.learning_rate, config.text_encoder_rates()), config.learning_rate, config.weight_decay,
         (config.adam_beta1, config.adam_beta2), config.adam_epsilon, loss_scaling=scaler is not None,
     )
     ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
@@ -226,7 +226,7 @@ def build_models(config: TrainConfig, world: World, dataset: CachedDataset, seed
     if not config.encode_captions_each_step:
         return TrainedModels(unet, {}), None
     # Frozen encoders compute in compute_dtype; trained ones keep master weights in --weights_dtype, sharded like the UNet.
-    rates = config.text_encoder_rates(config.learning_rate)
+    rates = config.text_encoder_rates()
     tokenizers, text_encoders = load_text_encoders(
         config.pretrained_model_name_or_path, world.device, compute_dtype, config.single_file_config,
         trained=tuple(name in rates for name in TEXT_ENCODER_NAMES), checkpointed=config.gradient_checkpointing, trained_dtype=weights_dtype,
@@ -289,7 +289,7 @@ def describe_run(config: TrainConfig, world: World, data: TrainingData, stream: 
         )
         print(f"Caption mode: both text encoders encode every step's captions: {described}.")
     if config.train_text_encoder:
-        trained = [f"{text_encoder_label(name)} at {rate:g}" for name, rate in config.text_encoder_rates(config.learning_rate).items()]
+        trained = [f"{text_encoder_label(name)} at {rate:g}" for name, rate in config.text_encoder_rates().items()]
         frozen = f"; {text_encoder_label(config.frozen_text_encoder())} stays frozen (rate 0)" if config.frozen_text_encoder() else ""
         print(f"Training {' and '.join(trained)} too (peak learning rates; the UNet's: {config.learning_rate:g}){frozen}.")
 

@@ -104,6 +104,11 @@ class TrainConfig(
             )
         return problems
 
+    def text_encoder_rates(self) -> dict[str, float]:
+        """The peak learning rate of each trained text encoder, by pipeline name: --learning_rate_te1/te2, unset
+        = --learning_rate. An encoder at 0 stays frozen and is left out; {} without --train_text_encoder."""
+        return {name: self.learning_rate if rate is None else rate for name, rate in self.trained_text_encoders().items()}
+
     # What each part of the run is built from (its owner's settings type), from the options.
 
     def caption_variations(self) -> list[CaptionVariation]:

@@ -65,18 +65,17 @@ class CaptionOptions:
         None, help="peak learning rate of text encoder 2 (OpenCLIP ViT-bigG) with --train_text_encoder; None = --learning_rate; 0 keeps it frozen"
     )
 
-    def text_encoder_rates(self, unet_rate: float) -> dict[str, float]:
-        """The peak learning rate of each trained text encoder, by pipeline name: --learning_rate_te1/te2, unset
-        = unet_rate (--learning_rate). An encoder at 0 stays frozen and is left out (kohya's rule); {} without
-        --train_text_encoder."""
+    def trained_text_encoders(self) -> dict[str, float | None]:
+        """The text encoders that train, by pipeline name, with their peak learning rate (None = the UNet's): the
+        ones whose --learning_rate_te1/te2 is not 0 (kohya's rule); {} without --train_text_encoder."""
         if not self.train_text_encoder:
             return {}
         rates = (self.learning_rate_te1, self.learning_rate_te2)
-        return {name: unet_rate if rate is None else rate for name, rate in zip(TEXT_ENCODER_NAMES, rates) if rate != 0}
+        return {name: rate for name, rate in zip(TEXT_ENCODER_NAMES, rates) if rate != 0}
 
     def frozen_text_encoder(self) -> str:
         """The text encoder kept frozen by a rate of 0 while the other trains ("" if none)."""
-        trained = self.text_encoder_rates(unet_rate=1.0)  # which encoders train; their rates do not matter here
+        trained = self.trained_text_encoders()
         return next((name for name in TEXT_ENCODER_NAMES if name not in trained), "") if trained else ""
 
     def problems(self) -> list[str]:
