@@ -1,5 +1,5 @@
 """The trainer on 2 CPU processes (gloo): each rank holds half the UNet; training with AdamW gives the same
-weights (within 1e-5; README says what holds for the other optimizers) and the same learning rate at every
+weights (within 1e-5; docs/design.md §1 says what holds for the other optimizers) and the same learning rate at every
 update as 1 process on the same data (same global batch, same seed);
 a run whose updates keep going NaN stops with state saved, and training never loads the VAE or the text
 encoders."""

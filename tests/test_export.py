@@ -136,7 +136,7 @@ def test_fp16_variant_is_a_copy_where_hard_links_fail_and_absent_at_other_precis
 def test_single_file_export_carries_its_scheduler_config(tmp_path, tiny_pipeline_dir):
     """diffusers' from_single_file ignores the file's `v_pred` / `ztsnr` keys and samples an SDXL file as
     epsilon; with --no-save_diffusers, the scheduler config beside the file is what tells diffusers users
-    the objective (README: from_single_file, then the scheduler from this config)."""
+    the objective (docs/exporting.md: from_single_file, then the scheduler from this config)."""
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionXLPipeline
 
     from sdxl_trainer.outputs.export import save_pipeline
