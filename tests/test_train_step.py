@@ -9,13 +9,16 @@ import numpy as np
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
+from diffusers.models.attention import BasicTransformerBlock
+from diffusers.models.resnet import ResnetBlock2D
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from unet_batches import assert_clipped_as_torch, clipping_against_torch, empty_prompt_for, make_train_step, synthetic_batch
 
 from sdxl_trainer.cache.reader import load_manifest
 from sdxl_trainer.config import parse_config
-from sdxl_trainer.distributed.fsdp import compile_repeated_blocks, compute_under_autocast, prepare_unet, shard_unet
+from sdxl_trainer.distributed.fsdp import compile_repeated_blocks, compute_under_autocast, parameter_names, prepare_unet, recompile_limit_for, shard_unet
 from sdxl_trainer.models.sdxl import build_full_size_unet
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer
 from sdxl_trainer.training.dataset import CachedDataset, collate
@@ -336,13 +339,24 @@ def test_regional_compile_gives_the_eager_loss(world, tiny_pipeline_dir):
     assert losses[0][1] != losses[0][0]  # the second update saw the first one's weights
 
 
-def test_regional_compile_keeps_a_graph_for_every_sdxl_resnet_shape():
-    """Dynamo's default of 8 graphs per forward left 4 of SDXL's 12 ResNet block shapes running eagerly."""
+def test_regional_compile_keeps_a_graph_for_every_sdxl_block_shape():
+    """Dynamo's default of 8 graphs per forward left 4 of SDXL's 12 ResNet block shapes running eagerly; behind the
+    one checkpoint wrapper (gradient checkpointing) the 12 ResNet and 2 transformer shapes share a forward. Each
+    compile gets its own limit; Dynamo's global setting (per thread) is left alone."""
     with torch.device("meta"):
         unet = build_full_size_unet()
+    names = [name for name, _ in unet.named_parameters()]
+    blocks = [module for module in unet.modules() if isinstance(module, (ResnetBlock2D, BasicTransformerBlock))]
+    assert recompile_limit_for(blocks) == 2 * 12  # a static and a dynamic-size graph per ResNet shape
+    wrapped = [checkpoint_wrapper(block) for block in blocks]
+    assert recompile_limit_for(wrapped) == 2 * 14
     with torch._dynamo.config.patch(recompile_limit=8):  # restored afterwards (pytest's monkeypatch would delete it)
+        unet.enable_gradient_checkpointing()
         compile_repeated_blocks(unet)
-        assert torch._dynamo.config.recompile_limit == 2 * 12  # a static and a dynamic-size graph per shape
+        assert torch._dynamo.config.recompile_limit == 8
+    assert not unet.is_gradient_checkpointing  # the checkpoint sits inside each compiled block instead
+    assert sum(isinstance(module, CheckpointWrapper) for module in unet.modules()) == len(blocks)
+    assert parameter_names(unet) == names  # as the state dict, the EMA and checkpoints name them
 
 
 # --- configuration --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, CheckpointImpl, CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -91,24 +92,56 @@ def prepare_unet(
 
 
 def compile_repeated_blocks(unet: nn.Module) -> None:
-    """Regional torch.compile of each transformer block and each ResNet block (as torchtitan does): the
-    blocks repeat, so each kind compiles once per shape, and FSDP's hooks stay outside the compiled graphs.
+    """Regional torch.compile of each transformer block and each ResNet block (as torchtitan does): the blocks
+    repeat, so each kind compiles once per shape, and FSDP's hooks stay outside the compiled graphs.
 
-    Dynamo keeps at most `recompile_limit` graphs per forward function (8 by default) and runs every shape past
-    that eagerly, with a warning. SDXL's ResNet blocks come in 12 parameter shapes, each compiled once with
-    static sizes and once more with dynamic sizes when a second bucket arrives, so the limit is raised to that
-    count (on an H200 the update was already 1.8x faster with 8 of the 12 compiled than with none)."""
+    With gradient checkpointing, the checkpoint moves inside the compiled region: each block is wrapped in a
+    non-reentrant checkpoint and the wrapper is compiled, so the recomputation is part of the compiled backward
+    graph. Left outside (diffusers' checkpointing around compiled blocks), backward recomputes each block through
+    Dynamo again; on a GPU that runs on the autograd engine's device thread, whose thread count and per-thread
+    Dynamo settings differ from the forward's, so every recomputation missed the forward's graphs and compiled
+    anew until the recompile limit ran out, then ran eagerly what the forward ran compiled, and checkpointing
+    refused the different tensors (the crash on an H200, tests/test_compile.py). Parameter and state-dict names
+    keep the wrapper out (parameter_names; DCP and state_dict drop its prefix).
+
+    Dynamo keeps at most `recompile_limit` graphs per forward function and runs every shape past that eagerly.
+    Blocks of one class share their forward's code, and so its limit; each parameter shape compiles once with
+    static sizes and once more with dynamic sizes when a second bucket arrives. The limit is given to each
+    compile (Dynamo's global setting is per thread): SDXL needs 24 for its 12 ResNet shapes, 28 for all 14
+    block shapes behind the one checkpoint wrapper (recompile_limit_for)."""
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
 
-    shapes_per_kind: dict[type, set[tuple]] = {}
-    for module in unet.modules():
-        if isinstance(module, (BasicTransformerBlock, ResnetBlock2D)):
-            module.compile()
-            shapes = tuple(tuple(parameter.shape) for parameter in module.parameters())
-            shapes_per_kind.setdefault(type(module), set()).add(shapes)
-    graphs_per_forward = 2 * max((len(shapes) for shapes in shapes_per_kind.values()), default=0)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs_per_forward)
+    checkpointed = getattr(unet, "is_gradient_checkpointing", False)
+    if checkpointed:
+        unet.disable_gradient_checkpointing()  # the checkpoint goes inside each compiled block instead
+    compiled = []
+    for parent in list(unet.modules()):
+        for name, block in list(parent.named_children()):
+            if isinstance(block, (BasicTransformerBlock, ResnetBlock2D)):
+                if checkpointed:
+                    block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                    setattr(parent, name, block)
+                compiled.append(block)
+    limit = recompile_limit_for(compiled)
+    for block in compiled:
+        block.compile(recompile_limit=limit)
+
+
+def recompile_limit_for(blocks: list[nn.Module]) -> int:
+    """Graphs Dynamo keeps per forward function for `blocks`: a static and a dynamic-size graph for every
+    parameter shape among the blocks that share a forward (a class: blocks of one class, or every checkpoint
+    wrapper), the largest such count over the classes."""
+    shapes_per_forward: dict[type, set[tuple]] = {}
+    for block in blocks:
+        shapes_per_forward.setdefault(type(block), set()).add(tuple(tuple(parameter.shape) for parameter in block.parameters()))
+    return 2 * max((len(shapes) for shapes in shapes_per_forward.values()), default=0)
+
+
+def parameter_names(model: nn.Module) -> list[str]:
+    """The model's parameter names as its state dict and checkpoints name them: without the prefix of the
+    checkpoint wrappers compile_repeated_blocks adds (named_parameters keeps it)."""
+    return [name.replace(_CHECKPOINT_PREFIX, "") for name, _ in model.named_parameters()]
 
 
 def compute_under_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
@@ -154,15 +187,19 @@ def shard_unet(
     - cpu_offload: FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and so the optimizer
       state live in CPU memory; each block's weights are copied to the GPU for its forward and backward, and
       the optimizer steps on the CPU. A GPU then holds activations and a block or two of gathered weights.
-    - compile_blocks: compile_repeated_blocks before sharding; other bucket shapes recompile with dynamic sizes.
+    - compile_blocks: compile_repeated_blocks before sharding (torchtitan's order: checkpointing, compile,
+      FSDP), so a checkpoint-wrapped transformer block is sharded as its wrapper; other bucket shapes recompile
+      with dynamic sizes.
     """
     kwargs = _fsdp_settings(mesh, param_dtype, reshard_after_forward, cpu_offload)
     from diffusers.models.attention import BasicTransformerBlock
 
     if compile_blocks:
         compile_repeated_blocks(unet)
-    for module in unet.modules():
-        if isinstance(module, BasicTransformerBlock):
+    inside_wrappers = {id(module._checkpoint_wrapped_module) for module in unet.modules() if isinstance(module, CheckpointWrapper)}
+    for module in unet.modules():  # a transformer block, or the checkpoint wrapper around it (compile_repeated_blocks)
+        block = module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
+        if isinstance(block, BasicTransformerBlock) and id(module) not in inside_wrappers:
             fully_shard(module, **kwargs)
     for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
         fully_shard(block, **kwargs)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.config import option
+from sdxl_trainer.distributed.fsdp import parameter_names
 
 
 @dataclass(kw_only=True)
@@ -49,7 +50,7 @@ class ShardedEMA:
     def __init__(self, model: nn.Module, decay: float, on_cpu: bool):
         self.decay = decay
         self.updates = 0
-        self.names = [name for name, _ in model.named_parameters()]
+        self.names = parameter_names(model)  # as the state dict names them (no checkpoint-wrapper prefix)
         self.parameters = [parameter for _, parameter in model.named_parameters()]
         device = torch.device("cpu") if on_cpu else None
         self.shadow = [_local(parameter).detach().to(device=device, dtype=torch.float32, copy=True) for parameter in self.parameters]
