@@ -22,6 +22,7 @@ AdamWFp32Moments is the same step with every moment in fp32: --optimizer adamw o
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -88,25 +89,50 @@ _compiled_adamw = torch.compile(_adamw, dynamic=True, fullgraph=True)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """A DTensor's local shard (its `_local_tensor`: to_local() costs 3 us of autograd bookkeeping a call,
+    5 ms an update over SDXL's tensors, for the same tensor under no_grad); a plain tensor as it is."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-class _Shard(NamedTuple):
-    """One parameter's tensors on this rank: the weights, their gradient and Adam's two moments."""
-
-    param: torch.Tensor
-    grad: torch.Tensor
-    exp_avg: torch.Tensor  # OptimState8bit, or fp32 for small shards
-    exp_avg_sq: torch.Tensor
-
-
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([tensor.reshape(-1) for tensor in tensors])
+# Flatten many tensors into one and write one back into many, each in one call (torch's C++ helpers that
+# DDP's bucketing uses): a Python loop of reshapes, splits and views over SDXL's 1,680 tensors took most of
+# the step's host time (benchmarks/bench_optimizer_step.py --sdxl_tensor_count).
+_flatten = torch._C._nn.flatten_dense_tensors
+_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
-    pieces = flat.split([target.numel() for target in targets])
-    torch._foreach_copy_(targets, [piece.view(target.shape) for piece, target in zip(pieces, targets)])
+    torch._foreach_copy_(targets, _unflatten(flat, targets))
+
+
+class _Chunk(NamedTuple):
+    """Shards stepped by one kernel call: their parameters (to read the gradients), local weights, and state
+    tensors (8-bit: codes and scales of both moments, and the two code tables; otherwise the fp32 moments)."""
+
+    params: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    states: tuple[list[torch.Tensor], ...]
+    code_values: tuple[torch.Tensor, ...]
+
+
+class _Batch(NamedTuple):
+    """Shards of one kind that step together: same update count, state kind, device and dtypes."""
+
+    step: float  # the update count after this step's increment: read from the state once, then counted here
+    step_counts: torch.Tensor  # every shard's count in one tensor, whose elements are their state["step"]: one add a step, not 1,680
+    is_8bit: bool
+    chunks: list[_Chunk]
+
+
+class _Layout(NamedTuple):
+    """A param group's shards arranged for stepping, kept while the same parameters have gradients and their
+    local weights and moments are the same objects (a state loaded with load_state_dict, or weights FSDP
+    re-allocated, make a new one): building it reads every tensor's state; using it, only its lists."""
+
+    params: tuple[torch.Tensor, ...]
+    weights: tuple[torch.Tensor, ...]
+    moments: tuple[torch.Tensor, ...]  # every shard's exp_avg, to see a replaced state
+    batches: list[_Batch]
 
 
 class AdamW8bit(TorchaoAdamW8bit):
@@ -116,6 +142,7 @@ class AdamW8bit(TorchaoAdamW8bit):
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=BLOCK_SIZE)
+        self._layouts: dict[int, _Layout] = {}
 
     def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
         # torchao gives an unquantised moment the weights' dtype; a bf16 moment would stall as bf16 weights do.
@@ -126,63 +153,80 @@ class AdamW8bit(TorchaoAdamW8bit):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
-        for group in self.param_groups:
-            with_grads = [param for param in group["params"] if param.grad is not None]
-            for param in with_grads:
-                if not self.state[param]:
-                    self.state[param].update(
-                        step=torch.tensor(0.0), exp_avg=self._new_buffer(param, True), exp_avg_sq=self._new_buffer(param, False)
-                    )
-            steps = [self.state[param]["step"] for param in with_grads]
-            if not steps:
+        chunks_stepped = 0
+        for group_number, group in enumerate(self.param_groups):
+            layout = self._layout(group_number, group)
+            if layout is None:
                 continue
-            torch._foreach_add_(steps, 1)
-            # Shards step together when they share the update count (all of them, unless some had no
-            # gradient on some update), the kind of state, the device and the dtypes.
-            batches = defaultdict(list)
-            for param, step in zip(with_grads, torch.stack(steps).tolist()):
-                state = self.state[param]
-                shard = _Shard(_local(param), _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]))
-                if shard.param.numel() == 0:  # an uneven shard can leave a rank no values of this tensor
-                    continue
-                is_8bit = isinstance(shard.exp_avg, OptimState8bit)
-                batches[(step, is_8bit, shard.param.device, shard.param.dtype, shard.grad.dtype)].append(shard)
-            chunks_stepped = 0
-            for (step, is_8bit, _, _, _), shards in batches.items():
-                chunks_stepped += self._step_shards(shards, group, step, is_8bit, chunks_stepped)
+            for number, batch in enumerate(layout.batches):
+                batch.step_counts.add_(1)
+                chunks_stepped += self._step_batch(batch, group, chunks_stepped)
+                layout.batches[number] = batch._replace(step=batch.step + 1)
 
-    def _step_shards(self, shards: list[_Shard], group: dict, step: float, is_8bit: bool, first_chunk: int) -> int:
-        """Step shards of one kind in chunks; returns the number of chunks. `first_chunk` numbers them within
-        the update, which keys their stochastic rounding."""
+    def _layout(self, group_number: int, group: dict) -> _Layout | None:
+        """The group's layout for this step (None: no gradient in the group): the kept one while it holds."""
+        params = tuple(param for param in group["params"] if param.grad is not None)
+        if not params:
+            return None
+        kept = self._layouts.get(group_number)
+        if (kept is not None and len(kept.params) == len(params) and all(map(operator.is_, kept.params, params))
+                and all(map(operator.is_, kept.weights, map(_local, params)))
+                and all(map(operator.is_, kept.moments, (self.state[param]["exp_avg"] for param in params)))):
+            return kept
+        for param in params:
+            if not self.state[param]:
+                self.state[param].update(step=torch.tensor(0.0), exp_avg=self._new_buffer(param, True), exp_avg_sq=self._new_buffer(param, False))
+        # Shards step together when they share the update count (all of them, unless some had no gradient on
+        # some update), the kind of state, the device and the dtypes.
+        kinds = defaultdict(list)
+        for param, step in zip(params, torch.stack([self.state[param]["step"] for param in params]).tolist()):
+            state = self.state[param]
+            weights, exp_avg, exp_avg_sq = _local(param), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            if weights.numel() == 0:  # an uneven shard can leave a rank no values of this tensor
+                continue
+            is_8bit = isinstance(exp_avg, OptimState8bit)
+            kinds[(step + 1, is_8bit, weights.device, weights.dtype, _local(param.grad).dtype)].append((param, weights, exp_avg, exp_avg_sq))
+        batches = []
+        for (step, is_8bit, _, _, _), shards in kinds.items():
+            # One tensor holds the update counts of the batch's shards; each shard's state["step"] is its element
+            # (a tensor of its own to load, save and count, as torchao's are).
+            step_counts = torch.full((len(shards),), step - 1)
+            for number, (param, *_) in enumerate(shards):
+                self.state[param]["step"] = step_counts[number]
+            chunks = []
+            for run in runs_of_at_most(shards, [weights.numel() for _, weights, _, _ in shards], CHUNK_VALUES):
+                run_params, weights, exp_avgs, exp_avg_sqs = (list(tensors) for tensors in zip(*run))
+                if is_8bit:
+                    states = ([state.codes for state in exp_avgs], [state.scale for state in exp_avgs],
+                              [state.codes for state in exp_avg_sqs], [state.scale for state in exp_avg_sqs])
+                    chunks.append(_Chunk(run_params, weights, states, (exp_avgs[0].qmap, exp_avg_sqs[0].qmap)))
+                else:
+                    chunks.append(_Chunk(run_params, weights, (exp_avgs, exp_avg_sqs), ()))
+            batches.append(_Batch(step, step_counts, is_8bit, chunks))
+        layout = _Layout(params, tuple(map(_local, params)), tuple(self.state[param]["exp_avg"] for param in params), batches)
+        self._layouts[group_number] = layout
+        return layout
+
+    def _step_batch(self, batch: _Batch, group: dict, first_chunk: int) -> int:
+        """Step one batch's chunks; returns their number. `first_chunk` numbers them within the update, which
+        keys their stochastic rounding."""
         beta1, beta2 = group["betas"]
-        step_settings = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], torch.tensor(step))
+        step_settings = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], batch.step_counts[0])
         # torch.compile cannot trace under a dispatch mode (the memory estimate's fake tensors and trackers,
         # memory_estimate.py): the same functions run eagerly there, their temporaries an upper bound.
         eager = is_in_torch_dispatch_mode()
         step_8bit_moments = _step_8bit_moments if eager else _compiled_step_8bit_moments
         adamw = _adamw if eager else _compiled_adamw
-        chunks = list(runs_of_at_most(shards, [shard.param.numel() for shard in shards], CHUNK_VALUES))
-        for chunk_number, chunk in enumerate(chunks, start=first_chunk):
-            params, grads, exp_avgs, exp_avg_sqs = (list(tensors) for tensors in zip(*chunk))
-            if is_8bit:
-                new_param, avg_codes, avg_scale, sq_codes, sq_scale = step_8bit_moments(
-                    _flat(params), _flat(grads),
-                    _flat([state.codes for state in exp_avgs]), torch.cat([state.scale for state in exp_avgs]),
-                    _flat([state.codes for state in exp_avg_sqs]), torch.cat([state.scale for state in exp_avg_sqs]),
-                    exp_avgs[0].qmap, exp_avg_sqs[0].qmap, *step_settings,
-                )  # fmt: skip
-                _write_back([state.codes for state in exp_avgs], avg_codes)
-                _write_back([state.scale for state in exp_avgs], avg_scale)
-                _write_back([state.codes for state in exp_avg_sqs], sq_codes)
-                _write_back([state.scale for state in exp_avg_sqs], sq_scale)
-            else:
-                new_param, exp_avg, exp_avg_sq = adamw(_flat(params), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), *step_settings)
-                _write_back(exp_avgs, exp_avg)
-                _write_back(exp_avg_sqs, exp_avg_sq)
-            if params[0].dtype == torch.bfloat16:
-                new_param = round_to_bf16(new_param, rounding_key(int(step), chunk_number))
-            _write_back(params, new_param)
-        return len(chunks)
+        for chunk_number, chunk in enumerate(batch.chunks, start=first_chunk):
+            weights, grads = _flatten(chunk.weights), _flatten([_local(param.grad) for param in chunk.params])
+            kernel = step_8bit_moments if batch.is_8bit else adamw
+            new_weights, *new_states = kernel(weights, grads, *map(_flatten, chunk.states), *chunk.code_values, *step_settings)
+            for targets, values in zip(chunk.states, new_states):
+                _write_back(targets, values)
+            if chunk.weights[0].dtype == torch.bfloat16:
+                new_weights = round_to_bf16(new_weights, rounding_key(int(batch.step), chunk_number))
+            _write_back(chunk.weights, new_weights)
+        return len(batch.chunks)
 
 
 class AdamWFp32Moments(AdamW8bit):
