@@ -259,8 +259,8 @@ def test_latest_with_every_checkpoint_damaged_refuses_to_start_naming_each_and_t
     flipped_format = flip_in_trainer_state(checkpoints / checkpoint_name(8), "format_version", 2)
     zero_inside_the_largest_record(checkpoints / checkpoint_name(8))  # found too when the format flip switched checksums off
     zeroed_shard = zero_inside_the_largest_record(checkpoints / checkpoint_name(4))
-    result = run_processes(1, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--checkpoints_total_limit", "2"),
-                           expect_success=False, timeout=300)
+    flags = train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--checkpoints_total_limit", "2")
+    result = run_processes(1, TRAINER, flags, expect_success=False, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-3000:]
     assert f"--load_saved_state latest: every checkpoint in {checkpoints} is damaged" in result.stderr, result.stderr[-3000:]
@@ -450,7 +450,8 @@ def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_st
     (run / "checkpoints" / (checkpoint_name(14) + ".tmp")).mkdir()  # a save that died
     refused = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path), expect_success=False)
     assert refused.returncode == 1
-    message = f"{run} holds an earlier run (checkpoints/{checkpoint_name(4)}, checkpoints/{checkpoint_name(8)}, checkpoints/{checkpoint_name(12)}, pipeline and 1 more)"
+    earlier = ", ".join(f"checkpoints/{checkpoint_name(update)}" for update in (4, 8, 12))
+    message = f"{run} holds an earlier run ({earlier}, pipeline and 1 more)"
     assert refused.stderr.count(message) == 1, refused.stderr[-3000:]
     assert "continue it with --load_saved_state latest, start a new run with another --project_name, or start over in this folder with --overwrite_run" in refused.stderr
     assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(update) for update in (4, 8, 12)]
@@ -485,7 +486,8 @@ def test_latest_in_a_folder_with_an_exported_model_but_no_checkpoint_is_refused(
     exported = tmp_path / "run" / "pipeline"
     exported.mkdir(parents=True)
     (exported / "marker").write_text("the earlier run's model")
-    refused = run_processes(1, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest"), expect_success=False, timeout=300)
+    flags = train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest")
+    refused = run_processes(1, TRAINER, flags, expect_success=False, timeout=300)
     assert refused.returncode == 1, (refused.stdout + refused.stderr)[-3000:]
     assert refused.stderr.count(f"{tmp_path / 'run'} holds an earlier run (pipeline) but no checkpoint to continue it") == 1, refused.stderr[-3000:]
     assert "give this run another --project_name, or start over in this folder with --overwrite_run" in refused.stderr
@@ -507,16 +509,17 @@ def test_a_checkpoint_of_another_run_folder_does_not_silently_replace_this_folde
     exported = target / "pipeline"
     exported.mkdir(parents=True)
     (exported / "marker").write_text("the earlier run's model")
-    from_other = [*trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "target", *QUICK), "--load_saved_state", str(other / "checkpoints" / checkpoint_name(4))]
+    other_checkpoint = other / "checkpoints" / checkpoint_name(4)
+    from_other = [*trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "target", *QUICK), "--load_saved_state", str(other_checkpoint)]
     refused = run_processes(1, TRAINER, from_other, expect_success=False, timeout=300)
     assert refused.returncode == 1, (refused.stdout + refused.stderr)[-3000:]
-    expected = f"{target} holds an earlier run (pipeline), which starting from {other / 'checkpoints' / checkpoint_name(4)} (a checkpoint of another run folder) would overwrite"
+    expected = f"{target} holds an earlier run (pipeline), which starting from {other_checkpoint} (a checkpoint of another run folder) would overwrite"
     assert refused.stderr.count(expected) == 1, refused.stderr[-3000:]
     assert "give this run another --project_name, or start over in this folder with --overwrite_run" in refused.stderr
     assert (exported / "marker").is_file()
 
     started = run_processes(1, TRAINER, [*from_other, "--overwrite_run", "--max_train_updates", "5"])
-    assert f"Resumed from {other / 'checkpoints' / checkpoint_name(4)}" in started.stdout
+    assert f"Resumed from {other_checkpoint}" in started.stdout
     aside = [path for path in target.iterdir() if path.name.startswith("overwritten_")]
     assert len(aside) == 1 and (aside[0] / "pipeline" / "marker").is_file()
     assert [path.name for path in complete_checkpoints(target / "checkpoints")] == [checkpoint_name(5)]

@@ -70,11 +70,11 @@ def earlier_run_problems(run_dir: Path, load_saved_state: str | None = None, res
             f"{run_dir} holds an earlier run ({names}), which this fresh start would overwrite: continue it with --load_saved_state latest, "
             f"start a new run with another --project_name, or {overwrite}"
         ]
-    if resume_dir is None:  # 'latest' found no checkpoint (every one damaged is find_resume_checkpoint's refusal)
+    if resume_dir is None:  # 'latest' found no checkpoint, so `outputs` are exports (every checkpoint damaged is find_resume_checkpoint's refusal)
         return [
             f"{run_dir} holds an earlier run ({names}) but no checkpoint to continue it from, so --load_saved_state latest would start "
             f"from the base model and overwrite it: give this run another --project_name, or {overwrite} in place of --load_saved_state "
-            f"(to fine-tune on from its export, pass --pretrained_model_name_or_path {run_dir / 'pipeline'} with another --project_name)"
+            f"(to fine-tune on from its export, pass --pretrained_model_name_or_path {outputs[0]} with another --project_name)"
         ]
     go_on = "continue it with --load_saved_state latest, " if complete_checkpoints(run_dir / "checkpoints") else ""
     return [
