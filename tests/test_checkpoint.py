@@ -217,9 +217,52 @@ def test_latest_skips_incomplete_checkpoints_and_pruning_removes_dead_saves(tmp_
     assert sorted(path.name for path in skipped) == [checkpoint_name(3), checkpoint_name(10)]
     assert all("is damaged" in reason or "earlier version" in reason for reason in skipped.values())
     removed = remove_old_checkpoints(tmp_path, keep=1)
-    assert sorted(path.name for path in removed) == [checkpoint_name(3), checkpoint_name(14) + ".tmp"]
-    assert sorted(path.name for path in tmp_path.iterdir()) == [checkpoint_name(10), checkpoint_name(12)]
+    assert [path.name for path in removed] == [checkpoint_name(14) + ".tmp"]  # damaged checkpoints are never the limit's to delete
+    assert sorted(path.name for path in tmp_path.iterdir()) == [checkpoint_name(3), checkpoint_name(10), checkpoint_name(12)]
     assert find_latest_checkpoint(tmp_path / "missing") == (None, {})
+
+
+def test_latest_without_a_checkpoint_says_why_it_starts_from_the_base_model(tmp_path):
+    from sdxl_trainer.state.checkpointer import no_checkpoint_reason
+
+    checkpoints = tmp_path / "checkpoints"
+    assert no_checkpoint_reason(checkpoints) == "the folder does not exist"
+    checkpoints.mkdir()
+    assert no_checkpoint_reason(checkpoints) == "the folder is empty"
+    (checkpoints / (checkpoint_name(4) + ".tmp")).mkdir()
+    assert no_checkpoint_reason(checkpoints) == f"it holds only {checkpoint_name(4)}.tmp, a save that never finished"
+    (checkpoints / f"abandoned_after_{checkpoint_name(2)}_20250101-120000").mkdir()
+    assert no_checkpoint_reason(checkpoints) == (
+        f"it holds only {checkpoint_name(4)}.tmp, a save that never finished, and abandoned_after_{checkpoint_name(2)}_20250101-120000, "
+        "set aside by going back (name a checkpoint in it with --load_saved_state to continue that branch)"
+    )
+
+
+def test_overwrite_run_deletes_the_abandoned_branches_only_when_told(tmp_path):
+    from sdxl_trainer.state.run_folder import start_over
+
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    for name in (checkpoint_name(4), f"abandoned_after_{checkpoint_name(2)}_20250101-120000/{checkpoint_name(3)}"):
+        (checkpoints / name).mkdir(parents=True)
+        (checkpoints / name / TRAINER_STATE_FILE).write_text("{}")
+    (run / "pipeline_epoch_0001").mkdir()
+    (run / "logs").mkdir()
+    (run / "logs" / "events.out.tfevents.1.host.1.0").write_text("curve")
+    messages = start_over(run, [run / "pipeline_epoch_0001", run / "logs" / "events.out.tfevents.1.host.1.0", run / "missing"], delete_abandoned=False)
+    assert messages[0] == f"--overwrite_run: deleted the earlier run's checkpoints in {checkpoints}: {checkpoint_name(4)}."
+    assert messages[1].startswith(f"--overwrite_run: kept abandoned_after_{checkpoint_name(2)}_20250101-120000 in {checkpoints}")
+    assert "--delete_abandoned_branches" in messages[1]
+    aside = next(run.glob("overwritten_*"))
+    assert messages[2].startswith(f"--overwrite_run: moved the earlier run's exports and logs into {aside} (")
+    assert messages[2].endswith("): pipeline_epoch_0001, logs/events.out.tfevents.1.host.1.0.")
+    assert (aside / "pipeline_epoch_0001").is_dir() and (aside / "logs" / "events.out.tfevents.1.host.1.0").read_text() == "curve"
+    assert sorted(path.name for path in checkpoints.iterdir()) == [f"abandoned_after_{checkpoint_name(2)}_20250101-120000"]
+
+    messages = start_over(run, [], delete_abandoned=True)
+    assert messages == [f"--overwrite_run: deleted the earlier run's checkpoints in {checkpoints}: abandoned_after_{checkpoint_name(2)}_20250101-120000."]
+    assert list(checkpoints.iterdir()) == []
+    assert start_over(tmp_path / "empty", [], delete_abandoned=True) == []
 
 
 # ---- signals -------------------------------------------------------------------------------------------

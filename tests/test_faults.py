@@ -4,6 +4,7 @@ names the file or flag, and never loses what was already saved. Distributed part
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing.process
 import os
@@ -109,7 +110,7 @@ def test_every_file_of_a_checkpoint_has_its_checksum_recorded(saved_run):
     for checkpoint in (saved_run / "checkpoints").iterdir():
         recorded = json.loads((checkpoint / CHECKSUMS_FILE).read_text())
         files = {path.relative_to(checkpoint).as_posix() for path in checkpoint.rglob("*") if path.is_file()}
-        assert set(recorded["files"]) == files - {CHECKSUMS_FILE, TRAINER_STATE_FILE}
+        assert set(recorded["files"]) == files - {CHECKSUMS_FILE}  # trainer_state.json included: its counters and format marker
         assert {"__0_0.distcp", "__1_0.distcp", "rng/rank1.safetensors", METADATA_FILE} <= set(recorded["files"])
         for name, digest in recorded["files"].items():
             assert hashlib.new(recorded["algorithm"], (checkpoint / name).read_bytes()).hexdigest() == digest, name
@@ -130,6 +131,26 @@ def test_a_planted_pickle_never_runs_and_the_load_fails_naming_the_file(tmp_path
     assert "Cannot start training" in result.stderr and f"{planted / METADATA_FILE} is refused" in result.stderr
     assert result.stderr.count("is refused") == 1  # printed once, by one rank
     assert not marker.exists(), "code planted in the checkpoint ran"
+
+
+def rewrite_trainer_state(checkpoint: Path, text: str) -> None:
+    """An edit of trainer_state.json that also records its new checksum, so the checks under the checksum (JSON,
+    fields, format) are what finds it."""
+    (checkpoint / TRAINER_STATE_FILE).write_text(text)
+    checksums = json.loads((checkpoint / CHECKSUMS_FILE).read_text())
+    if TRAINER_STATE_FILE in checksums["files"]:
+        checksums["files"][TRAINER_STATE_FILE] = hashlib.sha256(text.encode()).hexdigest()
+        (checkpoint / CHECKSUMS_FILE).write_text(json.dumps(checksums))
+
+
+def flip_in_trainer_state(checkpoint: Path, field: str, new_value: int) -> Path:
+    """What a flipped bit does to trainer_state.json: one field's digits change in place, nothing else."""
+    state_file = checkpoint / TRAINER_STATE_FILE
+    text = state_file.read_text()
+    old = f'"{field}": {json.loads(text)[field]}'
+    assert text.count(old) == 1
+    state_file.write_text(text.replace(old, f'"{field}": {new_value}'))
+    return state_file
 
 
 def damage(checkpoint: Path, kind: str) -> str:
@@ -156,13 +177,15 @@ def damage(checkpoint: Path, kind: str) -> str:
         index_file.write_text(json.dumps(index))
         return "points at '../../../etc/passwd', not a shard file of this checkpoint"
     if kind == "trainer state not JSON":
-        (checkpoint / TRAINER_STATE_FILE).write_text('{"update": 1')
+        rewrite_trainer_state(checkpoint, '{"update": 1')
         return f"{checkpoint / TRAINER_STATE_FILE} is damaged (not JSON"
     if kind == "trainer state field missing":
         state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
         del state["seed"]
-        (checkpoint / TRAINER_STATE_FILE).write_text(json.dumps(state))
+        rewrite_trainer_state(checkpoint, json.dumps(state))
         return "fields missing: ['seed']"
+    if kind == "trainer state bit flipped":
+        return f"{flip_in_trainer_state(checkpoint, 'update', 14)} does not match its checksum"
     if kind == "rng state damaged":
         (checkpoint / "rng" / "rank1.safetensors").write_bytes(b"\x00" * 20)
         return f"{checkpoint / 'rng' / 'rank1.safetensors'} is missing or damaged"
@@ -177,14 +200,14 @@ def damage(checkpoint: Path, kind: str) -> str:
     if kind == "earlier version":
         state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
         del state["format_version"]
-        (checkpoint / TRAINER_STATE_FILE).write_text(json.dumps(state))
+        rewrite_trainer_state(checkpoint, json.dumps(state))
         return "was written by an earlier version of this trainer"
     raise ValueError(kind)
 
 
 DAMAGE_KINDS = ["truncated shard", "missing shard", "index not JSON", "unknown dtype", "file outside the checkpoint",
-                "trainer state not JSON", "trainer state field missing", "rng state damaged", "earlier version", "checksums missing",
-                "shard without a checksum"]
+                "trainer state not JSON", "trainer state field missing", "trainer state bit flipped", "rng state damaged", "earlier version",
+                "checksums missing", "shard without a checksum"]
 
 
 @pytest.mark.multiprocess
@@ -195,6 +218,78 @@ def test_damaged_checkpoints_are_named(tmp_path, saved_run, kind):
     expected = damage(checkpoint, kind)
     problem = checkpoint_problem(checkpoint)
     assert problem is not None and expected in problem, problem
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("field,flipped", [("update", 14), ("format_version", 2)])
+def test_a_flipped_bit_in_trainer_state_json_is_found_naming_the_file(tmp_path, saved_run, field, flipped):
+    """trainer_state.json was the one file checksums.json left out: "update": 12 -> 14 resumed at the wrong schedule
+    and data position, and "format_version" -> 2 switched the checksums off (zeroed weights were accepted then)."""
+    checkpoint = copy_of(saved_run, tmp_path) / "checkpoints" / checkpoint_name(12)
+    state_file = flip_in_trainer_state(checkpoint, field, flipped)
+    problem = checkpoint_problem(checkpoint)
+    assert problem is not None and f"{state_file} does not match its checksum" in problem, problem
+
+
+@pytest.mark.multiprocess
+def test_checksums_json_not_a_field_decides_that_checksums_are_checked(tmp_path, saved_run):
+    """A checkpoint saved before trainer_state.json was checksummed (format 3: checksums.json lists every other
+    file) still resumes; its format marker flipped to 2 (before checksums) contradicts the checksums.json
+    beside it and is refused, instead of switching the checksums off."""
+    checkpoint = copy_of(saved_run, tmp_path) / "checkpoints" / checkpoint_name(12)
+    checksums = json.loads((checkpoint / CHECKSUMS_FILE).read_text())
+    checksums["files"].pop(TRAINER_STATE_FILE, None)
+    (checkpoint / CHECKSUMS_FILE).write_text(json.dumps(checksums))
+    state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
+    (checkpoint / TRAINER_STATE_FILE).write_text(json.dumps({**state, "format_version": 3}, indent=2))
+    assert checkpoint_problem(checkpoint) is None
+    state_file = flip_in_trainer_state(checkpoint, "format_version", 2)
+    problem = checkpoint_problem(checkpoint)
+    assert problem is not None and str(state_file) in problem and str(checkpoint / CHECKSUMS_FILE) in problem, problem
+
+
+@pytest.mark.multiprocess
+def test_latest_with_every_checkpoint_damaged_refuses_to_start_naming_each_and_the_fix(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    """It used to say "No complete checkpoint ... yet: starting from the base model", and with
+    --checkpoints_total_limit 2 each of its own saves was deleted right after it was written (the damaged
+    checkpoints had higher update numbers), so a requeued job started over every time."""
+    run = copy_of(saved_run, tmp_path)
+    checkpoints = run / "checkpoints"
+    flipped_update = flip_in_trainer_state(checkpoints / checkpoint_name(12), "update", 14)
+    flipped_format = flip_in_trainer_state(checkpoints / checkpoint_name(8), "format_version", 2)
+    zero_inside_the_largest_record(checkpoints / checkpoint_name(8))  # found too when the format flip switched checksums off
+    zeroed_shard = zero_inside_the_largest_record(checkpoints / checkpoint_name(4))
+    flags = train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest", "--checkpoints_total_limit", "2")
+    result = run_processes(1, TRAINER, flags, expect_success=False, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert f"--load_saved_state latest: every checkpoint in {checkpoints} is damaged" in result.stderr, result.stderr[-3000:]
+    for damaged_file in (flipped_update, flipped_format, zeroed_shard):
+        assert result.stderr.count(f"{damaged_file} does not match its checksum") == 1, result.stderr[-3000:]
+    assert "--load_saved_state PATH" in result.stderr and "--overwrite_run" in result.stderr
+    assert "starting from the base model" not in output and "Skipping damaged checkpoint" not in output
+    assert sorted(path.name for path in checkpoints.iterdir()) == [checkpoint_name(update) for update in (4, 8, 12)]  # nothing deleted or added
+
+
+@pytest.mark.multiprocess
+def test_damaged_checkpoints_never_count_toward_the_limit_nor_are_deleted_by_it(tmp_path, saved_run):
+    """The limit keeps the newest intact-looking checkpoints of this run: damaged 10 and 12 once outranked every
+    new save, which was deleted right after it was written."""
+    from sdxl_trainer.state.checkpoint import remove_old_checkpoints
+
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    for update, source in ((1, 4), (2, 8), (3, 12), (10, 8), (12, 12)):
+        shutil.copytree(saved_run / "checkpoints" / checkpoint_name(source), checkpoints / checkpoint_name(update))
+    damage(checkpoints / checkpoint_name(10), "truncated shard")
+    damage(checkpoints / checkpoint_name(12), "trainer state not JSON")
+    removed = remove_old_checkpoints(checkpoints, 2)
+    assert [path.name for path in removed] == [checkpoint_name(1)]
+    assert [path.name for path in complete_checkpoints(checkpoints)] == [checkpoint_name(update) for update in (2, 3, 10, 12)]
+    # A checkpoint of a higher update that looks intact is no part of the run that saved update 3: not counted either.
+    shutil.copytree(saved_run / "checkpoints" / checkpoint_name(4), checkpoints / checkpoint_name(20))
+    assert remove_old_checkpoints(checkpoints, 1, saved=checkpoints / checkpoint_name(3)) == [checkpoints / checkpoint_name(2)]
+    assert [path.name for path in complete_checkpoints(checkpoints)] == [checkpoint_name(update) for update in (3, 10, 12, 20)]
 
 
 @pytest.mark.multiprocess
@@ -330,12 +425,33 @@ def test_a_second_run_into_the_same_folder_is_refused_on_every_rank_naming_the_f
     assert "Stopped on request after update" in first.stdout
 
 
+def leave_earlier_results(run: Path, saved_run: Path) -> dict[str, Path]:
+    """What an earlier run leaves in its folder besides its checkpoints: an epoch export, the final export, its
+    TensorBoard events, its sample grid and W&B run id. Returns them by name."""
+    results = {"epoch export": run / "pipeline_epoch_0001", "export": run / "pipeline", "samples": run / "samples", "wandb id": run / "wandb_run_id.txt"}
+    for name in ("epoch export", "export", "samples"):
+        results[name].mkdir(parents=True, exist_ok=True)
+        (results[name] / "marker").write_text(name)
+    results["wandb id"].write_text("earlier0run\n")
+    shutil.copytree(saved_run / "tensorboard", run / "tensorboard", dirs_exist_ok=True)
+    results["events"] = run / "tensorboard"
+    return results
+
+
 @pytest.mark.multiprocess
 def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_starts_over(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    """--overwrite_run names every checkpoint it deletes, keeps the branches going back set aside (it promised
+    "Nothing was deleted"), and moves the earlier run's exports, events, sample grid and W&B id aside into one
+    named folder, so the run folder never shows two runs' curves and exports."""
     run = copy_of(saved_run, tmp_path)
+    results = leave_earlier_results(run, saved_run)
+    abandoned = run / "checkpoints" / f"abandoned_after_{checkpoint_name(4)}_20250101-120000"
+    shutil.copytree(run / "checkpoints" / checkpoint_name(8), abandoned / checkpoint_name(8))
+    (run / "checkpoints" / (checkpoint_name(14) + ".tmp")).mkdir()  # a save that died
     refused = run_processes(2, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path), expect_success=False)
     assert refused.returncode == 1
-    message = f"{run} holds an earlier run (checkpoints/{checkpoint_name(4)}, checkpoints/{checkpoint_name(8)}, checkpoints/{checkpoint_name(12)})"
+    earlier = ", ".join(f"checkpoints/{checkpoint_name(update)}" for update in (4, 8, 12))
+    message = f"{run} holds an earlier run ({earlier}, pipeline and 1 more)"
     assert refused.stderr.count(message) == 1, refused.stderr[-3000:]
     assert "continue it with --load_saved_state latest, start a new run with another --project_name, or start over in this folder with --overwrite_run" in refused.stderr
     assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(update) for update in (4, 8, 12)]
@@ -346,8 +462,73 @@ def test_a_fresh_start_in_a_finished_runs_folder_is_refused_and_overwrite_run_st
     assert "holds an earlier run (pipeline)" in earlier_run_problems(tmp_path / "exported_only")[0]
 
     started_over = run_processes(1, TRAINER, train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--overwrite_run", "--max_train_updates", "2"))
-    assert "--overwrite_run: deleted the earlier run's checkpoints" in started_over.stdout
+    deleted = ", ".join(name for name in (*(checkpoint_name(update) for update in (4, 8, 12)), checkpoint_name(14) + ".tmp"))
+    assert f"--overwrite_run: deleted the earlier run's checkpoints in {run / 'checkpoints'}: {deleted}." in started_over.stdout, started_over.stdout[-3000:]
+    assert f"kept {abandoned.name} in {run / 'checkpoints'}" in started_over.stdout
+    assert checkpoint_problem(abandoned / checkpoint_name(8)) is None  # kept whole
+    aside = [path for path in run.iterdir() if path.name.startswith("overwritten_")]
+    assert len(aside) == 1, sorted(path.name for path in run.iterdir())
+    assert f"moved the earlier run's exports and logs into {aside[0]}" in started_over.stdout
+    for name in ("epoch export", "export", "samples"):
+        assert (aside[0] / results[name].name / "marker").read_text() == name
+    assert (aside[0] / "wandb_run_id.txt").read_text() == "earlier0run\n"
+    assert [path.name for path in (aside[0] / "tensorboard").iterdir()] == [path.name for path in (saved_run / "tensorboard").iterdir()]
+    assert not results["epoch export"].exists() and not (results["samples"] / "marker").exists() and not results["wandb id"].exists()
+    assert len(scalars(run, "train/loss")) == 2  # the new run's curve alone
     assert [path.name for path in complete_checkpoints(run / "checkpoints")] == [checkpoint_name(2)]
+
+
+@pytest.mark.multiprocess
+def test_latest_in_a_folder_with_an_exported_model_but_no_checkpoint_is_refused(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    """A finished --no-save_state run relaunched with README's restart command used to start from the base model
+    and replace its exported pipeline. In a folder with nothing in it, 'latest' starts from the base model and
+    says why."""
+    exported = tmp_path / "run" / "pipeline"
+    exported.mkdir(parents=True)
+    (exported / "marker").write_text("the earlier run's model")
+    flags = train_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--load_saved_state", "latest")
+    refused = run_processes(1, TRAINER, flags, expect_success=False, timeout=300)
+    assert refused.returncode == 1, (refused.stdout + refused.stderr)[-3000:]
+    assert refused.stderr.count(f"{tmp_path / 'run'} holds an earlier run (pipeline) but no checkpoint to continue it") == 1, refused.stderr[-3000:]
+    assert "give this run another --project_name, or start over in this folder with --overwrite_run" in refused.stderr
+    assert "starting from the base model" not in refused.stdout
+    assert (exported / "marker").read_text() == "the earlier run's model"
+
+    first_start = run_processes(1, TRAINER, trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "new", *QUICK, "--load_saved_state", "latest",
+                                                          "--max_train_updates", "1"))
+    assert f"No checkpoint in {tmp_path / 'new' / 'checkpoints'} (the folder does not exist): starting from the base model." in first_start.stdout
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_of_another_run_folder_does_not_silently_replace_this_folders_export(tmp_path, saved_run, sample_cache_dir, tiny_pipeline_dir):
+    """Starting from another folder's checkpoint into a folder that holds an exported model is refused as a fresh
+    start is; with --overwrite_run it starts from that checkpoint, the export moved aside. --overwrite_run with a
+    checkpoint of this very folder would delete what it resumes from: refused."""
+    other = copy_of(saved_run, tmp_path / "other")
+    target = tmp_path / "target"
+    exported = target / "pipeline"
+    exported.mkdir(parents=True)
+    (exported / "marker").write_text("the earlier run's model")
+    other_checkpoint = other / "checkpoints" / checkpoint_name(4)
+    from_other = [*trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "target", *QUICK), "--load_saved_state", str(other_checkpoint)]
+    refused = run_processes(1, TRAINER, from_other, expect_success=False, timeout=300)
+    assert refused.returncode == 1, (refused.stdout + refused.stderr)[-3000:]
+    expected = f"{target} holds an earlier run (pipeline), which starting from {other_checkpoint} (a checkpoint of another run folder) would overwrite"
+    assert refused.stderr.count(expected) == 1, refused.stderr[-3000:]
+    assert "give this run another --project_name, or start over in this folder with --overwrite_run" in refused.stderr
+    assert (exported / "marker").is_file()
+
+    started = run_processes(1, TRAINER, [*from_other, "--overwrite_run", "--max_train_updates", "5"])
+    assert f"Resumed from {other_checkpoint}" in started.stdout
+    aside = [path for path in target.iterdir() if path.name.startswith("overwritten_")]
+    assert len(aside) == 1 and (aside[0] / "pipeline" / "marker").is_file()
+    assert [path.name for path in complete_checkpoints(target / "checkpoints")] == [checkpoint_name(5)]
+
+    own = target / "checkpoints" / checkpoint_name(5)
+    refused_own = run_processes(1, TRAINER, [*from_other[:-1], str(own), "--overwrite_run"], expect_success=False, timeout=300)
+    assert refused_own.returncode == 1
+    assert f"--overwrite_run would delete {target / 'checkpoints'}, which holds {own}" in refused_own.stderr, refused_own.stderr[-3000:]
+    assert own.is_dir()
 
 
 @pytest.mark.multiprocess
@@ -489,7 +670,8 @@ def test_a_full_disk_warns_at_state_saves_keeps_the_last_checkpoint_and_stops_cl
         (["--lr_num_cycles", "0"], "--lr_num_cycles must be at least 1"),
         (["--learning_rate_scheduler", "polynomial", "--polynomial_lr_end", "1e-3"], "--polynomial_lr_end (0.001) must be below --learning_rate"),
         (["--load_saved_state", "/nonexistent/update_00000004"], "--load_saved_state /nonexistent/update_00000004 is not a folder"),
-        (["--overwrite_run", "--load_saved_state", "latest"], "--overwrite_run starts the run over, --load_saved_state continues it"),
+        (["--overwrite_run", "--load_saved_state", "latest"], "--overwrite_run starts the run over, --load_saved_state latest continues it"),
+        (["--delete_abandoned_branches"], "--delete_abandoned_branches only applies with --overwrite_run"),
     ],
 )
 def test_bad_numbers_are_refused_naming_the_flag(flags, message, capsys):

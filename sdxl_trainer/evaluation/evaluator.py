@@ -42,6 +42,9 @@ from sdxl_trainer.training.trained_models import TrainedModels
 if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
     from diffusers import DDPMScheduler
 
+SAMPLE_GRID_FILE = Path("samples") / "sample_grid.png"  # inside the run folder
+
+
 @dataclass(kw_only=True)
 class EvaluationOptions:
     """Validation and sample images"""
@@ -185,7 +188,7 @@ def build_evaluator(settings: EvaluationSettings, world: World, run_dir: Path, d
                 print(f"Note: {note}")
         prompts = choose_sample_prompts(file_prompts, [dataset.caption(item) for item in range(len(dataset))], settings.num_sample_images, seed)
     held_out = HeldOutData(dataset, holdout, noise_scheduler, negative)
-    samples = SampleColumns(prompts, column_seeds(prompts, seed), settings.sample_size, run_dir / "samples" / "sample_grid.png")
+    samples = SampleColumns(prompts, column_seeds(prompts, seed), settings.sample_size, run_dir / SAMPLE_GRID_FILE)
     return Evaluator(settings, world, held_out, source, validator, samples, caption_chunks, trained_caption_encoder)
 
 

@@ -23,7 +23,7 @@ from sdxl_trainer.config import config_to_dict, write_resolved_config
 from sdxl_trainer.distributed.fsdp import prepare_text_encoder, prepare_unet, uses_sharding
 from sdxl_trainer.distributed.stop_request import StopRequest
 from sdxl_trainer.distributed.world import World, broadcast_text
-from sdxl_trainer.evaluation.evaluator import Evaluator, PipelineSource, build_evaluator
+from sdxl_trainer.evaluation.evaluator import SAMPLE_GRID_FILE, Evaluator, PipelineSource, build_evaluator
 from sdxl_trainer.evaluation.metrics import MetricWeightsError
 from sdxl_trainer.jobs.train_config import (
     WEIGHTS_DTYPES,
@@ -38,12 +38,12 @@ from sdxl_trainer.models.encoders import load_text_encoders
 from sdxl_trainer.models.single_file import config_source, load_unet
 from sdxl_trainer.optimizers.build import build_optimizer
 from sdxl_trainer.outputs.export import Exporter, ExportError
-from sdxl_trainer.outputs.monitor import MetricsWriter, TrainingMonitor, WandbSettings
+from sdxl_trainer.outputs.monitor import WANDB_ID_FILE, MetricsWriter, TrainingMonitor, WandbSettings
 from sdxl_trainer.runtime.garbage_collection import exempt_live_objects_from_garbage_collection
 from sdxl_trainer.runtime.quiet_libraries import hide_library_progress_bars
 from sdxl_trainer.state.checkpoint import CheckpointError, TrainerState, load_training_state, read_trainer_state
-from sdxl_trainer.state.checkpointer import Checkpointer, find_resume_checkpoint, prepare_checkpoints_dir, resume_problems
-from sdxl_trainer.state.run_folder import RunFolderBusy, RunFolderLock, earlier_run_outputs, earlier_run_problems
+from sdxl_trainer.state.checkpointer import Checkpointer, find_resume_checkpoint, no_checkpoint_reason, prepare_checkpoints_dir, resume_problems
+from sdxl_trainer.state.run_folder import RunFolderBusy, RunFolderLock, continues_run, earlier_exports, earlier_run_problems, start_over
 from sdxl_trainer.training.captions import StepCaptionEncoder
 from sdxl_trainer.training.dataset import CachedDataset
 from sdxl_trainer.training.ema import ShardedEMA
@@ -71,8 +71,15 @@ def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tupl
     problems = list(caches.problems)
     resume_dir, checkpoint_problems = find_resume_checkpoint(config.load_saved_state, run_dir / "checkpoints", world.is_main)
     problems += checkpoint_problems
-    if config.load_saved_state is None and not config.overwrite_run:
-        problems += earlier_run_problems(run_dir)
+    # Whatever --load_saved_state says, a start that does not continue this folder's run would replace its results
+    # ('latest' with every checkpoint damaged is refused above, naming them).
+    if not config.overwrite_run and not (config.load_saved_state == "latest" and checkpoint_problems):
+        problems += earlier_run_problems(run_dir, config.load_saved_state, resume_dir)
+    if config.overwrite_run and continues_run(run_dir, resume_dir):
+        problems.append(
+            f"--overwrite_run would delete {run_dir / 'checkpoints'}, which holds {resume_dir}, the checkpoint --load_saved_state names: to go "
+            "back to it, drop --overwrite_run (the later checkpoints are set aside, nothing is deleted)"
+        )
     saved = None
     if resume_dir is not None and not checkpoint_problems:
         try:
@@ -141,8 +148,12 @@ def build_run(config: TrainConfig, world: World) -> Run:
     config, caches, resume_dir, saved = check_before_start(config, run_dir, world)
     # Only now the model libraries load (diffusers, transformers: 5-10 s), which a refused start never waits for.
     hide_library_progress_bars()
+    log_dir = config.log_dir or run_dir / "tensorboard"
     if world.is_main:
-        prepare_checkpoints_dir(run_dir / "checkpoints", config.overwrite_run and bool(earlier_run_outputs(run_dir)), saved.update if saved else None)
+        if config.overwrite_run:
+            for message in start_over(run_dir, earlier_results(run_dir, log_dir), config.delete_abandoned_branches):
+                print(message)
+        prepare_checkpoints_dir(run_dir / "checkpoints", saved.update if saved else None)
     seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
     torch.manual_seed(seed + world.rank)
     compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device, config.weights_dtype)
@@ -184,7 +195,6 @@ def build_run(config: TrainConfig, world: World) -> Run:
         write_resolved_config(dataclasses.replace(config, set_seed=seed), run_dir / "config.json")  # the seed drawn or resumed, to repeat the run
         describe_run(config, world, data, stream, total_updates, compute_dtype, train_step.reduce_every_microbatch)
 
-    log_dir = config.log_dir or run_dir / "tensorboard"
     wandb_settings = WandbSettings(config.wandb_project, config.project_name, run_dir, config_to_dict(config)) if config.report_to_wandb else None
     monitor = TrainingMonitor(MetricsWriter(log_dir, world.is_main, wandb_settings), total_updates, first_update, world.device, world.is_main, config.log_every_n_updates)
     pipeline_source = PipelineSource(
@@ -205,6 +215,13 @@ def build_run(config: TrainConfig, world: World) -> Run:
         total_updates=total_updates, resumed=saved is not None, monitor=monitor, evaluator=evaluator, checkpointer=checkpointer, exporter=exporter,
         stop=StopRequest(announce=world.is_main),
     )
+
+
+def earlier_results(run_dir: Path, log_dir: Path) -> list[Path]:
+    """What --overwrite_run moves aside so the folder shows one run: the exports, TensorBoard event files,
+    sample grid and W&B run id (a new run id: W&B would otherwise continue the earlier run's curves)."""
+    events = sorted(log_dir.glob("events.out.tfevents.*")) if log_dir.is_dir() else []
+    return [*earlier_exports(run_dir), *events, run_dir / SAMPLE_GRID_FILE.parent, run_dir / WANDB_ID_FILE]
 
 
 def build_models(config: TrainConfig, world: World, dataset: CachedDataset, seed: int, compute_dtype: torch.dtype,
@@ -249,7 +266,7 @@ def resume(config: TrainConfig, world: World, resume_dir: Path | None, saved: Tr
     another number of processes."""
     if resume_dir is None:
         if world.is_main and config.load_saved_state == "latest":
-            print(f"No complete checkpoint in {run_dir / 'checkpoints'} yet: starting from the base model.")
+            print(f"No checkpoint in {run_dir / 'checkpoints'} ({no_checkpoint_reason(run_dir / 'checkpoints')}): starting from the base model.")
         return DataPosition.epoch_start(0)
     started = time.perf_counter()
     _, position_state = load_training_state(resume_dir, models.checkpointed, optimizer, ema)

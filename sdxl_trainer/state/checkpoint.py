@@ -7,10 +7,13 @@ A checkpoint folder `checkpoints/update_<N>` holds:
 - `rng/rank<R>.safetensors`: every rank's torch / CUDA / numpy / Python RNG states;
 - `data_position.safetensors`: where the run is inside its epoch (items carried into the epoch and
   items already trained on), so a resume continues the epoch instead of replaying it;
-- `checksums.json`: the SHA-256 of every other file but trainer_state.json, each rank hashing the files it
-  wrote; a resume checks them (each rank its share of the files), so a shard whose bytes changed on disk is
-  found before anything trains on it;
-- `trainer_state.json`, written last: counters, loss scaler, and the facts a resume checks.
+- `trainer_state.json`: counters, loss scaler, and the facts a resume checks;
+- `checksums.json`, written last: the SHA-256 of every other file, trainer_state.json included (each rank
+  hashing the files it wrote); a resume checks them (each rank its share of the files), so a shard, a
+  counter or the format marker whose bytes changed on disk is found before anything trains on it. Whether
+  checksums are checked follows from checksums.json being there, never from a field: a format marker
+  flipped to "before checksums" beside a checksums.json is refused, and one of format 3 or later without
+  it is refused as damaged.
 
 Nothing in a checkpoint can run code when it is opened. DCP stores every non-tensor value with pickle
 and reads it back with torch.load(weights_only=False); so only tensors go through DCP (the optimizer's
@@ -20,9 +23,9 @@ non-tensor entry, an unknown dtype or a file outside the checkpoint. Tensors are
 torch.load(weights_only=True); everything else is JSON or safetensors.
 
 Crash safety: all ranks write into `update_<N>.tmp`; only after every rank reports success does rank 0
-write checksums.json (from every rank's checksums), then trainer_state.json, and rename the folder. A
-folder without `.tmp` that holds trainer_state.json is complete; a save that dies halfway (killed, disk
-full) never touches the earlier checkpoints.
+write trainer_state.json, then checksums.json (every rank's checksums and trainer_state.json's), and rename
+the folder. A folder without `.tmp` that holds trainer_state.json is complete; a save that dies halfway
+(killed, disk full) never touches the earlier checkpoints.
 """
 
 from __future__ import annotations
@@ -69,13 +72,18 @@ DATA_POSITION_FILE = "data_position.safetensors"
 METADATA_FILE = ".metadata.json"
 CHECKSUMS_FILE = "checksums.json"
 CHECKPOINT_NAME = re.compile(r"^update_(\d+)$")
+ABANDONED_PREFIX = "abandoned_after_"  # + the checkpoint resumed from and the time: a branch set aside by going back
 SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")  # the only files DCP's file writer creates
-FORMAT_VERSION = 3  # 1: pickled entries (refused); 2: tensor-only, no checksums (resumed unverified); 3: checksums.json
-RESUMABLE_FORMAT_VERSIONS = (2, 3)
+# 1: pickled entries (refused); 2: tensor-only, no checksums (resumed unverified); 3: checksums.json of every file but
+# trainer_state.json; 4: checksums.json covers trainer_state.json too. An older trainer refuses format 4 as "newer".
+FORMAT_VERSION = 4
+RESUMABLE_FORMAT_VERSIONS = (2, 3, 4)
+FIRST_CHECKSUMMED_FORMAT = 3
+FIRST_CHECKSUMMED_TRAINER_STATE_FORMAT = 4
 # SHA-256 through OpenSSL: about 0.8 GB/s per core measured on a plain x86 core, 2 GB/s and more with SHA extensions.
 CHECKSUM_ALGORITHM = "sha256"
 CHECKSUM_READ_BYTES = 16 << 20
-CHECKSUMMED_FILE = re.compile(r"^(__\d+_\d+\.distcp|rng/rank\d+\.safetensors|\.metadata\.json|data_position\.safetensors)$")
+CHECKSUMMED_FILE = re.compile(r"^(__\d+_\d+\.distcp|rng/rank\d+\.safetensors|\.metadata\.json|data_position\.safetensors|trainer_state\.json)$")
 DTYPES = {str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
 DISK_FULL_ADVICE = (
     "Free disk space (a checkpoint takes the UNet's fp32 size x 3 with adamw, x 1.5 with adamw8bit, plus x 1 "
@@ -254,8 +262,8 @@ def _restore_rng_states(path: Path) -> None:
 class TrainerState:
     """trainer_state.json: the run's counters and the facts a resume checks. Read strictly: an extra or
     mistyped field, or a missing one, is a damaged checkpoint; only a field added after FORMAT_VERSION 2
-    (one with a default besides format_version) may be missing: the checkpoint predates it. Formats 2 and 3
-    differ only in checksums.json, which format 3 must have."""
+    (one with a default besides format_version) may be missing: the checkpoint predates it. Formats 2 to 4
+    differ only in checksums.json, which format 3 must have, listing this file too from format 4 on."""
 
     update: int  # optimizer updates done (skipped ones included): the LR schedule's position
     epoch: int  # the epoch to continue (counted from 0)
@@ -349,7 +357,8 @@ def _files_written_by(checkpoint_dir: Path, rank: int) -> list[str]:
 
 
 def _write_checksums(checkpoint_dir: Path, checksums: dict[str, str]) -> None:
-    """Rank 0: checksums.json, after checking that every file of the checkpoint has its checksum."""
+    """Rank 0, last before the rename: checksums.json, after checking that every other file of the checkpoint
+    (trainer_state.json included) has its checksum."""
     unhashed = {path.relative_to(checkpoint_dir).as_posix() for path in checkpoint_dir.rglob("*") if path.is_file()} - set(checksums)
     if unhashed:
         raise CheckpointError(f"no rank hashed {sorted(unhashed)} in {checkpoint_dir}")
@@ -357,12 +366,13 @@ def _write_checksums(checkpoint_dir: Path, checksums: dict[str, str]) -> None:
     make_shareable(checkpoint_dir / CHECKSUMS_FILE)
 
 
-def read_checksums(checkpoint_dir: Path, state: TrainerState) -> dict[str, str] | None:
-    """The checksum of every file but trainer_state.json, by path inside the folder; None for a checkpoint
-    saved before checksums were recorded (format 2)."""
-    if state.format_version < 3:
-        return None
+def read_checksums(checkpoint_dir: Path) -> dict[str, str] | None:
+    """The checksum of every other file (trainer_state.json too from format 4 on), by path inside the folder;
+    None where there is no checksums.json (format 2, saved before checksums were recorded: checkpoint_problem
+    refuses a later format without it). Its presence, not a field, decides that checksums are checked."""
     path = checkpoint_dir / CHECKSUMS_FILE
+    if not path.exists():
+        return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         algorithm, files = data["algorithm"], data["files"]
@@ -400,6 +410,7 @@ class Verification:
     files: int
     bytes: int
     seconds: float
+    trainer_state_checksummed: bool = True  # False: format 3, whose checksums.json leaves trainer_state.json out
 
     def describe(self, checkpoint_dir: Path) -> str:
         if not self.checksummed:
@@ -408,9 +419,10 @@ class Verification:
                 "sizes are checked, not their content."
             )
         rate = self.bytes / 1e6 / max(self.seconds, 1e-9)
+        unchecked = "" if self.trainer_state_checksummed else f" Its {TRAINER_STATE_FILE} carries no checksum (saved by an earlier version of this trainer)."
         return (
             f"Verified the checksums of {checkpoint_dir}'s {self.files} files ({self.bytes / 1e9:.2f} GB) in {self.seconds:.1f} s "
-            f"({rate:.0f} MB/s over {dist.get_world_size()} processes)."
+            f"({rate:.0f} MB/s over {dist.get_world_size()} processes).{unchecked}"
         )
 
 
@@ -425,14 +437,15 @@ def verify_checkpoint(checkpoint_dir: Path) -> Verification:
     if problem is not None:
         problems.append(problem)
     else:
-        checksums = read_checksums(checkpoint_dir, read_trainer_state(checkpoint_dir))  # checkpoint_problem read both already
+        checksums = read_checksums(checkpoint_dir)  # checkpoint_problem read it already, and checked trainer_state.json's
         if checksums is not None:
-            problems += _checksum_mismatches(checkpoint_dir, checksums, sorted(checksums)[rank::world_size])
+            shared = sorted(set(checksums) - {TRAINER_STATE_FILE})
+            problems += _checksum_mismatches(checkpoint_dir, checksums, shared[rank::world_size])
     found = [text for text in all_gather_text("\n".join(problems), _collective_device()) if text]
     # Every rank finds the same damage outside the checksums (they read the same files): said once.
     agreed = "; ".join(dict.fromkeys(line for text in found for line in text.splitlines())) or None
     size = sum((checkpoint_dir / name).stat().st_size for name in checksums) if checksums and agreed is None else 0
-    return Verification(agreed, checksums is not None, len(checksums or ()), size, time.perf_counter() - started)
+    return Verification(agreed, checksums is not None, len(checksums or ()), size, time.perf_counter() - started, TRAINER_STATE_FILE in (checksums or ()))
 
 
 # ---- save and load ----------------------------------------------------------------------------------
@@ -507,8 +520,9 @@ def save_training_state(
         checksums = {name: digest for text in all_gather_text(json.dumps(written), _collective_device()) for name, digest in json.loads(text).items()}
         if rank == 0:
             try:
-                _write_checksums(tmp_dir, checksums)
                 write_durably(tmp_dir / TRAINER_STATE_FILE, trainer_state.to_json())
+                checksums[TRAINER_STATE_FILE] = file_checksum(tmp_dir / TRAINER_STATE_FILE)
+                _write_checksums(tmp_dir, checksums)
                 if checkpoint_dir.exists():
                     shutil.rmtree(checkpoint_dir)
                 tmp_dir.rename(checkpoint_dir)
@@ -529,18 +543,34 @@ def save_training_state(
 def checkpoint_problem(checkpoint_dir: Path) -> str | None:
     """Why the checkpoint cannot be resumed (damaged, incomplete, refused), or None if it looks intact.
     Checks every file it needs without reading the tensors: a truncated shard shows in its size. Whether
-    the files' bytes are those saved is verify_checkpoint's question."""
+    the files' bytes are those saved is verify_checkpoint's question, but for trainer_state.json's (a few
+    hundred bytes), checked here before it is read: a flipped bit in a counter or in the format marker is
+    found before either is believed."""
     try:
+        checksums = read_checksums(checkpoint_dir)
+        if checksums is not None and TRAINER_STATE_FILE in checksums:
+            mismatches = _checksum_mismatches(checkpoint_dir, checksums, [TRAINER_STATE_FILE])
+            if mismatches and (checkpoint_dir / TRAINER_STATE_FILE).is_file():
+                return mismatches[0]
         state = read_trainer_state(checkpoint_dir)
         index = read_index(checkpoint_dir)
-        checksums = read_checksums(checkpoint_dir, state)
     except CheckpointError as error:
         return str(error)
+    checksums_file, state_file = checkpoint_dir / CHECKSUMS_FILE, checkpoint_dir / TRAINER_STATE_FILE
+    if checksums is None and state.format_version >= FIRST_CHECKSUMMED_FORMAT:
+        return f"{checksums_file} is missing or damaged (checkpoints of format {state.format_version}, as {state_file} says, always have one)"
+    if checksums is not None and state.format_version < FIRST_CHECKSUMMED_FORMAT:
+        return (
+            f"{state_file} says format {state.format_version} (saved before checksums were recorded), but {checksums_file} is there: "
+            "one of them is damaged"
+        )
     needed: dict[str, int] = {}
     for info in index.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     if checksums is not None:
         required = [*needed, METADATA_FILE, DATA_POSITION_FILE, *map(_rng_name, range(state.world_size))]
+        if state.format_version >= FIRST_CHECKSUMMED_TRAINER_STATE_FORMAT:
+            required.append(TRAINER_STATE_FILE)
         unlisted = sorted(set(required) - set(checksums))
         if unlisted:
             return f"{checkpoint_dir / CHECKSUMS_FILE} lists no checksum for {', '.join(unlisted)}: it is damaged"
@@ -638,20 +668,32 @@ def set_aside_later_checkpoints(checkpoints_dir: Path, update: int) -> tuple[Pat
     later = sorted(path for path in checkpoints_dir.iterdir() if (match := CHECKPOINT_NAME.match(path.name)) and int(match.group(1)) > update)
     if not later:
         return None, []
-    aside = checkpoints_dir / f"abandoned_after_{checkpoint_name(update)}_{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = checkpoints_dir / f"{ABANDONED_PREFIX}{checkpoint_name(update)}_{time.strftime('%Y%m%d-%H%M%S')}"
     aside.mkdir()
     for path in later:
         path.rename(aside / path.name)
     return aside, later
 
 
-def remove_old_checkpoints(checkpoints_dir: Path, keep: int) -> list[Path]:
-    """Rank 0: delete all but the newest `keep` complete checkpoints (keep 0 = keep all), and the
-    `.tmp` folders of saves that died. Returns the deleted folders."""
+def checkpoint_update(path: Path) -> int:
+    """The update number in a checkpoint folder's name (update_<N>)."""
+    return int(CHECKPOINT_NAME.match(path.name).group(1))
+
+
+def remove_old_checkpoints(checkpoints_dir: Path, keep: int, saved: Path | None = None) -> list[Path]:
+    """Rank 0, after a save: delete all but the newest `keep` intact-looking checkpoints (keep 0 = keep all), and
+    the `.tmp` folders of saves that died. Returns the deleted folders. Counted are the complete checkpoints that
+    checkpoint_problem finds nothing wrong with, up to the update of `saved` (the save just made, never deleted):
+    a damaged checkpoint is neither counted nor deleted (a damaged update_12 beside a new update_2 would
+    otherwise outrank, and so delete, every new save), nor is one of a later update, no part of this run's line."""
     removed = [path for path in checkpoints_dir.glob("update_*.tmp") if path.is_dir()]
-    checkpoints = complete_checkpoints(checkpoints_dir)
     if keep > 0:
-        removed += checkpoints[:-keep]
+        newest = checkpoint_update(saved) if saved is not None else None
+        counted = [
+            path for path in complete_checkpoints(checkpoints_dir)
+            if (newest is None or checkpoint_update(path) <= newest) and checkpoint_problem(path) is None
+        ]
+        removed += counted[:-keep]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed

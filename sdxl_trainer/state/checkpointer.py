@@ -11,7 +11,6 @@ checkpoints; what happens next depends on whether training goes on:
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,8 @@ from torch import nn
 from sdxl_trainer.config import option
 from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.state.checkpoint import (
+    ABANDONED_PREFIX,
+    CHECKPOINT_NAME,
     CheckpointError,
     HasState,
     Stateful,
@@ -48,16 +49,25 @@ class CheckpointOptions:
         "OUTPUT_DIR/PROJECT_NAME/checkpoints at epoch saves, every --save_state_every_n_updates, on SIGTERM/SIGINT and at the end",
     )
     save_state_every_n_updates: int = option(0, help="also save state every N optimizer updates (0 = off); with week-long epochs, set this")
-    checkpoints_total_limit: int = option(2, help="keep only the newest K state checkpoints (0 = keep all); exported models are never deleted")
+    checkpoints_total_limit: int = option(
+        2, help="keep only the newest K intact state checkpoints of this run (0 = keep all); damaged checkpoints and exported models are never deleted"
+    )
     load_saved_state: str | None = option(
         None,
-        help="resume from a state checkpoint folder, or 'latest' = the newest complete one in OUTPUT_DIR/PROJECT_NAME/checkpoints "
-        "(starts from scratch if there is none, so one command serves the first start and every restart)",
+        help="resume from a state checkpoint folder, or 'latest' = the newest intact one in OUTPUT_DIR/PROJECT_NAME/checkpoints "
+        "(starts from the base model in a folder without any checkpoint or earlier results, so one command serves the first start "
+        "and every restart; refused when every checkpoint there is damaged)",
     )
     overwrite_run: bool = option(
         False,
-        help="start over in a run folder that holds an earlier run's checkpoints or exported models: its checkpoints are deleted "
-        "at the start and its exports replaced as this run exports (without this flag such a start is refused)",
+        help="start over in a run folder that holds an earlier run's checkpoints or exported models (without this flag such a start "
+        "is refused): its checkpoints are deleted, its exports, TensorBoard events, sample grid and W&B run id moved into "
+        "OUTPUT_DIR/PROJECT_NAME/overwritten_<date-time>/; with --load_saved_state, a checkpoint of another run folder to start from",
+    )
+    delete_abandoned_branches: bool = option(
+        False,
+        help="with --overwrite_run, also delete checkpoints/abandoned_after_update_N_* (the later checkpoints that resuming from an "
+        "earlier one set aside); without it they are kept",
     )
 
     def problems(self) -> list[str]:
@@ -67,8 +77,10 @@ class CheckpointOptions:
                 problems.append(f"--{name} must be >= 0 (0 turns it off)")
         if self.load_saved_state not in (None, "latest") and not Path(self.load_saved_state).is_dir():
             problems.append(f"--load_saved_state {self.load_saved_state} is not a folder: give a checkpoint folder (OUTPUT_DIR/PROJECT_NAME/checkpoints/update_N) or 'latest'")
-        if self.load_saved_state is not None and self.overwrite_run:
-            problems.append("--overwrite_run starts the run over, --load_saved_state continues it: give one of them")
+        if self.load_saved_state == "latest" and self.overwrite_run:
+            problems.append("--overwrite_run starts the run over, --load_saved_state latest continues it: give one of them")
+        if self.delete_abandoned_branches and not self.overwrite_run:
+            problems.append("--delete_abandoned_branches only applies with --overwrite_run")
         return problems
 
 
@@ -88,9 +100,10 @@ class RunFacts:
 
 def find_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path, is_main: bool) -> tuple[Path | None, list[str]]:
     """Collective: the checkpoint folder to resume from, and what is wrong with it. 'latest' takes the newest
-    intact checkpoint (None if there is none yet) and says which damaged ones it skipped; a named folder must
-    be intact. Intact includes matching the checksums recorded at save, which every process verifies its
-    share of."""
+    intact checkpoint (None if the folder holds no checkpoint) and says which damaged ones it skipped; when
+    every checkpoint is damaged it refuses, naming each: starting from the base model there would hide that the
+    run started over. A named folder must be intact. Intact includes matching the checksums recorded at save,
+    which every process verifies its share of."""
     if load_saved_state is None:
         return None, []
     verifications: dict[Path, Verification] = {}
@@ -101,8 +114,8 @@ def find_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path, 
 
     if load_saved_state == "latest":
         path, skipped = find_latest_checkpoint(checkpoints_dir, problem_of)
-        problems = []
-        if is_main:
+        problems = [] if path is not None or not skipped else [every_checkpoint_damaged(checkpoints_dir, skipped)]
+        if is_main and path is not None:
             for damaged, reason in skipped.items():
                 print(f"Skipping damaged checkpoint {damaged}: {reason}")
     else:
@@ -112,6 +125,37 @@ def find_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path, 
     if is_main and path is not None and not problems:
         print(verifications[path].describe(path))
     return path, problems
+
+
+def every_checkpoint_damaged(checkpoints_dir: Path, damaged: dict[Path, str]) -> str:
+    reasons = "".join(f"\n    {path.name}: {reason}" for path, reason in damaged.items())
+    return (
+        f"--load_saved_state latest: every checkpoint in {checkpoints_dir} is damaged, so there is nothing to continue (a start from "
+        f"the base model would hide that the run starts over):{reasons}\n"
+        "  Resume an intact checkpoint by name (--load_saved_state PATH, e.g. one in an abandoned_after_* folder or a copy), move the "
+        f"damaged ones out of {checkpoints_dir} to start from the base model, or start over with --overwrite_run in place of "
+        "--load_saved_state (deletes them)."
+    )
+
+
+def no_checkpoint_reason(checkpoints_dir: Path) -> str:
+    """Why 'latest' finds no checkpoint to continue, for the message that it starts from the base model."""
+    if not checkpoints_dir.is_dir():
+        return "the folder does not exist"
+    names = sorted(path.name for path in checkpoints_dir.iterdir())
+    unfinished = [name for name in names if name.endswith(".tmp") and CHECKPOINT_NAME.match(name.removesuffix(".tmp"))]
+    abandoned = [name for name in names if name.startswith(ABANDONED_PREFIX)]
+    found = []
+    if unfinished:
+        found.append(f"{', '.join(unfinished)}, {'a save' if len(unfinished) == 1 else 'saves'} that never finished")
+    if abandoned:
+        found.append(
+            f"{', '.join(abandoned)}, set aside by going back (name a checkpoint in {'it' if len(abandoned) == 1 else 'them'} with "
+            "--load_saved_state to continue that branch)"
+        )
+    if found:
+        return "it holds only " + ", and ".join(found)
+    return "the folder is empty" if not names else f"it holds no checkpoint folder (only {', '.join(names)})"
 
 
 def resume_problems(saved: TrainerState, facts: RunFacts, set_seed: int | None) -> list[str]:
@@ -138,12 +182,9 @@ def resume_problems(saved: TrainerState, facts: RunFacts, set_seed: int | None) 
     return problems
 
 
-def prepare_checkpoints_dir(checkpoints_dir: Path, delete_earlier: bool, resumed_update: int | None) -> None:
-    """Rank 0, before the run: delete an earlier run's checkpoints (--overwrite_run), or on resume set this
-    folder's checkpoints of later updates aside, so --checkpoints_total_limit and 'latest' follow the resumed run."""
-    if delete_earlier and checkpoints_dir.exists():
-        shutil.rmtree(checkpoints_dir)
-        print(f"--overwrite_run: deleted the earlier run's checkpoints in {checkpoints_dir}; its exported models are replaced as this run exports.")
+def prepare_checkpoints_dir(checkpoints_dir: Path, resumed_update: int | None) -> None:
+    """Rank 0, before a resumed run: set this folder's checkpoints of later updates aside, so
+    --checkpoints_total_limit and 'latest' follow the resumed run."""
     if resumed_update is not None:
         aside, moved = set_aside_later_checkpoints(checkpoints_dir, resumed_update)
         if aside is not None:
@@ -194,7 +235,7 @@ class Checkpointer:
         checkpoint_dir = save_training_state(self.checkpoints_dir / checkpoint_name(state.update), self.model, self.optimizer, self.ema, state, position)
         self.last_saved_update, self.last_saved_dir = state.update, checkpoint_dir
         if dist.get_rank() == 0:
-            removed = remove_old_checkpoints(self.checkpoints_dir, self.options.checkpoints_total_limit)
+            removed = remove_old_checkpoints(self.checkpoints_dir, self.options.checkpoints_total_limit, saved=checkpoint_dir)
             self.report(f"Saved state to {checkpoint_dir} in {time.perf_counter() - started:.1f} s" + (f"; removed {len(removed)} older" if removed else "") + ".")
         return checkpoint_dir
 
