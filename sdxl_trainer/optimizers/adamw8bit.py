@@ -118,7 +118,6 @@ class _Chunk(NamedTuple):
 class _Batch(NamedTuple):
     """Shards of one kind that step together: same update count, state kind, device and dtypes."""
 
-    step: float  # the update count after this step's increment: read from the state once, then counted here
     step_counts: torch.Tensor  # every shard's count in one tensor, whose elements are their state["step"]: one add a step, not 1,680
     is_8bit: bool
     chunks: list[_Chunk]
@@ -158,10 +157,9 @@ class AdamW8bit(TorchaoAdamW8bit):
             layout = self._layout(group_number, group)
             if layout is None:
                 continue
-            for number, batch in enumerate(layout.batches):
+            for batch in layout.batches:
                 batch.step_counts.add_(1)
                 chunks_stepped += self._step_batch(batch, group, chunks_stepped)
-                layout.batches[number] = batch._replace(step=batch.step + 1)
 
     def _layout(self, group_number: int, group: dict) -> _Layout | None:
         """The group's layout for this step (None: no gradient in the group): the kept one while it holds."""
@@ -185,12 +183,12 @@ class AdamW8bit(TorchaoAdamW8bit):
             if weights.numel() == 0:  # an uneven shard can leave a rank no values of this tensor
                 continue
             is_8bit = isinstance(exp_avg, OptimState8bit)
-            kinds[(step + 1, is_8bit, weights.device, weights.dtype, _local(param.grad).dtype)].append((param, weights, exp_avg, exp_avg_sq))
+            kinds[(step, is_8bit, weights.device, weights.dtype, _local(param.grad).dtype)].append((param, weights, exp_avg, exp_avg_sq))
         batches = []
         for (step, is_8bit, _, _, _), shards in kinds.items():
             # One tensor holds the update counts of the batch's shards; each shard's state["step"] is its element
             # (a tensor of its own to load, save and count, as torchao's are).
-            step_counts = torch.full((len(shards),), step - 1)
+            step_counts = torch.full((len(shards),), step)
             for number, (param, *_) in enumerate(shards):
                 self.state[param]["step"] = step_counts[number]
             chunks = []
@@ -202,7 +200,7 @@ class AdamW8bit(TorchaoAdamW8bit):
                     chunks.append(_Chunk(run_params, weights, states, (exp_avgs[0].qmap, exp_avg_sqs[0].qmap)))
                 else:
                     chunks.append(_Chunk(run_params, weights, (exp_avgs, exp_avg_sqs), ()))
-            batches.append(_Batch(step, step_counts, is_8bit, chunks))
+            batches.append(_Batch(step_counts, is_8bit, chunks))
         layout = _Layout(params, tuple(map(_local, params)), tuple(self.state[param]["exp_avg"] for param in params), batches)
         self._layouts[group_number] = layout
         return layout
@@ -224,7 +222,7 @@ class AdamW8bit(TorchaoAdamW8bit):
             for targets, values in zip(chunk.states, new_states):
                 _write_back(targets, values)
             if chunk.weights[0].dtype == torch.bfloat16:
-                new_weights = round_to_bf16(new_weights, rounding_key(int(batch.step), chunk_number))
+                new_weights = round_to_bf16(new_weights, rounding_key(int(batch.step_counts[0]), chunk_number))  # CPU: no device wait
             _write_back(chunk.weights, new_weights)
         return len(batch.chunks)
 
