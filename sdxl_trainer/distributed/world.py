@@ -119,16 +119,17 @@ def broadcast_text(text: str, device: torch.device, src: int = 0) -> str:
     return bytes(data.cpu().tolist()).decode()
 
 
-def all_gather_text(text: str, device: torch.device) -> list[str]:
-    """Collective: every rank's text, in rank order, on every rank (as bytes in tensors: no pickling)."""
+def all_gather_text(text: str, device: torch.device, group: dist.ProcessGroup | None = None) -> list[str]:
+    """Collective over `group` (default: every process): every rank's text, in rank order, on every rank (as
+    bytes in tensors: no pickling)."""
     data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device))
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device), group=group)
     sizes = [int(length.item()) for length in lengths]
     padded = torch.zeros(max(*sizes, 1), dtype=torch.uint8, device=device)
     padded[: len(data)] = data
     gathered = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded)
+    dist.all_gather(gathered, padded, group=group)
     return [bytes(chunk[:size].cpu().tolist()).decode() for chunk, size in zip(gathered, sizes)]
 
 

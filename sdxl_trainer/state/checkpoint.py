@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
 from torch.futures import Future
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from sdxl_trainer.distributed.world import all_gather_text
 from sdxl_trainer.runtime.files import make_shareable, write_durably, write_error_reason
@@ -226,7 +227,8 @@ def _rng_file(checkpoint_dir: Path, rank: int) -> Path:
     return checkpoint_dir / _rng_name(rank)
 
 
-def _save_rng_states(path: Path) -> None:
+def _rng_states() -> tuple[dict[str, np.ndarray], str]:
+    """This process's torch / CUDA / numpy / Python RNG states, as arrays and a JSON note of the rest."""
     algorithm, numpy_keys, numpy_position, has_gauss, cached_gauss = np.random.get_state()
     python_version, python_state, python_gauss = random.getstate()
     arrays = {
@@ -237,8 +239,12 @@ def _save_rng_states(path: Path) -> None:
     if torch.cuda.is_available():
         arrays["torch_cuda"] = torch.cuda.get_rng_state().numpy()
     details = {"numpy": [algorithm, int(numpy_position), int(has_gauss), float(cached_gauss)], "python": [python_version, python_gauss]}
+    return arrays, json.dumps(details)
+
+
+def _write_rng_states(path: Path, arrays: dict[str, np.ndarray], details: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_numpy_file(arrays, str(path), metadata={"details": json.dumps(details)})
+    save_numpy_file(arrays, str(path), metadata={"details": details})
     make_shareable(path)
 
 
@@ -476,14 +482,65 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: State
     return state
 
 
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+def _collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
-def _all_ranks_succeeded(succeeded: bool) -> bool:
-    flag = torch.tensor([1 if succeeded else 0], dtype=torch.int32, device=_collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+def _all_ranks_succeeded(succeeded: bool, group: dist.ProcessGroup | None = None) -> bool:
+    flag = torch.tensor([1 if succeeded else 0], dtype=torch.int32, device=_collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+class TensorStager:
+    """Copies of a state dict's tensors in CPU memory, of the same kinds (a DTensor stays a DTensor of the
+    same layout, torchao's 8-bit state keeps its codes, scales and code table: every tensor subclass is copied
+    through the tensors it holds), into buffers kept for the next save (pinned on a GPU machine, so the copy
+    runs at the bus's speed). A buffer is reused only once the save that read it has ended."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def stage(self, state: Any) -> Any:
+        staged = self._copy(state, ())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies from the GPU were queued without waiting
+        return staged
+
+    def _copy(self, value: Any, path: tuple) -> Any:
+        if isinstance(value, dict):
+            return {key: self._copy(item, (*path, key)) for key, item in value.items()}
+        if is_traceable_wrapper_subclass(value):
+            names, context = value.__tensor_flatten__()
+            inner = {name: self._copy(getattr(value, name), (*path, name)) for name in names}
+            return type(value).__tensor_unflatten__(inner, context, value.size(), value.stride())
+        if isinstance(value, torch.Tensor):
+            buffer = self._buffers.get(path)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                self._buffers[path] = buffer
+            return buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+        return value
+
+
+@dataclass
+class StagedState:
+    """A training state as it was at one update, copied off the live tensors (TensorStager): what a save
+    writes, also while training goes on."""
+
+    tensors: dict[str, Any]  # through DCP
+    rng_arrays: dict[str, np.ndarray]  # this rank's RNG states
+    rng_details: str
+    position_arrays: dict[str, np.ndarray]  # the data position's arrays (the rest is in trainer_state)
+    trainer_state: TrainerState
+
+
+def stage_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: Stateful | None, trainer_state: TrainerState,
+                         position: HasState, stager: TensorStager) -> StagedState:
+    """The state to save, copied now (not collective): training may change the live tensors as soon as it returns."""
+    rng_arrays, rng_details = _rng_states()
+    arrays = {name: np.array(value) for name, value in position.state_dict().items() if isinstance(value, np.ndarray)}
+    return StagedState(stager.stage(_tensor_state(model, optimizer, ema)), rng_arrays, rng_details, arrays, trainer_state)
 
 
 def save_training_state(
@@ -495,32 +552,45 @@ def save_training_state(
     position: HasState,
     writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final folder, or raises CheckpointError on every rank
-    (after removing the partial folder) when any rank failed to write; earlier checkpoints are untouched."""
+    """Collective: the state saved now (staged, then written: write_staged_state)."""
+    staged = stage_training_state(model, optimizer, ema, trainer_state, position, TensorStager())
+    return write_staged_state(checkpoint_dir, staged, writer_factory=writer_factory)
+
+
+def write_staged_state(
+    checkpoint_dir: Path, staged: StagedState, group: dist.ProcessGroup | None = None,
+    writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter,
+) -> Path:
+    """Collective over `group` (every process; a gloo group of its own where this runs beside training):
+    writes the staged state into checkpoint_dir. Returns the final folder, or raises CheckpointError on every
+    rank (after removing the partial folder) when any rank failed to write; earlier checkpoints are untouched.
+    Every rank writes into <name>.tmp; once all succeeded, rank 0 writes trainer_state.json and then
+    checksums.json (of every file, trainer_state.json's included), then renames the folder: a folder without
+    .tmp is complete, and a save that dies before (killed, disk full) leaves no folder that looks like one."""
     tmp_dir = checkpoint_dir.with_name(checkpoint_dir.name + ".tmp")
     rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a save that died
-    dist.barrier()
+    dist.barrier(group=group)
     error: BaseException | None = None
     written: dict[str, str] = {}  # this rank's files and their checksums
     try:
-        dcp.save(_tensor_state(model, optimizer, ema), storage_writer=writer_factory(tmp_dir))
-        _save_rng_states(_rng_file(tmp_dir, rank))
+        dcp.save(staged.tensors, storage_writer=writer_factory(tmp_dir), process_group=group)
+        _write_rng_states(_rng_file(tmp_dir, rank), staged.rng_arrays, staged.rng_details)
         if rank == 0:
-            arrays = {name: value for name, value in position.state_dict().items() if isinstance(value, np.ndarray)}  # the rest: trainer_state.json
-            save_numpy_file(arrays, str(tmp_dir / DATA_POSITION_FILE))
+            save_numpy_file(staged.position_arrays, str(tmp_dir / DATA_POSITION_FILE))
             make_shareable(tmp_dir / DATA_POSITION_FILE)
         # Each rank hashes what it wrote, in parallel, while it is still in this machine's page cache.
         written = {name: file_checksum(tmp_dir / name) for name in _files_written_by(tmp_dir, rank)}
     # DCP's CheckpointException is a BaseException: caught by name, so a disk-full save is a warning, not a crash.
     except (Exception, CheckpointException) as caught:  # noqa: BLE001 - every rank must learn of a failure on any rank
         error = caught
-    if _all_ranks_succeeded(error is None):
-        checksums = {name: digest for text in all_gather_text(json.dumps(written), _collective_device()) for name, digest in json.loads(text).items()}
+    if _all_ranks_succeeded(error is None, group):
+        gathered = all_gather_text(json.dumps(written), _collective_device(group), group)
+        checksums = {name: digest for text in gathered for name, digest in json.loads(text).items()}
         if rank == 0:
             try:
-                write_durably(tmp_dir / TRAINER_STATE_FILE, trainer_state.to_json())
+                write_durably(tmp_dir / TRAINER_STATE_FILE, staged.trainer_state.to_json())
                 checksums[TRAINER_STATE_FILE] = file_checksum(tmp_dir / TRAINER_STATE_FILE)
                 _write_checksums(tmp_dir, checksums)
                 if checkpoint_dir.exists():
@@ -528,7 +598,7 @@ def save_training_state(
                 tmp_dir.rename(checkpoint_dir)
             except Exception as caught:  # noqa: BLE001
                 error = caught
-    if not _all_ranks_succeeded(error is None):
+    if not _all_ranks_succeeded(error is None, group):
         reason = write_error_reason(error, checkpoint_dir.parent)  # before the partial folder frees its space
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -11,6 +11,7 @@ checkpoints; what happens next depends on whether training goes on:
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 
 from sdxl_trainer.config import option
 from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
@@ -27,15 +29,19 @@ from sdxl_trainer.state.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
     HasState,
+    JsonIndexWriter,
+    StagedState,
     Stateful,
+    TensorStager,
     TrainerState,
     Verification,
     checkpoint_name,
     find_latest_checkpoint,
     remove_old_checkpoints,
-    save_training_state,
     set_aside_later_checkpoints,
+    stage_training_state,
     verify_checkpoint,
+    write_staged_state,
 )
 
 
@@ -196,13 +202,23 @@ def prepare_checkpoints_dir(checkpoints_dir: Path, resumed_update: int | None) -
 
 class Checkpointer:
     """Saves the run's state as a whole: the trained modules with their optimizer's state and the EMA (through
-    DCP), the train step's counters and the data position, each through its own state_dict()."""
+    DCP), the train step's counters and the data position, each through its own state_dict().
+
+    Saves while training goes on (every N updates, at epoch saves) run in the background: the state is copied
+    into CPU memory at the update (the loop's only pause), and a thread writes it while the next updates train.
+    One save is in flight at a time: the next one, and every save at the run's end (a stop request, a NaN stop,
+    the end), waits for it first. The background writer's collectives run over a gloo group of its own, so
+    they never interleave with training's. What makes a save count is unchanged: it is `latest` only once
+    written, checksummed and renamed, and a process killed meanwhile leaves a .tmp folder beside the previous
+    checkpoints, which stay as they were."""
 
     def __init__(self, checkpoints_dir: Path, options: CheckpointOptions, model: nn.Module, optimizer: torch.optim.Optimizer, ema: Stateful | None,
-                 step: Stateful, run_facts: RunFacts, seed: int, report: Callable[[str], None], last_saved_update: int | None):
-        """`model`: what the checkpoint holds with the optimizer state (TrainedModels.checkpointed); `step`: the
-        train step, whose state_dict() gives the counters (update, skipped updates, loss scaler); `run_facts` and
-        `seed`: the rest of trainer_state.json; `report` prints a message once (rank 0)."""
+                 step: Stateful, run_facts: RunFacts, seed: int, report: Callable[[str], None], last_saved_update: int | None,
+                 writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter):
+        """Collective (makes the writer's process group). `model`: what the checkpoint holds with the optimizer
+        state (TrainedModels.checkpointed); `step`: the train step, whose state_dict() gives the counters
+        (update, skipped updates, loss scaler); `run_facts` and `seed`: the rest of trainer_state.json; `report`
+        prints a message once (rank 0); `writer_factory`: DCP's writer for a folder."""
         self.checkpoints_dir = checkpoints_dir
         self.options = options
         self.model = model
@@ -212,15 +228,18 @@ class Checkpointer:
         self.run_facts = run_facts
         self.seed = seed
         self.report = report
+        self.writer_factory = writer_factory
         self.last_saved_update = last_saved_update
         self.last_saved_dir: Path | None = None
+        self._stager = TensorStager()
+        self._writer_group = dist.new_group(backend="gloo")
+        self._in_flight: _BackgroundSave | None = None
 
     @property
     def _updates_done(self) -> int:
         return self.step.state_dict()["update"]
 
-    def save(self, position: HasState) -> Path:
-        """Collective: save now, then keep the newest checkpoints. Raises CheckpointError on every rank."""
+    def _staged(self, position: HasState) -> StagedState:
         data = position.state_dict()
         state = TrainerState(
             **self.step.state_dict(),
@@ -231,36 +250,94 @@ class Checkpointer:
             ema_updates=self.ema.state_dict()["updates"] if self.ema is not None else 0,
             world_size=dist.get_world_size(),
         )
+        return stage_training_state(self.model, self.optimizer, self.ema, state, position, self._stager)
+
+    def save(self, position: HasState) -> Path:
+        """Collective: save now and wait for it, then keep the newest checkpoints. Raises CheckpointError on every rank."""
+        self.wait()
         started = time.perf_counter()
-        checkpoint_dir = save_training_state(self.checkpoints_dir / checkpoint_name(state.update), self.model, self.optimizer, self.ema, state, position)
-        self.last_saved_update, self.last_saved_dir = state.update, checkpoint_dir
-        if dist.get_rank() == 0:
-            removed = remove_old_checkpoints(self.checkpoints_dir, self.options.checkpoints_total_limit, saved=checkpoint_dir)
-            self.report(f"Saved state to {checkpoint_dir} in {time.perf_counter() - started:.1f} s" + (f"; removed {len(removed)} older" if removed else "") + ".")
+        staged = self._staged(position)
+        checkpoint_dir = write_staged_state(self.checkpoints_dir / checkpoint_name(staged.trainer_state.update), staged, self._writer_group,
+                                            self.writer_factory)
+        self._saved(checkpoint_dir, staged.trainer_state.update, f"in {time.perf_counter() - started:.1f} s")
         return checkpoint_dir
 
-    def _save_or_warn(self, position: HasState) -> None:
-        try:
-            self.save(position)
-        except CheckpointError as error:
+    def save_in_background(self, position: HasState) -> None:
+        """Collective: copy the state now, write it while training goes on (wait() ends it and reports)."""
+        self.wait()
+        started = time.perf_counter()
+        staged = self._staged(position)
+        checkpoint_dir = self.checkpoints_dir / checkpoint_name(staged.trainer_state.update)
+        self._in_flight = _BackgroundSave(checkpoint_dir, staged.trainer_state.update, time.perf_counter() - started)
+        self._in_flight.start(lambda: write_staged_state(checkpoint_dir, staged, self._writer_group, self.writer_factory))
+
+    def wait(self) -> None:
+        """Collective: the background save in flight ended (a failure is a warning: training goes on) and reported."""
+        save, self._in_flight = self._in_flight, None
+        if save is None:
+            return
+        error = save.join()
+        if isinstance(error, CheckpointError):
             self.report(f"Warning: {error} Training goes on.")
+        elif error is not None:
+            raise error
+        else:
+            self._saved(save.checkpoint_dir, save.update, f"(the loop paused {save.staging_s:.1f} s to copy it; written in the background in {save.writing_s:.1f} s)")
+
+    def _saved(self, checkpoint_dir: Path, update: int, how: str) -> None:
+        self.last_saved_update, self.last_saved_dir = update, checkpoint_dir
+        if dist.get_rank() == 0:
+            removed = remove_old_checkpoints(self.checkpoints_dir, self.options.checkpoints_total_limit, saved=checkpoint_dir)
+            self.report(f"Saved state to {checkpoint_dir} {how}" + (f"; removed {len(removed)} older" if removed else "") + ".")
 
     @property
     def _unsaved(self) -> bool:
-        return self.options.save_state and self.last_saved_update != self._updates_done
+        return self.options.save_state and self.last_saved_update != self._updates_done and (
+            self._in_flight is None or self._in_flight.update != self._updates_done)
 
     def after_update(self, position: HasState) -> None:
         every = self.options.save_state_every_n_updates
         if self.options.save_state and every and self._updates_done % every == 0:
-            self._save_or_warn(position)
+            self.save_in_background(position)
 
     def at_epoch_save(self, position: HasState) -> None:
         if self._unsaved:
-            self._save_or_warn(position)
+            self.save_in_background(position)
 
     def before_exit(self, position: HasState, even_without_save_state: bool = False) -> Path | None:
-        """Save the state of a run that ends now unless it is saved already; returns the newest checkpoint.
-        Raises CheckpointError. A stop request or a NaN stop saves even with --no-save_state: the run is cut short."""
+        """Wait for the save in flight, then save the state of a run that ends now unless it is saved already;
+        returns the newest checkpoint. Raises CheckpointError. A stop request or a NaN stop saves even with
+        --no-save_state: the run is cut short."""
+        self.wait()
         if self.last_saved_update != self._updates_done and (self.options.save_state or even_without_save_state):
             self.save(position)
         return self.last_saved_dir
+
+
+class _BackgroundSave:
+    """One save written by a thread of its own; join() gives the error it ended with (None: saved)."""
+
+    def __init__(self, checkpoint_dir: Path, update: int, staging_s: float):
+        self.checkpoint_dir = checkpoint_dir
+        self.update = update
+        self.staging_s = staging_s
+        self.writing_s = 0.0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, write: Callable[[], object]) -> None:
+        def run() -> None:
+            started = time.perf_counter()
+            try:
+                write()
+            except BaseException as error:  # noqa: BLE001 - handed to the training thread by join()
+                self._error = error
+            self.writing_s = time.perf_counter() - started
+
+        # A daemon: a job that dies meanwhile does not wait for it; its .tmp folder is never taken for a checkpoint.
+        self._thread = threading.Thread(target=run, name=f"state save {self.checkpoint_dir.name}", daemon=True)
+        self._thread.start()
+
+    def join(self) -> BaseException | None:
+        self._thread.join()
+        return self._error
