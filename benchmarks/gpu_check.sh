@@ -2,6 +2,10 @@
 # The GPU battery: what only a GPU can show, in one command of at most 10 minutes on one H100/H200.
 #   bash benchmarks/gpu_check.sh [OUTPUT_DIR]     (default benchmarks/results/DATE-GPU)
 # Writes OUTPUT_DIR/gpu_check.log (everything printed) and OUTPUT_DIR/gpu_check.json (every part's figures):
+#   0. end_to_end: train.sh as users run it, on a cache of random 1024 px images made with a random full-size
+#      pipeline, for batch 4 with checkpointing (eager and --compile_unet) and configs/1x24gb_bf16.toml: ms per
+#      update from each run's own log, GPU busy share, a state save's pause, and the step benchmark beside it
+#      (train_end_to_end.py); a variant that crashes is named and the part exits 1
 #   1. throughput of the trainer's step on the full-size UNet at 1024 px: batch 1, 4, 8 with gradient
 #      checkpointing on and off (img/s, MFU, peak memory, the first update's seconds: compilation)
 #   2. each shipped config's per-GPU load run for real, capped at its card's size, next to --estimate_memory's
@@ -14,8 +18,9 @@
 #   5. bf16, fp16 and bf16 weights against fp32 training over a few updates (gpu_numerics.py)
 # Each part has its own time limit: one that fails or runs out of time is logged and the next one runs.
 #   PYTHON           the interpreter (default: venv/bin/python, else python3)
-#   GPU_CHECK_PARTS  the parts to run, by name (default: all of sweep memory plain_reference torchao_adamw8bit
-#                    compile_unet numerics; together at most 19 minutes, so one 10-minute command takes a choice)
+#   GPU_CHECK_PARTS  the parts to run, by name (default: end_to_end alone, at most 9.5 minutes: the speed users
+#                    see comes first; the others: sweep memory plain_reference torchao_adamw8bit compile_unet
+#                    numerics, together at most 19 minutes, so one 10-minute command takes a choice)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-venv/bin/python}
@@ -34,7 +39,7 @@ export PYTHONUNBUFFERED=1
 # One compile cache for every part: a kernel compiled by one (our 8-bit AdamW step) is reused by the next.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$parts/inductor}
 
-GPU_CHECK_PARTS=${GPU_CHECK_PARTS:-sweep memory plain_reference torchao_adamw8bit compile_unet numerics}
+GPU_CHECK_PARTS=${GPU_CHECK_PARTS:-end_to_end}
 
 part() {  # part SECONDS NAME PYTHON-ARGS...: the part's JSON goes to $parts/NAME.json
     local seconds=$1 name=$2 started=$SECONDS
@@ -42,7 +47,9 @@ part() {  # part SECONDS NAME PYTHON-ARGS...: the part's JSON goes to $parts/NAM
     [[ " $GPU_CHECK_PARTS " == *" $name "* ]] || { echo "=== $name: not in GPU_CHECK_PARTS, skipped" | tee -a "$log"; return; }
     echo "=== $name (at most $seconds s): $PYTHON $*" | tee -a "$log"
     timeout --kill-after=15 "$seconds" "$PYTHON" "$@" 2>&1 | grep -v -E "Warning|warnings.warn|^ *$" | tee -a "$log"
-    echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - started)) s" | tee -a "$log"
+    local code=${PIPESTATUS[0]}
+    echo "=== $name: exit $code after $((SECONDS - started)) s" | tee -a "$log"
+    [ "$code" -eq 0 ] || failed_parts+=("$name")
     # Every finished part's JSON in one file, keyed by part name (a part that failed is absent), rewritten
     # after each part so that what ran is kept if the battery is cut short.
     "$PYTHON" -c "
@@ -53,12 +60,14 @@ Path(sys.argv[2]).write_text(json.dumps(parts, indent=1) + '\\n')
 " "$parts" "$OUTPUT_DIR/gpu_check.json"
 }
 
+failed_parts=()
 {
     date -u "+%Y-%m-%d %H:%M UTC"
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     "$PYTHON" -c "import torch, diffusers, torchao; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'diffusers', diffusers.__version__, 'torchao', torchao.__version__)" 2>&1 | tail -1
 } | tee "$log"
 
+part 570 end_to_end benchmarks/train_end_to_end.py --json "$parts/end_to_end.json"
 throughput="benchmarks/train_throughput.py --warmup_steps 2 --measured_steps 4"
 part 120 sweep $throughput --sweep --reference none --json "$parts/sweep.json"
 estimates=()
@@ -70,3 +79,7 @@ part 200 compile_unet $throughput --batch_size 4 --reference none --compile --pr
 part 75 numerics benchmarks/gpu_numerics.py --output "$parts/numerics.json"
 echo "Written: $log and $OUTPUT_DIR/gpu_check.json"
 rm -rf "$parts"
+if [ ${#failed_parts[@]} -gt 0 ]; then
+    echo "FAILED parts: ${failed_parts[*]} (their lines above say why)" | tee -a "$log"
+    exit 1
+fi

@@ -1,0 +1,303 @@
+"""The trainer as users run it, timed from its own log: train.sh on a cache this script builds, one variant
+after another, each variant's milliseconds per update read from the run's TensorBoard events, beside the step
+benchmark (train_throughput.py) for the same settings; the difference is the time spent outside the step.
+
+    venv/bin/python benchmarks/train_end_to_end.py --json results.json           # a GPU: full-size SDXL, 1024 px
+    venv/bin/python benchmarks/train_end_to_end.py --tiny --json results.json    # anywhere: the tiny model, CPU
+
+What it builds (nothing is downloaded): a random-weight pipeline with SDXL's full-size architecture (--tiny:
+the tests' tiny one), IMAGES random images with captions at the resolution, and their cache, made by
+sdxl_process_data_dir.sh. Then each variant runs `NUM_PROCESSES=1 bash train.sh FLAGS` for UPDATES updates
+with validation, samples and the export off, and a state save at SAVE_AT. Per variant it reports:
+- ms per update over updates MEASURE_FROM..UPDATES but the save's (the wall time between their train/loss
+  events), and images/s;
+- the save's pause: that update's time less the median update's;
+- the GPU's busy share over the measured window (nvidia-smi's utilization, sampled every 100 ms; GPU only);
+- the step benchmark's ms per update for the same batch and settings, and the time outside the step.
+A variant that fails (a crash, no log) is named and makes the script exit 1 after the others ran.
+
+Variants: --variant NAME=FLAGS, repeatable (FLAGS as train.sh takes them, one string). Default: the setting
+diffusers' SDXL example was measured at (batch 4, gradient checkpointing, fp32 weights, bf16 compute,
+8-bit AdamW), the same with --compile_unet, and the shipped 24 GB config (configs/1x24gb_bf16.toml); on an
+H200 the three take about 9 minutes with their step benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+EXAMPLE_SETTING = "--train_batch_size 4 --gradient_checkpointing --weights_dtype fp32 --mixed_precision auto --optimizer adamw8bit"
+DEFAULT_VARIANTS = {
+    "batch4_checkpointing": EXAMPLE_SETTING,
+    "batch4_checkpointing_compiled": f"{EXAMPLE_SETTING} --compile_unet",
+    "config_1x24gb_bf16": "--config configs/1x24gb_bf16.toml",
+}
+RUN_FLAGS = ("--no-validation_loss --no-validation_image --no-save_samples --no-save_diffusers --gradient_accumulation_steps 1 "
+             "--dataloader_num_workers 2 --set_seed 0")
+WORDS = ("red", "blue", "green", "a cat", "a house", "mountains", "a portrait", "at night", "in the rain", "watercolor")
+
+
+@dataclass
+class VariantResult:
+    name: str
+    flags: str
+    exit_code: int
+    ms_per_update: float | None = None
+    images_per_second: float | None = None
+    updates_measured: int = 0
+    save_pause_s: float | None = None
+    gpu_busy_share: float | None = None
+    step_ms_per_update: float | None = None  # train_throughput.py, same batch and settings
+    outside_step_ms: float | None = None
+    failure: str = ""
+
+
+def make_images(folder: Path, count: int, side: int, seed: int = 0) -> None:
+    """`count` smooth random images (low-frequency noise, so JPEG and the VAE see image-like content) with captions."""
+    generator = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        coarse = generator.random((8, 8, 3)) * 255
+        image = Image.fromarray(coarse.astype(np.uint8)).resize((side, side), Image.BICUBIC)
+        image.save(folder / f"image_{index:04d}.jpg", quality=90)
+        caption = ", ".join(generator.choice(WORDS, size=3, replace=False))
+        (folder / f"image_{index:04d}.txt").write_text(caption + "\n")
+
+
+def make_pipeline(folder: Path, tiny: bool) -> None:
+    """A random-weight pipeline: the tests' tiny one, or SDXL's full-size architecture built on the GPU."""
+    if tiny:
+        from sdxl_trainer.models.tiny import save_tiny_pipeline
+
+        save_tiny_pipeline(folder, seed=0)
+        return
+    import torch
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+    from sdxl_trainer.models.sdxl import SDXL_SCHEDULER_CONFIG, build_full_size_text_encoders, build_full_size_unet, build_full_size_vae, sdxl_tokenizers
+
+    with torch.device("cuda"):
+        unet, vae = build_full_size_unet(), build_full_size_vae()
+        text_encoder, text_encoder_2 = build_full_size_text_encoders()
+    tokenizer, tokenizer_2 = sdxl_tokenizers()
+    pipeline = StableDiffusionXLPipeline(
+        vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=unet,
+        scheduler=EulerDiscreteScheduler.from_config(SDXL_SCHEDULER_CONFIG),
+    ).to(torch.bfloat16)
+    pipeline.save_pretrained(folder)
+
+
+def run_logged(command: list[str], env: dict, log: Path, timeout: float) -> int:
+    with open(log, "w") as handle:
+        try:
+            return subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            handle.write(f"\n[train_end_to_end] timed out after {timeout:.0f} s\n")
+            return 124
+
+
+class GpuBusy:
+    """nvidia-smi's GPU utilization, sampled every 100 ms with its time, for the share over a window."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> GpuBusy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        process = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"],
+                                   stdout=subprocess.PIPE, text=True)
+        while not self._stop.is_set():
+            line = process.stdout.readline()
+            if not line:
+                break
+            try:
+                self.samples.append((time.time(), float(line.split(",")[0])))
+            except ValueError:
+                continue
+        process.terminate()
+
+    def share(self, start: float, end: float) -> float | None:
+        inside = [busy for moment, busy in self.samples if start <= moment <= end]
+        return statistics.fmean(inside) / 100 if inside else None
+
+
+def update_times(run_dir: Path) -> dict[int, float]:
+    """Update number -> wall time of its train/loss event, from the run's TensorBoard log."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {event.step: event.wall_time for event in accumulator.Scalars("train/loss")}
+
+
+def measure(times: dict[int, float], measure_from: int, save_at: int) -> tuple[float, float | None, int]:
+    """(ms per update over the updates after measure_from but the save's, the save's pause in s, updates measured)."""
+    durations = {update: times[update] - times[update - 1] for update in sorted(times) if update - 1 in times and update > measure_from}
+    steady = [seconds for update, seconds in durations.items() if update != save_at + 1]  # the save follows update save_at
+    pause = durations[save_at + 1] - statistics.median(steady) if save_at + 1 in durations and steady else None
+    return 1000 * statistics.fmean(steady), pause, len(steady)
+
+
+def step_benchmark_ms(flags: str, resolution: int, tiny: bool, output: Path, env: dict) -> float | None:
+    """train_throughput.py's ms per update for the variant's batch, checkpointing, optimizer and compile setting."""
+    words = shlex.split(flags)
+
+    def value(flag: str, default: str) -> str:
+        return words[words.index(flag) + 1] if flag in words else default
+
+    batch = value("--train_batch_size", "4" if "--config" not in words else "")
+    if not batch:  # a shipped config: its batch and settings are the trainer's business; the step benchmark gets the defaults
+        return None
+    command = [sys.executable, "benchmarks/train_throughput.py", "--batch_size", batch, "--resolution", str(resolution), "--reference", "none",
+               "--optimizer", value("--optimizer", "adamw8bit"), "--weights_dtype", value("--weights_dtype", "fp32"),
+               "--warmup_steps", "2", "--measured_steps", "4", "--json", str(output)]
+    if "--compile_unet" in words:
+        command.append("--compile")
+    if "--no-gradient_checkpointing" in words:
+        command.append("--no-gradient_checkpointing")
+    if tiny:
+        command += ["--model", "tiny"]
+    if run_logged(command, env, output.with_suffix(".log"), timeout=900) != 0 or not output.exists():
+        return None
+    rows = [row for row in json.loads(output.read_text())["rows"] if row["seconds_per_step"] is not None]
+    return 1000 * rows[0]["seconds_per_step"] if rows else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="the tiny test pipeline at 256 px on whatever device there is (CPU), for a smoke run")
+    parser.add_argument("--images", type=int, default=32, help="images in the cache")
+    parser.add_argument("--resolution", type=int, default=None, help="square image side in px (default 1024; 256 with --tiny)")
+    parser.add_argument("--updates", type=int, default=24, help="updates per variant (--max_train_updates)")
+    parser.add_argument("--measure_from", type=int, default=4, help="updates before the measured window (compiles, allocator warm-up)")
+    parser.add_argument("--save_at", type=int, default=12, help="the update after which state is saved once (its pause is reported)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS", help="a variant to run instead of the defaults (repeatable)")
+    parser.add_argument("--step_benchmark", action=argparse.BooleanOptionalAction, default=True, help="also run train_throughput.py per variant")
+    parser.add_argument("--work_dir", type=Path, default=None, help="where the pipeline, images, cache and runs go (default: a temporary folder)")
+    parser.add_argument("--json", type=Path, help="write every variant's figures here")
+    args = parser.parse_args(argv)
+    resolution = args.resolution or (256 if args.tiny else 1024)
+    variants = dict(variant.split("=", 1) for variant in args.variant) if args.variant else DEFAULT_VARIANTS
+    env = dict(os.environ, NUM_PROCESSES="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    gpu = not args.tiny
+
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as scratch:
+        work = Path(scratch)
+        started = time.perf_counter()
+        make_pipeline(work / "pipeline", args.tiny)
+        make_images(work / "images", args.images, resolution)
+        print(f"Pipeline and {args.images} images of {resolution} px in {time.perf_counter() - started:.0f} s", flush=True)
+        started = time.perf_counter()
+        cache_code = run_logged(
+            ["bash", "sdxl_process_data_dir.sh", "--data_dir", str(work / "images"), "--cache_dir", str(work / "cache"),
+             "--pretrained_model_name_or_path", str(work / "pipeline"), "--min_resolution", str(resolution), "--max_resolution", str(resolution)],
+            dict(env, NUM_GPUS="1"), work / "cache.log", timeout=1200,
+        )
+        if cache_code != 0:
+            print((work / "cache.log").read_text()[-3000:])
+            print(f"Caching failed (exit {cache_code}): no variant can run.")
+            return 1
+        print(f"Cached in {time.perf_counter() - started:.0f} s", flush=True)
+
+        results = []
+        for name, flags in variants.items():
+            run_dir = work / "runs" / name
+            command = ["bash", "train.sh", *shlex.split(flags), *shlex.split(RUN_FLAGS), "--cached_dataset_dirs", str(work / "cache"),
+                       "--pretrained_model_name_or_path", str(work / "pipeline"), "--max_train_updates", str(args.updates),
+                       "--save_state_every_n_updates", str(args.save_at), "--checkpoints_total_limit", "1",
+                       "--output_dir", str(work / "runs"), "--project_name", name]
+            print(f"=== {name}: {' '.join(command)}", flush=True)
+            with GpuBusy() if gpu else _nothing() as busy:
+                code = run_logged(command, env, work / f"{name}.log", timeout=1800)
+            result = VariantResult(name, flags, code)
+            try:
+                times = update_times(run_dir)
+                result.ms_per_update, result.save_pause_s, result.updates_measured = measure(times, args.measure_from, args.save_at)
+                batch = _images_per_update(run_dir)
+                result.images_per_second = batch / result.ms_per_update * 1000
+                if busy is not None:
+                    result.gpu_busy_share = busy.share(times[args.measure_from], times[max(times)])
+            except (KeyError, ValueError, FileNotFoundError, statistics.StatisticsError) as error:
+                result.failure = f"no timing in its log ({type(error).__name__}: {error})"
+            if code != 0:
+                result.failure = f"exit code {code}: " + _last_lines(work / f"{name}.log")
+            if args.step_benchmark and not result.failure:
+                result.step_ms_per_update = step_benchmark_ms(flags, resolution, args.tiny, work / f"{name}_step.json", env)
+                if result.step_ms_per_update is not None:
+                    result.outside_step_ms = result.ms_per_update - result.step_ms_per_update
+            results.append(result)
+            print(describe(result), flush=True)
+
+    failed = [result.name for result in results if result.failure]
+    print("\n| variant | ms/update | img/s | step ms (train_throughput) | outside the step, ms | GPU busy | save pause, s |")
+    print("|---|---|---|---|---|---|---|")
+    for result in results:
+        print(f"| {result.name} | {_number(result.ms_per_update)} | {_number(result.images_per_second, 2)} | {_number(result.step_ms_per_update)} | "
+              f"{_number(result.outside_step_ms)} | {_number(result.gpu_busy_share and 100 * result.gpu_busy_share)}% | {_number(result.save_pause_s, 1)} |")
+    if args.json:
+        args.json.write_text(json.dumps({"resolution": resolution, "tiny": args.tiny, "updates": args.updates, "measure_from": args.measure_from,
+                                         "variants": [asdict(result) for result in results]}, indent=1) + "\n")
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _images_per_update(run_dir: Path) -> int:
+    config = json.loads((run_dir / "config.json").read_text())
+    return config["train_batch_size"] * config["gradient_accumulation_steps"]
+
+
+def _last_lines(log: Path, count: int = 3) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return " / ".join(lines[-count:])
+
+
+def _number(value: float | None, decimals: int = 0) -> str:
+    return "-" if value is None else f"{value:.{decimals}f}"
+
+
+def describe(result: VariantResult) -> str:
+    if result.failure:
+        return f"{result.name}: FAILED, {result.failure}"
+    return (f"{result.name}: {result.ms_per_update:.0f} ms per update ({result.images_per_second:.2f} img/s) over {result.updates_measured} updates"
+            + (f", step alone {result.step_ms_per_update:.0f} ms" if result.step_ms_per_update else "")
+            + (f", save pause {result.save_pause_s:.1f} s" if result.save_pause_s is not None else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
