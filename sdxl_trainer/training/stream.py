@@ -150,7 +150,10 @@ class DataStream:
         try:
             return next(batches)
         except CacheError as error:
-            raise worker_error(error) from None
+            message = worker_message(error)
+            if message is None:
+                raise
+            raise type(error)(message) from None
         except RuntimeError:
             if self.loader.timeout and time.monotonic() - waited_from >= self.loader.timeout:
                 raise CacheError(
@@ -183,14 +186,15 @@ class DataStream:
                 )
             yield Update(epoch, microbatches, int(update_batches.size), self.position, ends_epoch)
 
-def worker_error(error: CacheError) -> CacheError:
-    """A CacheError from a DataLoader worker with the worker's own message. The DataLoader raises the same class
-    in the training process with "Caught StorageError in DataLoader worker process 0. Original Traceback ..."
-    and the worker's traceback as its message, whose last line is the original "module.Class: message"."""
+
+def worker_message(error: CacheError) -> str | None:
+    """The message a DataLoader worker's CacheError had in the worker (None: not a worker's). The DataLoader
+    raises the same class in the training process with "Caught StorageError in DataLoader worker process 0.
+    Original Traceback ..." and the worker's traceback as its message, whose last line is "module.Class: message"."""
     text = str(error)
     if not text.startswith(f"Caught {type(error).__name__} in DataLoader worker process"):
-        return error
-    return type(error)(text.rstrip().rsplit("\n", 1)[-1].split(": ", 1)[-1])
+        return None
+    return text.rstrip().rsplit("\n", 1)[-1].split(": ", 1)[-1]
 
 
 @dataclass(kw_only=True)
