@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import REPO_ROOT, run_processes, trainer_flags
 from test_cache import SETTINGS, make_item
 
 from sdxl_trainer.cache import writer as cache_writer
@@ -28,7 +29,7 @@ from sdxl_trainer.cache.format import (
     read_cache_info,
     write_cache_info,
 )
-from sdxl_trainer.cache.reader import CacheReader, load_manifest, read_manifest_parts
+from sdxl_trainer.cache.reader import CacheReader, load_manifest, read_empty_prompt, read_manifest_parts
 from sdxl_trainer.cache.storage import CacheError
 from sdxl_trainer.cache.verify import shard_problem, verify_cache
 from sdxl_trainer.cache.writer import ShardWriter, quarantine, write_empty_prompt
@@ -166,6 +167,60 @@ def test_reader_refuses_truncated_shard_and_says_how_to_repair(tmp_path):
     message = str(info.value)
     assert str(shard) in message and "is damaged" in message
     assert f"--verify --cache_dir {tmp_path}" in message and "re-run the cache command" in message
+
+
+def truncate(path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def zero_256_bytes(path) -> None:
+    """Same size, other bytes: the end of the tensor data (the header, at the start, still parses)."""
+    data = bytearray(path.read_bytes())
+    data[-300:-44] = bytes(256)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [truncate, zero_256_bytes])
+def test_the_reader_refuses_a_damaged_empty_prompt_naming_it_and_verify(tmp_path, damage):
+    write_cache_info(tmp_path, SETTINGS)
+    write_empty_prompt(tmp_path, torch.full((77, 64), 0.5), torch.full((32,), 0.25))  # no zero bytes to zero
+    ShardWriter(tmp_path, "w0").write([make_item("a.png", 0)])
+    intact = read_empty_prompt(tmp_path)
+    damage(tmp_path / EMPTY_PROMPT_FILE)
+    with pytest.raises(CacheError) as info:
+        read_empty_prompt(tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / EMPTY_PROMPT_FILE} is damaged (checksum mismatch: its contents changed since manifest/w0-000000.parquet recorded it)")
+    assert f"sdxl_process_data_dir.py --verify --cache_dir {tmp_path}" in message and "delete it and re-run the cache command" in message
+    assert intact[1].eq(0.25).all()
+
+
+def test_an_empty_prompt_damaged_then_cached_on_is_still_refused(tmp_path):
+    """A worker that caches on records the file as it finds it, damaged: its first part's record decides."""
+    write_cache_info(tmp_path, SETTINGS)
+    write_empty_prompt(tmp_path, torch.full((77, 64), 0.5), torch.full((32,), 0.25))
+    ShardWriter(tmp_path, "w0").write([make_item("a.png", 0)])
+    zero_256_bytes(tmp_path / EMPTY_PROMPT_FILE)
+    ShardWriter(tmp_path, "w0").write([make_item("b.png", 1)])  # a re-run, recording the damaged file's checksum
+    with pytest.raises(CacheError, match=r"is damaged \(checksum mismatch: its contents changed since manifest/w0-000000.parquet recorded it\)"):
+        read_empty_prompt(tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_the_trainer_refuses_damaged_empty_prompts_before_anything_loads_naming_each(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    """Two caches, one empty prompt truncated (a raw SafetensorError before), one with 256 zeroed bytes (trained
+    on silently before): both named in one refusal."""
+    truncated, zeroed = tmp_path / "truncated", tmp_path / "zeroed"
+    for cache_dir, damage in ((truncated, truncate), (zeroed, zero_256_bytes)):
+        shutil.copytree(sample_cache_dir, cache_dir)
+        damage(cache_dir / EMPTY_PROMPT_FILE)
+    result = run_processes(1, REPO_ROOT / "sdxl_FSDP_train.py", trainer_flags([truncated, zeroed], tiny_pipeline_dir, tmp_path, "run"), expect_success=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "Cannot start training:" in result.stderr
+    for cache_dir in (truncated, zeroed):
+        assert f"{cache_dir / EMPTY_PROMPT_FILE} is damaged (checksum mismatch" in result.stderr
+        assert f"sdxl_process_data_dir.py --verify --cache_dir {cache_dir}`" in result.stderr
+    assert not (tmp_path / "run" / "config.json").exists()  # refused before the run was built
 
 
 def test_damaged_manifest_part_is_a_cache_error(tmp_path):

@@ -4,6 +4,7 @@ configs of the two scripts."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,10 +273,12 @@ def test_train_config_defaults(train_config_class):
 
 
 def cache_info_copy(cache_dir: Path, destination: Path, **changes) -> Path:
-    """A folder holding `cache_dir`'s cache_info.json with `changes` (all the trainer's cache check reads)."""
+    """A folder holding `cache_dir`'s cache_info.json with `changes` and its empty prompt (all the trainer's cache
+    check reads; without manifest parts, no checksum of the empty prompt is recorded)."""
     info = json.loads((cache_dir / "cache_info.json").read_text())
     destination.mkdir()
     (destination / "cache_info.json").write_text(json.dumps({**info, **changes}))
+    shutil.copy(cache_dir / "empty_prompt.safetensors", destination)
     return destination
 
 

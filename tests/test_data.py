@@ -8,12 +8,14 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from torch._utils import ExceptionWrapper
 
 from sdxl_trainer.cache.format import CachedItem, CacheSettings, write_cache_info
+from sdxl_trainer.cache.storage import StorageError
 from sdxl_trainer.cache.writer import ShardWriter
 from sdxl_trainer.training.dataset import CachedDataset, collate
 from sdxl_trainer.training.epochs import EpochPlanner, rank_slice, small_buckets
-from sdxl_trainer.training.stream import DataPosition, DataStream
+from sdxl_trainer.training.stream import DataPosition, DataStream, worker_message
 
 # --- helpers ----------------------------------------------------------------------------------------------
 
@@ -193,6 +195,23 @@ def test_rank_slices_partition_every_planned_batch():
     for plan in planner([9, 6, 3], global_batch=4).plans(2):
         for batch in plan.batches:
             assert rank_slice(batch, 0, 2) + rank_slice(batch, 1, 2) == batch.tolist()
+
+
+def test_a_dataloader_workers_storage_error_gets_its_own_message_back():
+    """The DataLoader re-raises a worker's error in the training process with the worker's traceback as its
+    message; the stream gives the rank (and the watchdog, which prints it) the worker's one line."""
+    try:
+        try:
+            raise TimeoutError("read timeout")
+        except TimeoutError as cause:
+            raise StorageError("reading s3://bucket/cache/shards/w0-000000.safetensors failed: no answer") from cause
+    except StorageError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 1")
+    with pytest.raises(StorageError) as raised:
+        wrapped.reraise()
+    assert "Traceback" in str(raised.value)
+    assert worker_message(raised.value) == "reading s3://bucket/cache/shards/w0-000000.safetensors failed: no answer"
+    assert worker_message(StorageError("raised in this process")) is None
 
 
 def test_small_buckets():

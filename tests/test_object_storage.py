@@ -12,14 +12,14 @@ import time
 
 import pytest
 import torch
-from conftest import SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_data_dir, train_sample_run
-from s3_server import make_bucket, s3_server
+from conftest import REPO_ROOT, SAMPLE_DATASET, SAMPLE_RESOLUTION_FLAGS, process_data_dir, run_processes, train_sample_run, trainer_flags
+from s3_server import CREDENTIALS, SilentServer, make_bucket, s3_server
 from safetensors.torch import load_file
 from test_tar_sources import cache_tars, pack, sample_members
 
 from sdxl_trainer.cache.format import CACHE_INFO_FILE, EMPTY_PROMPT_FILE, SHARD_DIR, read_cache_info
 from sdxl_trainer.cache.reader import CacheReader, load_manifest
-from sdxl_trainer.cache.storage import CacheError, open_store
+from sdxl_trainer.cache.storage import READ_TIMEOUT_VARIABLE, REQUEST_ATTEMPTS, S3FS_TRIES, CacheError, ObjectLease, open_store
 from sdxl_trainer.cache.writer import WorkerLock
 
 pytestmark = pytest.mark.multiprocess
@@ -109,12 +109,50 @@ def test_a_dropped_connection_is_retried_and_a_dead_one_is_named(s3, s3_sample_c
         assert read.keys() == wanted.keys() and all(torch.equal(read[key], wanted[key]) for key in wanted)
 
     s3.cut(f"/{SHARD_DIR}/", 1000)
-    started = time.monotonic()
-    with pytest.raises(CacheError, match=rf"reading {s3_sample_cache}/{SHARD_DIR}/{row['shard']} failed: ClientPayloadError.*after s3fs's retries"):
+    with pytest.raises(CacheError, match=rf"reading {s3_sample_cache}/{SHARD_DIR}/{row['shard']} failed: ClientPayloadError.*after retries"):
         CacheReader(s3_sample_cache).read(row["shard"], row["index_in_shard"])
-    elapsed, cuts = time.monotonic() - started, s3.cuts_made
+    cuts = s3.cuts_made
     s3.cut("", 0)
-    assert cuts == 5 and elapsed < 30, (cuts, elapsed)  # s3fs's five tries, with backoff
+    assert cuts == S3FS_TRIES  # s3fs's tries around reading a body, with backoff
+
+
+def test_a_stalled_endpoint_fails_a_read_after_bounded_tries_naming_the_object_and_the_endpoint(monkeypatch):
+    """An endpoint that takes the connection and never answers (a stalled proxy): s3fs alone waited 15 s per try
+    and tried 125 times. The read timeout is made short here through its environment variable."""
+    endpoint = SilentServer()
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{endpoint.port}")
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(READ_TIMEOUT_VARIABLE, "0.2")
+    with pytest.raises(CacheError) as info:
+        open_store("s3://caches/stalled").read_range("shards/w0-000000.safetensors", 0, 100)
+    assert str(info.value) == (
+        f"reading s3://caches/stalled/shards/w0-000000.safetensors failed: no answer from http://127.0.0.1:{endpoint.port} within 0.2 s "
+        "(after retries): it takes connections but does not respond, as a stalled server or proxy does; check it and AWS_ENDPOINT_URL_S3, then re-run"
+    )
+    # botocore's tries inside s3fs's own, which a read nests twice (around the request and around reading its body)
+    assert len(endpoint.requests) == S3FS_TRIES * S3FS_TRIES * REQUEST_ATTEMPTS == 12
+    assert set(endpoint.requests) == {b"GET /caches/stalled/shards/w0-000000.safetensors HTTP/1.1"}
+
+
+def test_a_stalled_bucket_ends_a_two_process_run_with_one_line_naming_the_object_and_the_endpoint(s3, s3_sample_cache, tiny_pipeline_dir, tmp_path, monkeypatch):
+    """Every shard request stalls: the DataLoader worker's read fails after bounded tries, its error reaches the
+    rank (one line, not the worker's traceback), and the watchdog ends both ranks."""
+    monkeypatch.setenv(READ_TIMEOUT_VARIABLE, "1")
+    s3.stall(f"/{SHARD_DIR}/")
+    try:
+        result = run_processes(
+            2, REPO_ROOT / "sdxl_FSDP_train.py",
+            trainer_flags(s3_sample_cache, tiny_pipeline_dir, tmp_path, "run", "--dataloader_num_workers", "1", "--no-validation_loss"),
+            expect_success=False, timeout=300,
+        )
+        stalled_requests = s3.stalls_made
+    finally:
+        s3.stall("")
+    assert result.returncode == 1 and stalled_requests >= 1
+    last_line = result.stderr.rstrip().splitlines()[-1]
+    assert last_line.startswith(f"reading {s3_sample_cache}/{SHARD_DIR}/") and f"no answer from http://127.0.0.1:{s3.port} within 1 s" in last_line
+    assert "Traceback" not in result.stderr and "DataLoader worker" not in result.stderr, result.stderr[-3000:]
 
 
 def test_missing_credentials_get_a_message_that_names_the_fix(s3, s3_sample_cache, tiny_pipeline_dir, monkeypatch, tmp_path, capsys):
@@ -145,6 +183,58 @@ def test_one_process_per_worker_holds_a_lease_and_a_stale_one_is_taken_over(s3):
     taken = WorkerLock(url, "w0")
     assert json.loads(store.read_bytes("locks/w0.lock"))["holder"] != "process 1 on a killed machine"
     taken.release()
+
+
+def steal(store, name: str, holder: str = "process 1 on another machine") -> None:
+    """Another process's lease, written over this one's: what a take-over after this process stalled past LEASE_S leaves."""
+    staged = store.staging_path(name)
+    staged.write_text(json.dumps({"holder": holder, "token": "theirs", "renewed_at": time.time()}))
+    store.publish(staged, name)
+
+
+def test_a_lease_taken_over_is_not_renewed_over_and_its_holder_is_stopped(s3):
+    store = open_store(f"s3://{BUCKET}/lost_lease")
+    lease = ObjectLease(store, "locks/w0.lock", renew_s=0.05)
+    lease.confirm()  # held: renewed now
+    steal(store, "locks/w0.lock")
+    time.sleep(1.0)  # some 20 renewal periods: a renewer that does not check would have written its own lease back
+    assert json.loads(store.read_bytes("locks/w0.lock"))["holder"] == "process 1 on another machine"
+    with pytest.raises(CacheError, match=r"the lease s3://caches/lost_lease/locks/w0.lock was taken over by process 1 on another machine, .*: stopping before its next write"):
+        lease.confirm()
+    lease.release()  # not its lease any more: left alone
+    assert json.loads(store.read_bytes("locks/w0.lock"))["holder"] == "process 1 on another machine"
+
+
+def test_two_simultaneous_take_overs_of_a_stale_lease_leave_one_holder(s3):
+    url = f"s3://{BUCKET}/contested"
+    store = open_store(url)
+    steal(store, "locks/w0.lock", "process 1 on a killed machine")
+    stale = json.loads(store.read_bytes("locks/w0.lock"))
+    staged = store.staging_path("locks/w0.lock")
+    staged.write_text(json.dumps({**stale, "renewed_at": time.time() - 3600}))
+    store.publish(staged, "locks/w0.lock")
+    winners = []
+    # The first take-over's conditional write waits at the proxy while a second process takes the lease over.
+    s3.before("If-Match", lambda: winners.append(WorkerLock(url, "w0")))
+    with pytest.raises(CacheError, match="another process taking over the same stale lease is already caching worker w0"):
+        WorkerLock(url, "w0")
+    assert len(winners) == 1
+    winners[0].release()  # a conditional delete: it removes the lease only as the winner wrote it
+    assert store.names("locks", ".lock") == []
+
+
+def test_a_caching_worker_whose_lease_is_taken_over_stops_before_its_next_commit(s3, tiny_pipeline_dir, capsys):
+    url = f"s3://{BUCKET}/taken_over"
+    # Once the worker sends its first manifest part, another process takes its lease over (as after a stall).
+    s3.before("PUT /caches/taken_over/manifest/", lambda: steal(open_store(url), "locks/w0000of0001.lock"))
+    capsys.readouterr()
+    assert process_data_dir(["--data_dir", str(SAMPLE_DATASET), "--cache_dir", url, "--pretrained_model_name_or_path", str(tiny_pipeline_dir),
+                             *SAMPLE_RESOLUTION_FLAGS, "--items_per_shard", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "stopped: the lease s3://caches/taken_over/locks/w0000of0001.lock was taken over by process 1 on another machine" in out
+    store = open_store(url)
+    assert len(store.names("manifest", ".parquet")) == 1  # the commit under way when the lease was lost; none after
+    assert json.loads(store.read_bytes("locks/w0000of0001.lock"))["holder"] == "process 1 on another machine"
 
 
 def test_tar_shards_in_a_bucket_cache_like_the_same_tars_in_a_folder(s3, tiny_pipeline_dir, tmp_path, capsys):

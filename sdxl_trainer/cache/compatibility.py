@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from sdxl_trainer.cache.buckets import BUCKET_TABLE_VERSION
+import torch
+
 from sdxl_trainer.cache.format import CacheLocation, CacheSettings, cache_vae, read_cache_info, settings_differences
+from sdxl_trainer.cache.reader import read_empty_prompt
 from sdxl_trainer.cache.storage import (
     CacheError,
 )
@@ -36,11 +39,13 @@ class CacheCheck:
     problems: list[str]
     vae_name_or_path: str | None = None  # the VAE the caches were encoded with, where it is not the model's own
     caption_chunks: int = 0  # the caches' caption length in chunks of 75 tokens
+    empty_prompt: tuple[torch.Tensor, torch.Tensor] | None = None  # the first cache's empty-caption embeddings, checked (caption dropout's)
 
 
 def check_caches(cache_dirs: list[CacheLocation], wanted: CacheRequirements) -> CacheCheck:
-    """Every cache must exist and match the run's model family and bucket table, and all must share one VAE
-    (the one validation decodes with and the export holds) and one caption length. What the requirements
+    """Every cache must exist, hold an intact empty prompt (read_empty_prompt) and match the run's model family
+    and bucket table, and all must share one VAE (the one validation decodes with and the export holds) and
+    one caption length. Every problem is listed, those of the empty prompts too. What the requirements
     leave unset (model, resolution range) is taken from the caches. The model is compared by the
     fingerprint of its VAE and text-encoder configs (read from config files only), not by its path, so a
     moved or re-downloaded model still matches."""
@@ -52,11 +57,17 @@ def check_caches(cache_dirs: list[CacheLocation], wanted: CacheRequirements) -> 
             problems.append(str(error))
     if problems:
         return CacheCheck({}, problems)
-    taken, problems = _take_cache_settings(wanted, infos)
+    empty_prompts = {}
+    for cache_dir, info in infos.items():  # against its checksum: a damaged one would train as the dropped caption
+        try:
+            empty_prompts[cache_dir] = read_empty_prompt(cache_dir, info.text_max_length)
+        except CacheError as error:
+            problems.append(str(error))
+    taken, setting_problems = _take_cache_settings(wanted, infos)
     model = taken.get("pretrained_model_name_or_path", wanted.pretrained_model_name_or_path)
-    problems = problems or _model_problems(model, wanted.single_file_config)
-    if problems:
-        return CacheCheck(taken, problems)
+    setting_problems = setting_problems or _model_problems(model, wanted.single_file_config)
+    if setting_problems:
+        return CacheCheck(taken, problems + setting_problems)
     vaes, text_lengths = set(), set()
     for cache_dir, info in infos.items():
         vaes.add(cache_vae(info))
@@ -85,7 +96,7 @@ def check_caches(cache_dirs: list[CacheLocation], wanted: CacheRequirements) -> 
             "re-cache them with one, as a batch may mix their items"
         )
     first = infos[cache_dirs[0]]
-    return CacheCheck(taken, problems, cache_vae(first), first.text_max_length // TEXT_MAX_LENGTH)
+    return CacheCheck(taken, problems, cache_vae(first), first.text_max_length // TEXT_MAX_LENGTH, empty_prompts.get(cache_dirs[0]))
 
 
 def _model_problems(model: str, single_file_config: str) -> list[str]:

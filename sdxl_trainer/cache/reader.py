@@ -15,16 +15,19 @@ import torch
 from safetensors.torch import load
 
 from sdxl_trainer.cache.format import (
+    CACHE_INFO_FILE,
     EMPTY_PROMPT_FILE,
     MANIFEST_DIR,
     MANIFEST_SCHEMA,
     SHARD_DIR,
     SHARED_FILE_CHECKSUM_KEYS,
     TENSOR_KEYS,
+    VERIFY_COMMAND,
     CacheLocation,
     ManifestPart,
     Store,
     repair_advice,
+    sha256_bytes,
 )
 from sdxl_trainer.cache.storage import (
     REMOTE_READ_THREADS,
@@ -43,12 +46,65 @@ def size_problem(size: int | None, recorded: int) -> str | None:
     return f"size {size} bytes, manifest says {recorded}" if size != recorded else None
 
 
-def read_empty_prompt(cache_dir: CacheLocation) -> tuple[torch.Tensor, torch.Tensor]:
+def first_recorded_checksums(store: Store, name: str) -> dict[str, str]:
+    """The SHA-256 of the shared file `name` (SHARED_FILE_CHECKSUM_KEYS) as each worker's first manifest part
+    recorded it, by part name (empty for a cache without items or written before checksums were kept).
+
+    A part records the file as its worker found it then, so a file damaged and then cached on would be
+    recorded damaged by the later parts; each worker's first part predates that. Reading one part per worker
+    (its footer's metadata) instead of all keeps this cheap for a cache of millions of items."""
+    first_parts: dict[str, str] = {}
+    for part_name in store.names(MANIFEST_DIR, ".parquet"):  # sorted: each worker's parts in the order it wrote them
+        first_parts.setdefault(part_name.rsplit("-", 1)[0], part_name)
+
+    def recorded(part_name: str) -> str | None:
+        try:
+            metadata = pq.read_schema(pa.BufferReader(store.read_bytes(part_name))).metadata or {}
+        except (OSError, pa.ArrowException):  # a damaged part: the manifest's reader names it (intact_parts)
+            return None
+        digest = metadata.get(SHARED_FILE_CHECKSUM_KEYS[name].encode())
+        return digest.decode() if digest else None
+
+    with ThreadPoolExecutor(REMOTE_READ_THREADS if store.remote else 1) as pool:
+        found = dict(zip(first_parts.values(), pool.map(recorded, first_parts.values())))
+    return {part_name: digest for part_name, digest in found.items() if digest is not None}
+
+
+def empty_prompt_problem(data: bytes, recorded: dict[str, str], text_max_length: int | None) -> str | None:
+    """What is wrong with the bytes of empty_prompt.safetensors: another SHA-256 than a manifest part recorded
+    (part name -> digest), unreadable, other tensors, or (given) another caption length than the cache's."""
+    actual = sha256_bytes(data)
+    differing = [part_name for part_name, digest in recorded.items() if digest != actual]
+    if differing:
+        return f"checksum mismatch: its contents changed since {differing[0]} recorded it"
+    try:
+        tensors = load(data)
+    except Exception as error:  # safetensors raises its own error types for bad headers
+        return f"unreadable ({error})"
+    if set(tensors) != {"prompt_embeds", "pooled_prompt_embeds"}:
+        return f"holds the tensors {sorted(tensors)}, not prompt_embeds and pooled_prompt_embeds"
+    length = tensors["prompt_embeds"].shape[0]
+    if text_max_length is not None and length != text_max_length:
+        return f"prompt_embeds are {length} tokens long, but {CACHE_INFO_FILE} says {text_max_length}"
+    return None
+
+
+def read_empty_prompt(cache_dir: CacheLocation, text_max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The empty caption's embeddings (caption dropout's), checked against the SHA-256 the manifest parts
+    recorded (first_recorded_checksums) and, given the cache's text_max_length, their length. A missing or
+    damaged file is a CacheError naming it, the repair and --verify."""
     store = open_store(cache_dir)
     try:
-        tensors = load(store.read_bytes(EMPTY_PROMPT_FILE))
+        data = store.read_bytes(EMPTY_PROMPT_FILE)
     except FileNotFoundError:
         raise CacheError(f"{store.location(EMPTY_PROMPT_FILE)} not found: the cache is incomplete; re-run sdxl_process_data_dir.py.") from None
+    problem = empty_prompt_problem(data, first_recorded_checksums(store, EMPTY_PROMPT_FILE), text_max_length)
+    if problem:
+        raise CacheError(
+            f"{store.location(EMPTY_PROMPT_FILE)} is damaged ({problem}): delete it and re-run the cache command (sdxl_process_data_dir.sh "
+            f"with the same flags), which writes it again; `{VERIFY_COMMAND.format(cache_dir=store)}` checks the rest of the cache."
+        )
+    tensors = load(data)
     return tensors["prompt_embeds"], tensors["pooled_prompt_embeds"]
 
 

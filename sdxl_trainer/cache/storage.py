@@ -9,7 +9,9 @@ Object storage is reached with s3fs. Credentials and region come the standard AW
 AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an instance role); another S3-compatible service (MinIO, Cloudflare R2,
 Backblaze B2) is named by AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL. A shard is read with ranged requests: its
 safetensors header once, then one request per item covering that item's tensors (a batch's items
-concurrently). s3fs retries dropped connections; what still fails is a CacheError naming the object.
+concurrently). Every request has a connect and a read timeout and a bounded number of tries (see
+REQUEST_ATTEMPTS), so a dropped connection is retried and a stalled endpoint fails within minutes; what still
+fails is a StorageError naming the object (and the endpoint, for a timeout).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, TypeVar
+from urllib.parse import urlsplit
 
 import torch
 from safetensors import safe_open
@@ -36,6 +39,16 @@ REMOTE_READ_THREADS = 32  # manifest parts read at once from object storage (eac
 LEASE_RENEW_S = 60.0
 LEASE_S = 300.0
 REMOTE_PREFIX = "s3://"
+# How long object storage may keep a request waiting. s3fs's own settings wait 15 s per try but try a read 125
+# times (botocore's 5 tries inside s3fs's 5, which a read nests twice: around the request and around reading
+# its body), so a stalled endpoint (one that takes the connection and never answers) held a read for over
+# 30 minutes. With these a stalled read fails after S3FS_TRIES**2 * REQUEST_ATTEMPTS = 12 tries of READ_TIMEOUT_S
+# (3 minutes, plus at most 12 s of backoff), a request without a body (size, listing) after 6.
+CONNECT_TIMEOUT_S = 10.0  # to open a connection: milliseconds where the endpoint is reachable; a refused one fails at once
+READ_TIMEOUT_S = 15.0  # the longest silence within a response (before its first byte or between two): s3fs's default
+READ_TIMEOUT_VARIABLE = "SDXL_S3_READ_TIMEOUT_S"  # overrides READ_TIMEOUT_S (seconds): longer for a slow service, short in tests
+REQUEST_ATTEMPTS = 3  # botocore's tries of one request, in its "standard" mode: backoff, and retries on throttling and 5xx answers too
+S3FS_TRIES = 2  # s3fs's own tries around botocore's; the outer one of a read also retries a connection dropped mid-body
 HEADER_PROBE_BYTES = 1 << 18  # the first request for a shard's header reads this much (a 256-item shard's is ~100 KB)
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 REMOTE_BLOCK_BYTES = 8 << 20  # read-ahead of an object opened as a file: a tar's headers a few images apart cost one request
@@ -52,6 +65,10 @@ class CacheError(RuntimeError):
 
 class StorageError(CacheError):
     """Object storage could not be reached or refused a request; the message says what to check."""
+
+
+class LeaseLost(CacheError):
+    """Another process took over this process's ObjectLease; the message names it."""
 
 
 def sha256_stream(handle: BinaryIO, chunk_bytes: int = 1 << 22) -> str:
@@ -272,11 +289,7 @@ class RemoteStore:
     @property
     def fs(self):
         if self._fs is None or self._fs_pid != os.getpid():
-            import s3fs  # only runs that use object storage pay for importing it
-
-            # No listings cache: other workers add objects while this one runs. One s3fs retry budget (5 tries
-            # with backoff, about 2 s) per request on dropped connections and truncated bodies.
-            self._fs = s3fs.S3FileSystem(use_listings_cache=False, skip_instance_cache=True)
+            self._fs = bounded_s3_file_system()
             self._fs_pid = os.getpid()
         return self._fs
 
@@ -371,6 +384,43 @@ class RemoteStore:
         finally:
             staged.unlink(missing_ok=True)
 
+    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
+        """`name`'s bytes and an ETag at most as new as they are (None: no such object). A conditional write on
+        that ETag succeeds only if the object is still the version read: if it changed in between, the bytes
+        are the newer ones and the write fails, so a decision taken on the bytes never overwrites a newer version."""
+        try:
+            version = self._call("reading", name, lambda: self.fs.info(self._key(name))["ETag"])
+            return self.read_bytes(name), version
+        except FileNotFoundError:
+            return None
+
+    def write_if(self, name: str, data: bytes, version: str | None) -> str | None:
+        """Write `name` in one conditional PUT, only if it does not exist (version None: If-None-Match: *) or is
+        still the version `version` (If-Match: that ETag); atomic in the service. Returns the new version's ETag,
+        or None where the condition failed (another writer came first, or the object is gone)."""
+        bucket, key, _ = self.fs.split_path(self._key(name))
+        condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+        try:
+            answer = self._call("writing", name, lambda: self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition))
+        except FileNotFoundError:  # If-Match on an object deleted meanwhile
+            return None
+        except StorageError as error:
+            if condition_failed(error.__cause__):
+                return None
+            raise
+        return answer["ETag"]
+
+    def remove_if(self, name: str, version: str) -> None:
+        """Delete `name` only if it is still the version `version` (If-Match); another version, or none, stays as it is."""
+        bucket, key, _ = self.fs.split_path(self._key(name))
+        try:
+            self._call("deleting", name, lambda: self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version))
+        except FileNotFoundError:
+            pass
+        except StorageError as error:
+            if not condition_failed(error.__cause__):
+                raise
+
     def remove_stale_staging(self, name: str) -> None:
         """Nothing to do: staging files are local temporary files, removed by the process that made them."""
 
@@ -414,55 +464,103 @@ class RemoteStore:
 
 class ObjectLease:
     """An exclusive lease on the object `name`, for object storage, which has no locks: the object records
-    "process PID on HOST" and when it was last renewed (this machine's clock); a thread renews it every
-    LEASE_RENEW_S, and a lease not renewed for LEASE_S (its process was killed) is taken over. Raises LockHeld
-    while another process holds it."""
+    "process PID on HOST" and when it was last renewed (this machine's clock). Every write of it is conditional
+    on the version last seen (RemoteStore.write_if), so of two processes taking it at once, or over each other,
+    exactly one succeeds. A thread renews it every `renew_s`; a lease not renewed for `lease_s` (its process was
+    killed or stalled) is taken over. Raises LockHeld while another process holds it.
+
+    A holder that stalled past `lease_s` may find its lease taken over: its renewal fails, it stops renewing,
+    and confirm(), which its work calls before each commit, raises LeaseLost."""
 
     def __init__(self, store: RemoteStore, name: str, lease_s: float = LEASE_S, renew_s: float = LEASE_RENEW_S):
-        self.store, self.name = store, name
+        self.store, self.name, self.lease_s = store, name, lease_s
         self.holder = f"process {os.getpid()} on {socket.gethostname()}"
         self.token = uuid.uuid4().hex
-        if not self._write(create=True):
-            current = self._read()
-            age = time.time() - current["renewed_at"] if current else None
-            if age is not None and age < lease_s:
-                raise LockHeld(f"{current['holder']} (its lease {store.location(name)} was renewed {age:.0f} s ago; if that process is gone, delete it)")
-            self._write(create=False)  # a killed process's lease
-            if (self._read() or {}).get("token") != self.token:
-                raise LockHeld("another process taking over the same stale lease")
+        self._renewing = threading.Lock()  # the renewer thread and confirm() both write it
+        self._lost: LeaseLost | None = None
+        self._version = self._take(lease_s)
         self._stop = threading.Event()
-        self._renewer = threading.Thread(target=self._renew, args=(renew_s,), name=f"lease {name}", daemon=True)
+        self._renewer = threading.Thread(target=self._renew_every, args=(renew_s,), name=f"lease {name}", daemon=True)
         self._renewer.start()
 
-    def _write(self, create: bool) -> bool:
-        staged = self.store.staging_path(self.name)
-        staged.write_text(json.dumps({"holder": self.holder, "token": self.token, "renewed_at": time.time()}), encoding="utf-8")
-        if create:
-            return self.store.publish_once(staged, self.name)
-        self.store.publish(staged, self.name)
-        return True
+    def _record(self) -> bytes:
+        return json.dumps({"holder": self.holder, "token": self.token, "renewed_at": time.time()}).encode()
 
-    def _read(self) -> dict | None:
-        try:
-            return json.loads(self.store.read_bytes(self.name))
-        except FileNotFoundError:
+    def _read(self) -> tuple[dict, str] | None:
+        found = self.store.read_versioned(self.name)
+        if found is None:
             return None
-        except (ValueError, KeyError):
-            return {"holder": "an unreadable lease", "renewed_at": 0.0}
+        data, version = found
+        try:
+            record = json.loads(data)
+            float(record["renewed_at"])
+        except (ValueError, KeyError, TypeError):
+            record = {"holder": "an unreadable lease", "renewed_at": 0.0}
+        return record, version
 
-    def _renew(self, every_s: float) -> None:
+    def _take(self, lease_s: float) -> str:
+        version = self.store.write_if(self.name, self._record(), None)
+        if version is not None:
+            return version
+        found = self._read()
+        if found is None:  # released between the two requests: free again
+            version = self.store.write_if(self.name, self._record(), None)
+            if version is None:
+                raise LockHeld("another process that took the lease just now")
+            return version
+        current, version = found
+        if current.get("token") == self.token:  # this write's answer was lost and its retry refused: it is this process's own
+            return version
+        age = time.time() - current["renewed_at"]
+        if age < lease_s:
+            raise LockHeld(f"{current['holder']} (its lease {self.store.location(self.name)} was renewed {age:.0f} s ago; if that process is gone, delete it)")
+        version = self.store.write_if(self.name, self._record(), version)  # a killed process's lease, unless another took it first
+        if version is None:
+            raise LockHeld("another process taking over the same stale lease")
+        return version
+
+    def confirm(self) -> None:
+        """Renew the lease now: no other process can take it over for `lease_s` from here. Raises LeaseLost if
+        another process has taken it over (StorageError if the storage cannot be reached)."""
+        with self._renewing:
+            if self._lost is None:
+                version = self.store.write_if(self.name, self._record(), self._version)
+                if version is None:
+                    self._lost = self._loss()
+                else:
+                    self._version = version
+            if self._lost is not None:
+                raise self._lost
+
+    def _loss(self) -> LeaseLost | None:
+        """Why the last renewal failed; None where the lease is still this process's (a renewal whose answer was
+        lost and whose retry was refused), its version then taken up."""
+        found = self._read()
+        if found is not None and found[0].get("token") == self.token:
+            self._version = found[1]
+            return None
+        what = f"was taken over by {found[0]['holder']}" if found is not None else "was deleted"
+        return LeaseLost(
+            f"the lease {self.store.location(self.name)} {what}, as this process had not renewed it for {self.lease_s:.0f} s (it was "
+            "stalled): stopping before its next write, so that two processes do not write the same files"
+        )
+
+    def _renew_every(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
             try:
-                self._write(create=False)
+                self.confirm()
+            except LeaseLost:
+                return  # the work stops at its next confirm()
             except StorageError:
                 pass  # the next renewal tries again; the lease lasts LEASE_S
 
     def release(self) -> None:
         self._stop.set()
         self._renewer.join()
+        if self._lost is not None:
+            return  # another process's lease now
         try:
-            if (self._read() or {}).get("token") == self.token:
-                self.store.remove(self.name)
+            self.store.remove_if(self.name, self._version)
         except StorageError:
             pass  # unreachable storage: the lease lapses by itself after LEASE_S
 
@@ -479,4 +577,55 @@ def storage_error_reason(error: BaseException) -> str:
         return f"access denied ({error}): check the credentials and that they may read and write this bucket"
     if isinstance(error, FileExistsError):
         return "it exists already"
-    return f"{name}: {error} (after s3fs's retries; check the network and AWS_ENDPOINT_URL_S3, then re-run)"
+    if name in ("ReadTimeoutError", "ConnectTimeoutError"):
+        url = urlsplit(getattr(error, "kwargs", {}).get("endpoint_url", ""))
+        endpoint = f"{url.scheme}://{url.netloc}" if url.netloc else "the endpoint"
+        if name == "ConnectTimeoutError":
+            return f"could not connect to {endpoint} within {CONNECT_TIMEOUT_S:g} s (after retries): check the network and AWS_ENDPOINT_URL_S3, then re-run"
+        return (
+            f"no answer from {endpoint} within {read_timeout_s():g} s (after retries): it takes connections but does not respond, as a stalled "
+            "server or proxy does; check it and AWS_ENDPOINT_URL_S3, then re-run"
+        )
+    return f"{name}: {error} (after retries; check the network and AWS_ENDPOINT_URL_S3, then re-run)"
+
+
+def condition_failed(error: BaseException | None) -> bool:
+    """Whether a conditional write was refused because another writer came first: 412 Precondition Failed (s3fs
+    makes it a FileExistsError for If-None-Match) or, while two conditional writes race, 409 ConditionalRequestConflict."""
+    if isinstance(error, FileExistsError):
+        return True
+    response = getattr(error, "response", None) or getattr(getattr(error, "__cause__", None), "response", None) or {}
+    return response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict")
+
+
+def read_timeout_s() -> float:
+    """READ_TIMEOUT_S, or the value of the environment variable READ_TIMEOUT_VARIABLE."""
+    value = os.environ.get(READ_TIMEOUT_VARIABLE, "")
+    if not value:
+        return READ_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise StorageError(f"{READ_TIMEOUT_VARIABLE}={value!r}: give the object storage read timeout in seconds (> 0), or unset it for {READ_TIMEOUT_S:g}")
+    return seconds
+
+
+def bounded_s3_file_system():
+    """An s3fs file system whose requests all end: CONNECT_TIMEOUT_S, read_timeout_s(), REQUEST_ATTEMPTS tries
+    each, inside S3FS_TRIES of s3fs's own. No listings cache: other workers add objects while this one runs."""
+    import s3fs  # only runs that use object storage pay for importing it
+
+    class BoundedS3FileSystem(s3fs.S3FileSystem):
+        retries = S3FS_TRIES  # s3fs takes its own tries from this class attribute only
+
+    return BoundedS3FileSystem(
+        use_listings_cache=False,
+        skip_instance_cache=True,
+        config_kwargs={
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "read_timeout": read_timeout_s(),
+            "retries": {"total_max_attempts": REQUEST_ATTEMPTS, "mode": "standard"},
+        },
+    )

@@ -5,11 +5,9 @@ against its shard, and the shared files against what each worker recorded.
 from __future__ import annotations
 
 import pyarrow as pa
-from safetensors.torch import load
 
 from sdxl_trainer.cache.buckets import LATENT_DOWNSCALE
 from sdxl_trainer.cache.format import (
-    CACHE_INFO_FILE,
     EMPTY_PROMPT_FILE,
     FLIPPED_KEY,
     LOSS_MASK_KEY,
@@ -22,7 +20,7 @@ from sdxl_trainer.cache.format import (
     Store,
     read_cache_info,
 )
-from sdxl_trainer.cache.reader import read_manifest_parts, size_problem
+from sdxl_trainer.cache.reader import empty_prompt_problem, read_manifest_parts, size_problem
 from sdxl_trainer.cache.storage import (
     StorageError,
     open_store,
@@ -73,23 +71,6 @@ def row_problems(shapes: dict[str, tuple[int, ...]], rows: list[dict], text_max_
     return problems
 
 
-def empty_prompt_problem(store: Store, text_max_length: int) -> str | None:
-    """What is wrong with the empty caption's embeddings as far as they can be checked without a checksum:
-    unreadable, other tensors, or another caption length than the cache's."""
-    try:
-        tensors = load(store.read_bytes(EMPTY_PROMPT_FILE))
-    except StorageError:
-        raise
-    except Exception as error:  # safetensors raises its own error types for bad headers
-        return f"unreadable ({error})"
-    if set(tensors) != {"prompt_embeds", "pooled_prompt_embeds"}:
-        return f"holds the tensors {sorted(tensors)}, not prompt_embeds and pooled_prompt_embeds"
-    length = tensors["prompt_embeds"].shape[0]
-    if length != text_max_length:
-        return f"prompt_embeds are {length} tokens long, but {CACHE_INFO_FILE} says {text_max_length}"
-    return None
-
-
 def shared_file_checks(store: Store, parts: list[tuple[ManifestPart, pa.Table]], text_max_length: int) -> tuple[dict[str, list[str]], dict[str, str]]:
     """cache_info.json and empty_prompt.safetensors against the SHA-256 the manifest parts recorded.
 
@@ -116,7 +97,7 @@ def shared_file_checks(store: Store, parts: list[tuple[ManifestPart, pa.Table]],
             "no checksum recorded (no manifest part records one: the cache was written before they were kept, or holds no items), "
             "so only checked that it reads"
         )
-        problem = empty_prompt_problem(store, text_max_length) if name == EMPTY_PROMPT_FILE else None
+        problem = empty_prompt_problem(store.read_bytes(name), {}, text_max_length) if name == EMPTY_PROMPT_FILE else None
         if problem:
             problems[name] = [problem]
     return problems, notes

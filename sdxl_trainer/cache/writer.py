@@ -73,6 +73,13 @@ class WorkerLock:
                 "process another --shard_index / --num_shards"
             ) from None
 
+    def confirm(self) -> None:
+        """Call before each commit. In object storage, renew the lease now (no other process can take it over
+        for LEASE_S from here), or raise LeaseLost where another process took it over while this one stalled; a
+        folder's flock cannot be lost."""
+        if isinstance(self._lock, ObjectLease):
+            self._lock.confirm()
+
     def release(self) -> None:
         self._lock.release()
 

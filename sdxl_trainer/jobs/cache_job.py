@@ -31,7 +31,7 @@ from sdxl_trainer.cache.format import (
     write_cache_info,
 )
 from sdxl_trainer.cache.reader import merge_parts, read_manifest_parts
-from sdxl_trainer.cache.storage import CacheError, StorageError, is_remote, open_store, sha256_file
+from sdxl_trainer.cache.storage import CacheError, LeaseLost, StorageError, is_remote, open_store, sha256_file
 from sdxl_trainer.cache.verify import shard_problem, verify_cache
 from sdxl_trainer.cache.writer import ShardWriter, WorkerLock, quarantine, write_empty_prompt
 from sdxl_trainer.jobs.cache_config import CacheConfig, resolve_device, resolve_dtype
@@ -305,7 +305,7 @@ def run_caching(config: CacheConfig) -> int:
         print(stopped_message(worker_name, config.cache_dir, error, 0))
         return 1
     try:
-        return cache_images(config, sources, scan_problems, worker_name, started)
+        return cache_images(config, sources, scan_problems, worker_name, started, lock)
     except WriteFailed as failure:
         print(stopped_message(worker_name, config.cache_dir, failure.__cause__, 0))
         return 1
@@ -325,7 +325,7 @@ def stopped_message(worker_name: str, cache_dir: str, error: BaseException, comm
     )
 
 
-def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: list[ScanProblem], worker_name: str, started: float) -> int:
+def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: list[ScanProblem], worker_name: str, started: float, lock: WorkerLock) -> int:
 
     already_cached = valid_cached_items(config.cache_dir, {s.relative_path for s in sources}, config.num_io_threads, worker_name)
     print(f"[{worker_name}] {len(sources)} images to check in {config.data_dir}; {len(already_cached)} of them already in {config.cache_dir}")
@@ -405,6 +405,7 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
     def commit(items: list[PreparedItem]) -> None:
         encoded, truncated = encode_chunk(encoders, items, config.batch_size, caption_chunks, settings)
         try:
+            lock.confirm()  # still this worker's (a lease in object storage is renewed now, or found taken over)
             writer.write(encoded)
             for item in items:
                 if len(captions_in(item.caption)) > 1:
@@ -452,6 +453,9 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
                 commit(pending)
     except WriteFailed as failure:
         print(stopped_message(worker_name, config.cache_dir, failure.__cause__, counts["cached"]))
+        exit_code = 1
+    except LeaseLost as lost:
+        print(f"\n[{worker_name}] stopped: {lost}. The {counts['cached']} items committed before are kept.")
         exit_code = 1
     finally:
         progress.close()

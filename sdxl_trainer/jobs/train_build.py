@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from sdxl_trainer.cache.compatibility import CacheCheck
-from sdxl_trainer.cache.reader import read_empty_prompt
 from sdxl_trainer.cache.storage import CacheError
 from sdxl_trainer.config import config_to_dict, write_resolved_config
 from sdxl_trainer.distributed.fsdp import prepare_text_encoder, prepare_unet, uses_sharding
@@ -159,7 +158,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device, config.weights_dtype)
 
     data = load_training_data(config.data_settings(), run_dir, seed, world.world_size, world.is_main)
-    empty_prompt = tuple(tensor.to(world.device) for tensor in read_empty_prompt(config.cache_dirs()[0]))
+    empty_prompt = tuple(tensor.to(world.device) for tensor in caches.empty_prompt)  # read and checked by check_before_start
     models, caption_encoder = build_models(config, world, data.dataset, seed, compute_dtype, caches.caption_chunks)
     exempt_live_objects_from_garbage_collection()  # the model libraries' objects too, imported by now
     # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterator
@@ -15,11 +16,19 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from sdxl_trainer.cache.format import CacheLocation
+from sdxl_trainer.cache.storage import CacheError
 from sdxl_trainer.config import option
 from sdxl_trainer.distributed.stop_request import ignore_stop_signals
 from sdxl_trainer.training.dataset import CachedDataset, DatasetOptions, collate
 from sdxl_trainer.training.epochs import EpochPlan, EpochPlanner, bucket_counts, rank_slice, small_buckets
 from sdxl_trainer.training.holdout import HOLDOUT_FILE, Holdout, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
+
+
+# The longest a rank waits for its DataLoader workers' next batch. A read from object storage fails sooner (the
+# timeouts in cache/storage.py: at most some 3.2 minutes for a stalled endpoint), and its error reaches the rank;
+# this ends a worker stuck anywhere else (a hung network file system) with a message instead of a run that waits
+# forever. The first batch waits for each worker's read of the manifest too (under a minute at 10 M items).
+DATALOADER_TIMEOUT_S = 600.0
 
 
 class DataPosition:
@@ -106,6 +115,7 @@ class DataStream:
             collate_fn=collate,
             pin_memory=device.type == "cuda",
             worker_init_fn=ignore_stop_signals,
+            timeout=DATALOADER_TIMEOUT_S if num_workers > 0 else 0,
         )
 
     def _plan(self, index: int) -> EpochPlan:
@@ -133,6 +143,25 @@ class DataStream:
             for batch in plan.update_batches(update_in_plan):
                 yield rank_slice(batch, self.rank, self.per_rank_batch)
 
+    def _next_batch(self, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The loader's next batch; a worker's cache or storage error as its own one line (the DataLoader re-raises
+        it with the worker's whole traceback as its message), a stalled worker as a CacheError."""
+        waited_from = time.monotonic()
+        try:
+            return next(batches)
+        except CacheError as error:
+            message = worker_message(error)
+            if message is None:
+                raise
+            raise type(error)(message) from None
+        except RuntimeError:
+            if self.loader.timeout and time.monotonic() - waited_from >= self.loader.timeout:
+                raise CacheError(
+                    f"no batch from the DataLoader workers in {self.loader.timeout:.0f} s: their reads of the caches hang (a stalled file "
+                    "system or storage); check that the caches' file system or object storage answers, then re-run"
+                ) from None
+            raise
+
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {key: value if key == "sample_index" else value.to(self.device, non_blocking=True) for key, value in batch.items()}
 
@@ -147,7 +176,7 @@ class DataStream:
                 for done in [done for done in self._planned if done < index - 1]:
                     del self._planned[done]  # the loader has read past those epochs too (it may still need epoch index - 1's)
             update_batches = plan.update_batches(update_in_plan)
-            microbatches = [self._to_device(next(batches)) for _ in update_batches]
+            microbatches = [self._to_device(self._next_batch(batches)) for _ in update_batches]
             ends_epoch = update_in_plan == plan.num_updates - 1
             if ends_epoch:
                 self.position = DataPosition.epoch_start(epoch + 1, plan.carried_out)
@@ -156,6 +185,17 @@ class DataStream:
                     epoch, epoch_start.updates_in_epoch + update_in_plan + 1, epoch_start.carried_in, epoch_start.consumed, plan.batches_through(update_in_plan)
                 )
             yield Update(epoch, microbatches, int(update_batches.size), self.position, ends_epoch)
+
+
+def worker_message(error: CacheError) -> str | None:
+    """The message a DataLoader worker's CacheError had in the worker (None: not a worker's). The DataLoader
+    raises the same class in the training process with "Caught StorageError in DataLoader worker process 0.
+    Original Traceback ..." and the worker's traceback as its message, whose last line is "module.Class: message"."""
+    text = str(error)
+    if not text.startswith(f"Caught {type(error).__name__} in DataLoader worker process"):
+        return None
+    return text.rstrip().rsplit("\n", 1)[-1].split(": ", 1)[-1]
+
 
 @dataclass(kw_only=True)
 class DataOptions:
