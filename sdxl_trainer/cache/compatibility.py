@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sdxl_trainer.cache.buckets import BUCKET_TABLE_VERSION
 import torch
 
+from sdxl_trainer.cache.buckets import BUCKET_TABLE_VERSION
 from sdxl_trainer.cache.format import CacheLocation, CacheSettings, cache_vae, read_cache_info, settings_differences
 from sdxl_trainer.cache.reader import read_empty_prompt
 from sdxl_trainer.cache.storage import (

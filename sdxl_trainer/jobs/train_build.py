@@ -47,9 +47,7 @@ from sdxl_trainer.training.captions import StepCaptionEncoder
 from sdxl_trainer.training.dataset import CachedDataset
 from sdxl_trainer.training.ema import ShardedEMA
 from sdxl_trainer.training.holdout import HoldoutError
-from sdxl_trainer.training.objective import (
-    build_noise_scheduler,
-)
+from sdxl_trainer.training.objective import SampleDraws, build_noise_scheduler
 from sdxl_trainer.training.step import TrainStep
 from sdxl_trainer.training.stream import DataPosition, DataStream, TrainingData, load_training_data
 from sdxl_trainer.training.trained_models import TrainedModels
@@ -170,7 +168,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
     position = resume(config, world, resume_dir, saved, models, optimizer, ema, run_dir)
     first_update = saved.update if saved else 0
-    stream = data.stream(position, first_update, world.rank, world.device)
+    stream = data.stream(position, first_update, world.rank, world.device, draws=SampleDraws(seed, config.noise_settings()))
     total_updates = first_update + stream.num_updates
     if total_updates == 0:
         raise SystemExit(

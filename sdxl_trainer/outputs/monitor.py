@@ -45,12 +45,13 @@ def peak_reserved_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
 
 
-def gather_floats(value: float, device: torch.device) -> list[float]:
-    """One float from every rank, in rank order (a collective: every rank must call it)."""
+def gather_floats(value: float, device: torch.device, group: dist.ProcessGroup | None = None) -> list[float]:
+    """One float from every rank, in rank order (a collective over `group`: every rank must call it). On a gloo
+    group with device cpu nothing waits for the GPU."""
     local = torch.tensor([value], dtype=torch.float64, device=device)
-    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
-    return [tensor.item() for tensor in gathered]
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return torch.cat(gathered).tolist()
 
 
 class Throughput:
@@ -204,6 +205,7 @@ class TrainingMonitor:
         self.is_main = is_main
         self.epoch_losses: list[float] = []
         self.progress = tqdm(total=total_updates, initial=first_update, desc="training", unit="update", disable=not is_main, dynamic_ncols=True)
+        self._host_group = dist.new_group(backend="gloo")  # collective: every rank builds its monitor
 
     def say(self, message: str) -> None:
         """A message printed once (by rank 0), above the progress bar."""
@@ -225,9 +227,10 @@ class TrainingMonitor:
     def _write_scalars(self, update: int, learning_rate: float, skipped_updates: int) -> None:
         losses, grad_norms = zip(*self._pending)
         self._pending = []
-        memory = gather_floats(peak_memory_gib(self.device), self.device)
+        # The allocator's peaks are host-side counters: gathered over a gloo group, the GPU is never waited for.
+        memory = gather_floats(peak_memory_gib(self.device), torch.device("cpu"), self._host_group)
         reserved = peak_reserved_gib(self.device)
-        reserved_by_rank = gather_floats(reserved, self.device) if reserved is not None else []
+        reserved_by_rank = gather_floats(reserved, torch.device("cpu"), self._host_group) if reserved is not None else []
         self.metrics.scalars(
             {
                 "train/loss": float(np.mean(losses)),

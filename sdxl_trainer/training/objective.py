@@ -40,6 +40,7 @@ import torch
 
 from sdxl_trainer.cache.format import LOSS_MASK_KEY
 from sdxl_trainer.config import option
+from sdxl_trainer.training.dataset import choose_views
 
 if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
     from diffusers import DDPMScheduler
@@ -322,6 +323,35 @@ def draw_sample_randomness(latents: torch.Tensor, sample_indices: torch.Tensor, 
     )
 
 
+# The batch keys of the draws SampleDraws adds (the input noise only where it differs from the noise).
+NOISE_KEY, TIMESTEPS_KEY, DROP_CAPTION_KEY, INPUT_NOISE_KEY = "noise", "timesteps", "drop_caption", "input_noise"
+
+
+@dataclass(frozen=True)
+class SampleDraws:
+    """Everything drawn per sample for an update, added to a batch where it is read: the view (--flip_aug),
+    the noise, timestep, caption dropout and input noise. In the DataLoader workers (training/stream.py) they
+    cost the training process nothing and reach the GPU in the batch's pinned, non-blocking copy; drawn in the
+    update they took the process's CPU and copies from pageable memory, which wait for the GPU. The same
+    draws wherever they are made: each sample's own generator (sample_generator)."""
+
+    run_seed: int
+    settings: NoiseSettings
+
+    def __call__(self, batch: dict[str, torch.Tensor], epoch: int) -> dict[str, torch.Tensor]:
+        batch = choose_views(batch, self.run_seed, epoch)
+        randomness = draw_sample_randomness(batch["latents"], batch["sample_index"], self.run_seed, epoch, self.settings)
+        drawn = {NOISE_KEY: randomness.noise, TIMESTEPS_KEY: randomness.timesteps, DROP_CAPTION_KEY: randomness.drop_caption}
+        if randomness.input_noise is not randomness.noise:
+            drawn[INPUT_NOISE_KEY] = randomness.input_noise
+        return {**batch, **drawn}
+
+
+def drawn_randomness(batch: dict[str, torch.Tensor]) -> SampleRandomness:
+    """What SampleDraws added to a batch."""
+    return SampleRandomness(batch[NOISE_KEY], batch[TIMESTEPS_KEY], batch[DROP_CAPTION_KEY], batch.get(INPUT_NOISE_KEY, batch[NOISE_KEY]))
+
+
 def drawn_strength(generator: np.random.Generator, strength: float, at_random: bool) -> float:
     """`strength`, or with `at_random` strength * U(0, 1) from the sample's generator (kohya's torch.rand(1) * strength)."""
     return strength * float(generator.random()) if at_random else strength
@@ -431,7 +461,7 @@ def training_loss(
     per-sample loss weights (prior_loss_weight) and OneTrainer's concept loss_weight do: not renormalised, so
     a weight below 1 lowers that dataset's share of the gradient and the loss's scale alike."""
     latents = batch["latents"].float()
-    randomness = draw_sample_randomness(latents, batch["sample_index"], run_seed, epoch, settings)
+    randomness = drawn_randomness(batch) if NOISE_KEY in batch else draw_sample_randomness(latents, batch["sample_index"], run_seed, epoch, settings)
     prompt_embeds, pooled = condition_on_captions(batch, randomness.drop_caption, empty_prompt)
     noisy_latents = noise_scheduler.add_noise(latents, randomness.input_noise, randomness.timesteps)
     prediction = unet(

@@ -23,10 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.config import option
 from sdxl_trainer.training.captions import StepCaptionEncoder
-from sdxl_trainer.training.dataset import choose_views
 from sdxl_trainer.training.ema import ShardedEMA
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule, set_learning_rate
-from sdxl_trainer.training.objective import NoiseSettings, training_loss
+from sdxl_trainer.training.objective import NOISE_KEY, NoiseSettings, SampleDraws, training_loss
 
 if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
     from diffusers import DDPMScheduler
@@ -90,6 +89,7 @@ class TrainStep:
         self.updates_done = 0
         self.noise_scheduler = noise_scheduler
         self.noise_settings = noise_settings
+        self.draws = SampleDraws(run_seed, noise_settings)
         self.empty_prompt = empty_prompt
         self.run_seed = run_seed
         self.max_grad_norm = max_grad_norm
@@ -131,7 +131,8 @@ class TrainStep:
                 # FSDP2 reduce-scatters gradients only when this is True; before that they accumulate unsharded.
                 module.set_requires_gradient_sync(self.reduce_every_microbatch or index == len(microbatches) - 1, recurse=False)
             empty_prompt = self.empty_prompt
-            batch = choose_views(batch, self.run_seed, epoch)
+            if NOISE_KEY not in batch:  # a batch that did not come through the data stream, which draws in its workers
+                batch = self.draws(batch, epoch)
             if self.caption_encoder is not None:
                 batch, trained_empty_prompt = self.caption_encoder(batch, epoch)
                 empty_prompt = trained_empty_prompt or empty_prompt
@@ -145,7 +146,8 @@ class TrainStep:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip and check the true gradients, not the scaled ones
         grad_norm = clip_gradients(self.trained_parameters, self.max_grad_norm or math.inf)
-        loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
+        # The update's one read from the device: both numbers in one transfer.
+        loss_value, grad_norm_value = torch.stack([loss_sum, grad_norm.to(loss_sum.device, loss_sum.dtype)]).tolist()
         # Both values are global (all-reduced), so every rank takes the same decision.
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
         learning_rate = self.learning_rate(self.updates_done)

@@ -9,7 +9,7 @@ import math
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -22,7 +22,6 @@ from sdxl_trainer.distributed.stop_request import ignore_stop_signals
 from sdxl_trainer.training.dataset import CachedDataset, DatasetOptions, collate
 from sdxl_trainer.training.epochs import EpochPlan, EpochPlanner, bucket_counts, rank_slice, small_buckets
 from sdxl_trainer.training.holdout import HOLDOUT_FILE, Holdout, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
-
 
 # The longest a rank waits for its DataLoader workers' next batch. A read from object storage fails sooner (the
 # timeouts in cache/storage.py: at most some 3.2 minutes for a stalled endpoint), and its error reaches the rank;
@@ -94,10 +93,13 @@ class DataStream:
     `sample_index` stays on the host: the per-sample generators read it without a device sync."""
 
     def __init__(self, dataset: Dataset, planner: EpochPlanner, position: DataPosition, num_epochs: int, rank: int, per_rank_batch: int,
-                 num_workers: int, device: torch.device, max_updates: int | None = None):
+                 num_workers: int, device: torch.device, max_updates: int | None = None,
+                 draws: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]] | None = None):
         """num_epochs: the run's epochs (--num_train_epochs; ignored with max_updates); max_updates: stop after
-        that many updates, inside an epoch if need be (--max_train_updates)."""
+        that many updates, inside an epoch if need be (--max_train_updates); draws(batch, epoch): what each
+        batch gets where it is read, in the DataLoader workers (objective.SampleDraws)."""
         self.position = position
+        self.first_epoch = position.epoch  # of the stream's first update: epoch index 0 of its plans
         self.device = device
         self.rank, self.per_rank_batch = rank, per_rank_batch
         plans = planner.epoch_plans(num_epochs, position.epoch, position.carried_in, position.consumed, max_updates)
@@ -109,10 +111,10 @@ class DataStream:
         self._planned: dict[int, EpochPlan] = {}  # by epoch index in the run: the one being trained and the loader's, which reads ahead
         self._next_plan = 0
         self.loader = DataLoader(
-            dataset,
+            EpochBatches(dataset, draws),
             batch_sampler=self._rank_slices(),
             num_workers=num_workers,
-            collate_fn=collate,
+            collate_fn=already_collated,
             pin_memory=device.type == "cuda",
             worker_init_fn=ignore_stop_signals,
             timeout=DATALOADER_TIMEOUT_S if num_workers > 0 else 0,
@@ -138,10 +140,12 @@ class DataStream:
                 left -= 1
                 yield index, update_in_plan, plan
 
-    def _rank_slices(self) -> Iterator[list[int]]:
-        for _, update_in_plan, plan in self._updates():
+    def _rank_slices(self) -> Iterator[list[tuple[int, int]]]:
+        """This rank's samples of every microbatch, each with its epoch (EpochBatches draws by it)."""
+        for index, update_in_plan, plan in self._updates():
+            epoch = self.first_epoch + index
             for batch in plan.update_batches(update_in_plan):
-                yield rank_slice(batch, self.rank, self.per_rank_batch)
+                yield [(epoch, sample) for sample in rank_slice(batch, self.rank, self.per_rank_batch)]
 
     def _next_batch(self, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The loader's next batch; a worker's cache or storage error as its own one line (the DataLoader re-raises
@@ -185,6 +189,29 @@ class DataStream:
                     epoch, epoch_start.updates_in_epoch + update_in_plan + 1, epoch_start.carried_in, epoch_start.consumed, plan.batches_through(update_in_plan)
                 )
             yield Update(epoch, microbatches, int(update_batches.size), self.position, ends_epoch)
+
+
+class EpochBatches(Dataset):
+    """The dataset read a microbatch at a time, as (epoch, sample) pairs: the batch collated, with its draws
+    (`draws(batch, epoch)`) made here, in the DataLoader worker that reads it."""
+
+    def __init__(self, dataset: Dataset, draws: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]] | None):
+        self.dataset = dataset
+        self.draws = draws
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, pairs: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+        epoch, samples = pairs[0][0], [sample for _, sample in pairs]
+        read_many = getattr(self.dataset, "__getitems__", None)  # a batch at once where the dataset can (CachedDataset)
+        batch = collate(read_many(samples) if read_many else [self.dataset[sample] for sample in samples])
+        return batch if self.draws is None else self.draws(batch, epoch)
+
+
+def already_collated(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The DataLoader's collate step for EpochBatches, whose batches come collated."""
+    return batch
 
 
 def worker_message(error: CacheError) -> str | None:
@@ -336,11 +363,13 @@ class TrainingData:
     planner: EpochPlanner
     global_batch_size: int
 
-    def stream(self, position: DataPosition, first_update: int, rank: int, device: torch.device) -> DataStream:
-        """The run's remaining updates from `position` (update `first_update` of the run)."""
+    def stream(self, position: DataPosition, first_update: int, rank: int, device: torch.device,
+               draws: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]] | None = None) -> DataStream:
+        """The run's remaining updates from `position` (update `first_update` of the run), each batch with its `draws`."""
         settings = self.settings
         updates_left = max(settings.max_updates - first_update, 0) if settings.max_updates else None
-        return DataStream(self.dataset, self.planner, position, settings.num_epochs, rank, settings.per_rank_batch, settings.num_workers, device, updates_left)
+        return DataStream(self.dataset, self.planner, position, settings.num_epochs, rank, settings.per_rank_batch, settings.num_workers, device,
+                          updates_left, draws)
 
 
 def load_training_data(settings: DataSettings, run_dir: Path, seed: int, world_size: int, is_main: bool) -> TrainingData:

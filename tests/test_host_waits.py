@@ -1,0 +1,78 @@
+"""What makes a GPU's host wait, counted over updates of the tiny model through the trainer's own path (the data
+stream with its draws, TrainStep, the monitor's logging): every read of a tensor's value on the host (.item(),
+.tolist(), a truth value, int() / float(), .numpy(), .cpu(), nonzero). On a GPU each read of a device tensor
+stops the host until the GPU has caught up, and the GPU then idles while the host prepares what comes next.
+
+Here everything is on the CPU, so a read is told apart by where it happens: the update's one read of the loss
+and gradient norm (TrainStep), and reads of tensors that live on the host by design (the monitor's peak-memory
+figures, gathered over a gloo group), listed below with why. Any other read fails the test, with its place.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+from torch.overrides import TorchFunctionMode
+from unet_batches import make_train_step
+
+from sdxl_trainer.distributed.fsdp import prepare_unet
+from sdxl_trainer.optimizers.build import build_optimizer
+from sdxl_trainer.outputs.monitor import MetricsWriter, TrainingMonitor
+from sdxl_trainer.training.holdout import SplitSettings
+from sdxl_trainer.training.objective import NoiseSettings, SampleDraws
+from sdxl_trainer.training.stream import DataPosition, DataSettings, load_training_data
+
+HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero"}
+# Where a read is allowed: (file, function) of the code that reads.
+THE_UPDATES_READ = ("step.py", "__call__")  # the loss and gradient norm, one transfer, after the microbatches
+HOST_SIDE = {("monitor.py", "gather_floats")}  # allocator peaks gathered over a gloo group: CPU tensors, no GPU
+
+
+class HostReads(TorchFunctionMode):
+    """Every host read of a tensor, by the file and function that made it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.places: list[tuple[str, str, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            caller = sys._getframe(1)
+            self.places.append((caller.f_code.co_filename.rsplit("/", 1)[-1], caller.f_code.co_name, caller.f_lineno))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.slow  # the first update compiles the 8-bit step (seconds to minutes on a CPU)
+def test_an_update_reads_the_device_once_and_never_inside_a_microbatch(world, tiny_pipeline_dir, sample_cache_dir, tmp_path):
+    seed, settings = 4, NoiseSettings(conditional_dropout_percent=0.1, noise_offset=0.05, ip_noise_gamma=0.1)
+    data = load_training_data(
+        DataSettings([str(sample_cache_dir)], None, None, flip_aug=False, loss_masks=False, per_rank_batch=2, gradient_accumulation_steps=2,
+                     num_epochs=4, max_updates=0, num_workers=0, split=SplitSettings(0.0, 0.0, 0, 0)),
+        tmp_path / "run", seed, world_size=1, is_main=True,
+    )
+    stream = data.stream(DataPosition.epoch_start(0), 0, rank=0, device=world.device, draws=SampleDraws(seed, settings))
+    unet = prepare_unet(UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet"), world, param_dtype=None)
+    optimizer = build_optimizer("adamw8bit", unet.parameters(), 1e-4, 1e-2, (0.9, None), 1e-8)
+    step = make_train_step(unet, optimizer, tiny_pipeline_dir, settings)
+    monitor = TrainingMonitor(MetricsWriter(tmp_path / "tensorboard", True), stream.num_updates, 0, world.device, True, every_n_updates=1)
+    reads_per_update = []
+    for number, update in zip(range(5), stream):
+        assert all("noise" in batch for batch in update.microbatches)  # drawn where the batch was read
+        with HostReads() as reads:
+            result = step(update.microbatches, update.epoch)
+            monitor.log_update(step.updates_done, update.epoch, result.loss, result.learning_rate, result.grad_norm, result.stepped, 0)
+        reads_per_update.append(reads.places)
+    monitor.close()
+    assert len(reads_per_update) == 5
+    # The first update builds the optimizer's layout from its state on the host (its step counts: CPU tensors).
+    for places in reads_per_update[1:]:
+        by_place = defaultdict(int)
+        for file, function, _ in places:
+            by_place[(file, function)] += 1
+        unexpected = {place: count for place, count in by_place.items() if place != THE_UPDATES_READ and place not in HOST_SIDE}
+        assert unexpected == {}, f"host reads outside the update's one read: {sorted(set(places))}"
+        assert by_place[THE_UPDATES_READ] == 1
