@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import shutil
 import time
 
@@ -29,7 +30,7 @@ from sdxl_trainer.cache.format import (
     write_cache_info,
 )
 from sdxl_trainer.cache.reader import CacheReader, load_manifest, read_manifest_parts
-from sdxl_trainer.cache.storage import CacheError
+from sdxl_trainer.cache.storage import CacheError, LocalStore, RemoteStore
 from sdxl_trainer.cache.verify import shard_problem, verify_cache
 from sdxl_trainer.cache.writer import ShardWriter, quarantine, write_empty_prompt
 
@@ -166,6 +167,55 @@ def test_reader_refuses_truncated_shard_and_says_how_to_repair(tmp_path):
     message = str(info.value)
     assert str(shard) in message and "is damaged" in message
     assert f"--verify --cache_dir {tmp_path}" in message and "re-run the cache command" in message
+
+
+class FolderAsBucket(RemoteStore):
+    """A RemoteStore whose objects are a local folder's files: the reader's remote path without a server."""
+
+    def __init__(self, folder):
+        super().__init__("s3://bucket/cache")
+        self.folder = LocalStore(folder)
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        return self.folder.read_range(name, start, end)
+
+    def read_items(self, requests):
+        spans = [tensors.span(keys) for tensors, keys in requests]
+        return [tensors.decode(keys, self.read_range(tensors.name, start, end), start) for (tensors, keys), (start, end) in zip(requests, spans)]
+
+
+def rewrite_header(shard, change) -> None:
+    """Apply change(header dict) to a safetensors file's header, keeping its length (padded with spaces, as
+    safetensors allows), so the file keeps its size and only the header is wrong."""
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    change(header)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    assert len(encoded) <= length
+    shard.write_bytes(data[:8] + encoded.ljust(length) + data[8 + length :])
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda header: header["1/latents"].update(data_offsets=header["0/latents"]["data_offsets"]), "overlap or leave a gap"),  # item 0's bytes
+    (lambda header: header["1/latents"].update(shape=[4, 12, 7]), "need"),
+    (lambda header: header["1/latents"].update(dtype="Q8"), "unknown dtype"),
+])
+def test_a_damaged_header_in_object_storage_is_the_caches_error_naming_the_object(tmp_path, damage, reason):
+    """Shards in a bucket are decoded from their header without safetensors: the header is checked as safetensors
+    checks it (offsets contiguous and in range, sizes matching dtype and shape), so damage never decodes as data."""
+    small_cache(tmp_path, shards=1)
+    name = "w0-000000.safetensors"
+    bucket = FolderAsBucket(tmp_path)
+    sizes = {name: (tmp_path / SHARD_DIR / name).stat().st_size}
+    intact = CacheReader(bucket, shard_bytes=sizes).read(name, 1)
+    assert torch.equal(intact["latents"], CacheReader(tmp_path).read(name, 1)["latents"])
+    rewrite_header(tmp_path / SHARD_DIR / name, damage)
+    with pytest.raises(CacheError) as info:
+        CacheReader(bucket, shard_bytes=sizes).read(name, 1)
+    message = str(info.value)
+    assert f"cache shard s3://bucket/cache/{SHARD_DIR}/{name} is damaged" in message and reason in message, message
+    assert "--verify --cache_dir s3://bucket/cache" in message
 
 
 def test_damaged_manifest_part_is_a_cache_error(tmp_path):
