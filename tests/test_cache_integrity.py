@@ -315,3 +315,24 @@ def test_million_row_manifest_loads_fast_and_finds_items(tmp_path):
     assert (row["shard"], row["index_in_shard"]) == (f"w0-{654321 // 256:06d}.safetensors", 654321 % 256)
     assert row["caption"] == "caption 654321" and row["bucket_width"] == 654321 % 7 * 64 + 512
     assert elapsed < 60  # generous: measured a few seconds on 2 shared cores
+
+
+def test_training_on_an_empty_cache_says_so_and_how_to_fill_it(tmp_path):
+    """A cache whose caching skipped every image holds its settings and no item: the run is refused naming the
+    cache and how to fill it (it used to advise lowering the batch size, after the model had loaded)."""
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig
+    from sdxl_trainer.training.stream import load_training_data
+
+    empty = tmp_path / "empty"
+    write_cache_info(empty, SETTINGS)
+    write_empty_prompt(empty, torch.zeros(77, 64), torch.zeros(32))
+    full = small_cache(tmp_path / "full")
+    for caches in ([empty], [full, empty]):
+        settings = parse_config(TrainConfig, ["--cached_dataset_dirs", *map(str, caches)]).data_settings()
+        with pytest.raises(SystemExit) as info:
+            load_training_data(settings, tmp_path / "run", seed=0, world_size=1, is_main=True)
+        message = str(info.value)
+        assert f"Cannot start training: cache {empty} holds no items" in message, message
+        assert f"sdxl_process_data_dir.py --data_dir YOUR_IMAGES --cache_dir {empty}" in message and f"{empty}/logs" in message
+        assert "batch" not in message
