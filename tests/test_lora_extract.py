@@ -308,3 +308,38 @@ def test_a_base_the_tuned_model_was_not_fine_tuned_from_is_warned_about(tmp_path
     warning = re.search(r"Warning: (\d+) of (\d+) UNet layers changed by more than 50% of their weights' norm", printed)
     assert warning and int(warning[1]) > 0.5 * int(warning[2]), printed
     assert "is --base the model the fine-tune started from" in printed and output.exists()
+
+
+def test_sharded_weights_read_as_the_model_saved_them(tmp_path, tiny_pipeline_dir):
+    """diffusers shards a component above its max_shard_size (SDXL's fp32 UNet, 10.3 GB, is two shards): the
+    reader follows the index, and every weight reads back as the model holds it."""
+    from sdxl_trainer.models.weight_files import open_model_weights
+
+    pipeline = load_pipeline(tiny_pipeline_dir)
+    pipeline.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    assert len(list((tmp_path / "sharded" / "unet").glob("*.safetensors"))) > 2
+    weights = open_model_weights(str(tmp_path / "sharded"), "--base", str(tmp_path / "sharded")).weights
+    for component in ("unet", "vae"):
+        state = getattr(pipeline, component).state_dict()
+        assert weights[component].keys() == state.keys()
+        assert all(torch.equal(weights[component][name].read(), state[name]) for name in state), component
+
+
+@pytest.mark.slow
+def test_a_single_file_reads_back_every_weight_of_every_component(tmp_path, tiny_pipeline_dir):
+    """The single-file names read backwards: ldm UNet and VAE names (attention as 1x1 convolutions), CLIP-L's
+    Hugging Face names, OpenCLIP's fused q/k/v thirds and transposed projection."""
+    import sdxl_to_single_file
+
+    from sdxl_trainer.models.single_file import hf_clip_names
+    from sdxl_trainer.models.weight_files import open_model_weights
+
+    single_file = tmp_path / "model.safetensors"
+    assert sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", str(single_file), "--save_precision", "fp32"]) == 0
+    weights = open_model_weights(str(single_file), "--tuned", str(tiny_pipeline_dir)).weights
+    pipeline = load_pipeline(tiny_pipeline_dir)
+    for component in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        state = getattr(pipeline, component).state_dict()
+        state = hf_clip_names(state) if component.startswith("text") else state
+        assert weights[component].keys() == state.keys(), component
+        assert all(torch.equal(weights[component][name].read(), state[name]) for name in state), component
