@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     save_lora(extraction, lora_metadata(tuned, config.rank, config.conv_rank, config.output.stem), config.output)
     for component, report in extraction.components.items():
         skipped = (
-            f"; {report.skipped} unchanged layers skipped (equal to --base's weights rounded to the tuned file's {', '.join(sorted(extraction.compared_in))})"
+            f"; {report.skipped} unchanged layers skipped (equal to --base's in {', '.join(sorted(extraction.compared_in))}, the coarser of the two files' dtypes)"
             if report.skipped else ""
         )
         print(f"{component}: {report.layers} layers; the LoRA keeps {report.kept:.1%} of their weight change (squared Frobenius norm){skipped}")
