@@ -131,13 +131,13 @@ def _config_reader(source: str) -> Callable[..., dict | None]:
 
             try:
                 path = Path(hf_hub_download(source, relative))
-            except EntryNotFoundError:
-                path = folder / relative  # missing: said below
-            except LocalEntryNotFoundError:
+            except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: first
                 raise ModelFilesError(
                     f"{relative} of {source} is not in the local Hugging Face cache and cannot be downloaded (offline): "
                     f"fetch it once with huggingface-cli download {source} --include '*.json', or give a local diffusers folder"
                 ) from None
+            except EntryNotFoundError:
+                path = folder / relative  # missing: said below
         if not path.is_file():
             if required:
                 raise ModelFilesError(f"{source} has no {relative}: a diffusers SDXL model holds one config.json per component")
