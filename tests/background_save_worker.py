@@ -19,7 +19,7 @@ from train_step_worker import full_weights, rank_batch
 
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 from sdxl_trainer.state.checkpoint import JsonIndexWriter, find_latest_checkpoint, load_training_state
-from sdxl_trainer.state.checkpointer import CheckpointOptions, Checkpointer, RunFacts
+from sdxl_trainer.state.checkpointer import Checkpointer, CheckpointOptions, RunFacts
 from sdxl_trainer.training.stream import DataPosition
 
 UPDATES = 4

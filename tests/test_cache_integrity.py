@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import shutil
 import time
 
@@ -30,7 +31,7 @@ from sdxl_trainer.cache.format import (
     write_cache_info,
 )
 from sdxl_trainer.cache.reader import CacheReader, load_manifest, read_empty_prompt, read_manifest_parts
-from sdxl_trainer.cache.storage import CacheError
+from sdxl_trainer.cache.storage import CacheError, LocalStore, RemoteStore
 from sdxl_trainer.cache.verify import shard_problem, verify_cache
 from sdxl_trainer.cache.writer import ShardWriter, quarantine, write_empty_prompt
 
@@ -223,6 +224,55 @@ def test_the_trainer_refuses_damaged_empty_prompts_before_anything_loads_naming_
     assert not (tmp_path / "run" / "config.json").exists()  # refused before the run was built
 
 
+class FolderAsBucket(RemoteStore):
+    """A RemoteStore whose objects are a local folder's files: the reader's remote path without a server."""
+
+    def __init__(self, folder):
+        super().__init__("s3://bucket/cache")
+        self.folder = LocalStore(folder)
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        return self.folder.read_range(name, start, end)
+
+    def read_items(self, requests):
+        spans = [tensors.span(keys) for tensors, keys in requests]
+        return [tensors.decode(keys, self.read_range(tensors.name, start, end), start) for (tensors, keys), (start, end) in zip(requests, spans)]
+
+
+def rewrite_header(shard, change) -> None:
+    """Apply change(header dict) to a safetensors file's header, keeping its length (padded with spaces, as
+    safetensors allows), so the file keeps its size and only the header is wrong."""
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    change(header)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    assert len(encoded) <= length
+    shard.write_bytes(data[:8] + encoded.ljust(length) + data[8 + length :])
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda header: header["1/latents"].update(data_offsets=header["0/latents"]["data_offsets"]), "overlap or leave a gap"),  # item 0's bytes
+    (lambda header: header["1/latents"].update(shape=[4, 12, 7]), "need"),
+    (lambda header: header["1/latents"].update(dtype="Q8"), "unknown dtype"),
+])
+def test_a_damaged_header_in_object_storage_is_the_caches_error_naming_the_object(tmp_path, damage, reason):
+    """Shards in a bucket are decoded from their header without safetensors: the header is checked as safetensors
+    checks it (offsets contiguous and in range, sizes matching dtype and shape), so damage never decodes as data."""
+    small_cache(tmp_path, shards=1)
+    name = "w0-000000.safetensors"
+    bucket = FolderAsBucket(tmp_path)
+    sizes = {name: (tmp_path / SHARD_DIR / name).stat().st_size}
+    intact = CacheReader(bucket, shard_bytes=sizes).read(name, 1)
+    assert torch.equal(intact["latents"], CacheReader(tmp_path).read(name, 1)["latents"])
+    rewrite_header(tmp_path / SHARD_DIR / name, damage)
+    with pytest.raises(CacheError) as info:
+        CacheReader(bucket, shard_bytes=sizes).read(name, 1)
+    message = str(info.value)
+    assert f"cache shard s3://bucket/cache/{SHARD_DIR}/{name} is damaged" in message and reason in message, message
+    assert "--verify --cache_dir s3://bucket/cache" in message
+
+
 def test_damaged_manifest_part_is_a_cache_error(tmp_path):
     small_cache(tmp_path, shards=1)
     (tmp_path / MANIFEST_DIR / "w0-000000.parquet").write_bytes(b"PAR1 broken")
@@ -320,3 +370,24 @@ def test_million_row_manifest_loads_fast_and_finds_items(tmp_path):
     assert (row["shard"], row["index_in_shard"]) == (f"w0-{654321 // 256:06d}.safetensors", 654321 % 256)
     assert row["caption"] == "caption 654321" and row["bucket_width"] == 654321 % 7 * 64 + 512
     assert elapsed < 60  # generous: measured a few seconds on 2 shared cores
+
+
+def test_training_on_an_empty_cache_says_so_and_how_to_fill_it(tmp_path):
+    """A cache whose caching skipped every image holds its settings and no item: the run is refused naming the
+    cache and how to fill it (it used to advise lowering the batch size, after the model had loaded)."""
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig
+    from sdxl_trainer.training.stream import load_training_data
+
+    empty = tmp_path / "empty"
+    write_cache_info(empty, SETTINGS)
+    write_empty_prompt(empty, torch.zeros(77, 64), torch.zeros(32))
+    full = small_cache(tmp_path / "full")
+    for caches in ([empty], [full, empty]):
+        settings = parse_config(TrainConfig, ["--cached_dataset_dirs", *map(str, caches)]).data_settings()
+        with pytest.raises(SystemExit) as info:
+            load_training_data(settings, tmp_path / "run", seed=0, world_size=1, is_main=True)
+        message = str(info.value)
+        assert f"Cannot start training: cache {empty} holds no items" in message, message
+        assert f"sdxl_process_data_dir.py --data_dir YOUR_IMAGES --cache_dir {empty}" in message and f"{empty}/logs" in message
+        assert "batch" not in message

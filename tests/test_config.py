@@ -359,6 +359,32 @@ def test_cache_config_checks_folders(cache_config_class, tmp_path, capsys):
         parse_config(cache_config_class, ["--data_dir", "s3://bucket/images", "--cache_dir", str(tmp_path / "cache")])
     assert "--data_dir s3://bucket/images: object storage is read as tar shards only (--tar_shards)" in capsys.readouterr().err
 
+def test_a_cache_in_object_storage_under_the_tar_prefix_is_refused(cache_config_class, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(cache_config_class, ["--data_dir", "s3://bucket/tars", "--tar_shards", "--cache_dir", "s3://bucket/tars/cache"])
+    assert "--cache_dir s3://bucket/tars/cache is inside --data_dir s3://bucket/tars" in capsys.readouterr().err
+
+
+def test_the_run_folder_and_the_caches_and_model_it_reads_never_overlap(train_config_class, tmp_path, capsys):
+    """The trainer writes checkpoints and exports into OUTPUT_DIR/PROJECT_NAME (and --overwrite_run clears it):
+    a cache or the model it trains from inside it, or the run folder inside a cache, is refused."""
+    run_dir = tmp_path / "out" / "run"
+    run = ["--output_dir", str(tmp_path / "out"), "--project_name", "run"]
+    (run_dir / "pipeline").mkdir(parents=True)  # an earlier run's export
+    cases = [
+        (["--cached_dataset_dirs", str(run_dir)], f"cache {run_dir} is the run folder"),
+        (["--cached_dataset_dirs", str(run_dir / "cache")], f"cache {run_dir / 'cache'} is inside the run folder {run_dir}"),
+        (["--cached_dataset_dirs", str(tmp_path / "out")], f"the run folder {run_dir} is inside cache {tmp_path / 'out'}"),
+        (["--cached_dataset_dirs", str(tmp_path / "cache"), "--pretrained_model_name_or_path", str(run_dir / "pipeline")],
+         f"--pretrained_model_name_or_path {run_dir / 'pipeline'} is inside the run folder {run_dir}"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(SystemExit):
+            parse_config(train_config_class, [*run, *flags])
+        assert message in capsys.readouterr().err, flags
+    parse_config(train_config_class, [*run, "--cached_dataset_dirs", str(tmp_path / "cache"), "--pretrained_model_name_or_path", str(tmp_path / "out" / "other" / "pipeline")])
+
+
 
 @pytest.mark.parametrize("config_file", sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml")), ids=lambda path: path.stem)
 def test_example_configs_parse_and_validate(config_file, train_config_class):

@@ -149,3 +149,17 @@ def test_single_file_export_carries_its_scheduler_config(tmp_path, tiny_pipeline
     pipeline = StableDiffusionXLPipeline.from_single_file(single_file, config=str(tiny_pipeline_dir))
     pipeline.scheduler = DPMSolverMultistepScheduler.from_config(scheduler_config)
     assert {key: pipeline.scheduler.config[key] for key in v_prediction} == v_prediction
+
+
+def test_the_single_file_is_never_written_into_the_pipeline_it_converts(tiny_pipeline_dir, tmp_path, capsys):
+    """No output of a script may be one of its inputs: a file inside --pipeline is refused before anything loads."""
+    import sdxl_to_single_file
+
+    pipeline = tmp_path / "pipeline"
+    shutil.copytree(tiny_pipeline_dir, pipeline)
+    before = sorted(path.relative_to(pipeline) for path in pipeline.rglob("*"))
+    for output in (pipeline / "model.safetensors", pipeline / "unet" / "diffusion_pytorch_model.safetensors"):
+        with pytest.raises(SystemExit):
+            sdxl_to_single_file.main(["--pipeline", str(pipeline), "--output", str(output)])
+        assert f"--output {output} is inside --pipeline {pipeline}" in capsys.readouterr().err
+    assert sorted(path.relative_to(pipeline) for path in pipeline.rglob("*")) == before

@@ -14,7 +14,6 @@ import sys
 from collections import defaultdict
 
 import pytest
-import torch
 from diffusers import UNet2DConditionModel
 from torch.overrides import TorchFunctionMode
 from unet_batches import make_train_step

@@ -6,7 +6,9 @@ the tuned model's as the rank grows, and reproduce it at full rank; its keys mus
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -25,6 +27,12 @@ from sdxl_trainer.outputs.lora_extract import (
 
 FULL_RANK = 10_000  # above every layer's full rank: capped per layer
 KEY = re.compile(r"^lora_(unet|te1|te2)_[a-z0-9_]+\.(lora_down\.weight|lora_up\.weight|alpha)$")
+
+
+def weights_of(folder):
+    from sdxl_trainer.models.weight_files import open_model_weights
+
+    return open_model_weights(str(folder), "--base", str(folder))
 
 
 def load_pipeline(folder):
@@ -85,9 +93,9 @@ def test_extracted_lora_approaches_the_tuned_model_as_the_rank_grows(tmp_path, t
     text_errors = [[relative_error(output, target) for output, target in zip(text_outputs(base), target_text)]]
     kept = []
     for rank in (1, 2, 8, FULL_RANK):
-        extraction = extract_lora(base, tuned, rank, conv_rank=rank, dtype=torch.float32)
+        extraction = extract_lora(weights_of(tiny_pipeline_dir), weights_of(tuned_dir), rank, conv_rank=rank, dtype=torch.float32)
         lora_file = tmp_path / f"rank_{rank}.safetensors"
-        save_lora(extraction, lora_metadata(tuned, rank, rank, lora_file.stem), lora_file)
+        save_lora(extraction, lora_metadata(weights_of(tuned_dir), rank, rank, lora_file.stem), lora_file)
         with_lora = load_pipeline(tiny_pipeline_dir)
         with_lora.load_lora_weights(str(lora_file))  # diffusers' kohya-format conversion, then PEFT layers
         unet_errors.append(relative_error(unet_output(with_lora.unet), target_unet))
@@ -105,10 +113,10 @@ def test_extracted_lora_approaches_the_tuned_model_as_the_rank_grows(tmp_path, t
 def test_keys_shapes_and_metadata_follow_kohyas_layout(tmp_path, tiny_pipeline_dir, tuned_dir):
     from sdxl_trainer.models.single_file import UNET_PREFIX, pipeline_to_single_file
 
-    base, tuned = load_pipeline(tiny_pipeline_dir), load_pipeline(tuned_dir)
-    extraction = extract_lora(base, tuned, rank=4, conv_rank=2)
+    base = load_pipeline(tiny_pipeline_dir)
+    extraction = extract_lora(weights_of(tiny_pipeline_dir), weights_of(tuned_dir), rank=4, conv_rank=2)
     lora_file = tmp_path / "lora.safetensors"
-    save_lora(extraction, lora_metadata(tuned, 4, 2, "my_lora"), lora_file)
+    save_lora(extraction, lora_metadata(weights_of(tuned_dir), 4, 2, "my_lora"), lora_file)
     tensors = load_file(lora_file)
     assert all(KEY.match(key) for key in tensors) and all(tensor.dtype == torch.float16 for tensor in tensors.values())
     names = {key.rsplit(".", 2)[0] if key.endswith(".weight") else key.removesuffix(".alpha") for key in tensors}
@@ -181,3 +189,154 @@ def test_cli_refuses_bad_flags_before_loading_anything(tmp_path, capsys):
     error = capsys.readouterr().err
     for expected in ("--base", "does not exist", "--output must end in .safetensors", "--rank must be at least 1", "--conv_rank must be >= 0", "--device 'gpu'"):
         assert expected in error
+
+
+@pytest.fixture(scope="module")
+def tuned_file(tmp_path_factory, tuned_dir):
+    """tuned_dir exported as one fp16 file, as the trainer's --save_single_file writes it."""
+    import sdxl_to_single_file
+
+    output = tmp_path_factory.mktemp("tuned_file") / "tuned.safetensors"
+    assert sdxl_to_single_file.main(["--pipeline", str(tuned_dir), "--output", str(output), "--save_precision", "fp16"]) == 0
+    return output
+
+
+def refused(argv: list[str], capsys) -> str:
+    """sdxl_extract_lora's one-line refusal (SystemExit) for argv, as printed."""
+    import sdxl_extract_lora
+
+    with pytest.raises(SystemExit) as info:
+        sdxl_extract_lora.main(argv)
+    return str(info.value if isinstance(info.value.code, str) else "") + capsys.readouterr().err
+
+
+def test_the_output_never_replaces_an_input(tmp_path, tiny_pipeline_dir, tuned_file, capsys):
+    """--output naming the fine-tuned file (the issue: 21 MB model -> 90 KB LoRA, exit 0), the same file by
+    another path or a hard link, or a file inside a model folder, is refused before anything is written."""
+    original = tuned_file.read_bytes()
+    base = tmp_path / "base"
+    shutil.copytree(tiny_pipeline_dir, base)
+    link = tmp_path / "link.safetensors"
+    os.link(tuned_file, link)
+    common = ["--single_file_config", str(tiny_pipeline_dir), "--rank", "2"]
+    cases = [
+        (tuned_file, f"is the --tuned file {tuned_file}"),
+        (tuned_file.parent / ".." / tuned_file.parent.name / tuned_file.name, f"is the --tuned file {tuned_file}"),
+        (link, f"is the --tuned file {tuned_file}"),
+        (base / "unet" / "diffusion_pytorch_model.safetensors", f"is inside the --base model folder {base}"),
+        (base / "lora.safetensors", f"is inside the --base model folder {base}"),
+    ]
+    for output, message in cases:
+        error = refused(["--base", str(base), "--tuned", str(tuned_file), *common, "--output", str(output)], capsys)
+        assert f"--output {output} {message}" in error, error
+    with_base_file = refused(["--base", str(tuned_file), "--tuned", str(base), *common, "--output", str(link)], capsys)
+    assert f"--output {link} is the --base file {tuned_file}" in with_base_file
+    assert tuned_file.read_bytes() == original and not (base / "lora.safetensors").exists()
+
+
+def test_a_base_folder_that_is_not_a_model_is_named_with_what_a_model_folder_holds(tmp_path, tuned_dir, capsys):
+    (tmp_path / "not_a_model" / "unet").mkdir(parents=True)
+    error = refused(["--base", str(tmp_path / "not_a_model"), "--tuned", str(tuned_dir), "--rank", "2", "--output", str(tmp_path / "lora.safetensors")], capsys)
+    assert f"--base {tmp_path / 'not_a_model'} is a folder but not a diffusers model: it has no model_index.json" in error, error
+    assert "unet/, text_encoder/, text_encoder_2/ and vae/" in error and "Traceback" not in error
+
+
+def test_a_single_file_whose_config_is_not_at_hand_offline_says_how_to_give_it(tmp_path, tuned_file, capsys):
+    """HF_HUB_OFFLINE is set in the tests: a hub config that is not cached cannot describe the file."""
+    argv = ["--base", str(tuned_file), "--tuned", str(tuned_file), "--rank", "2", "--output", str(tmp_path / "lora.safetensors")]
+    error = refused([*argv, "--single_file_config", "someone/an-sdxl-model-not-cached"], capsys)
+    assert f"--base {tuned_file} is a single file, whose architecture --single_file_config someone/an-sdxl-model-not-cached describes" in error, error
+    assert "not in the local Hugging Face cache and HF_HUB_OFFLINE is set" in error
+    assert "Give --single_file_config a diffusers folder" in error and "huggingface-cli download someone/an-sdxl-model-not-cached --include '*.json'" in error
+
+
+def test_the_device_is_the_gpu_when_there_is_one(tmp_path, tiny_pipeline_dir, tuned_dir):
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.extract_config import ExtractConfig
+
+    config = parse_config(ExtractConfig, ["--base", str(tiny_pipeline_dir), "--tuned", str(tuned_dir), "--rank", "2", "--output", str(tmp_path / "l.safetensors")])
+    assert config.device == "auto" and config.resolved_device() == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.slow
+def test_unchanged_layers_are_skipped_and_only_changed_ones_are_in_the_file(tmp_path, tiny_pipeline_dir, capsys):
+    """A fine-tune that changed two layers, exported in fp16: every other layer equals the fp32 base rounded to
+    fp16, so it is skipped (no SVD, no key); the two changed ones are in the file and load in diffusers."""
+    import sdxl_extract_lora
+    import sdxl_to_single_file
+    from sdxl_trainer.models.single_file import unet_ldm_names
+
+    tuned = load_pipeline(tiny_pipeline_dir)
+    layers = target_layers(tuned.unet, UNET_ATTENTION_BLOCKS)
+    changed = ["down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k", "mid_block.attentions.0.proj_out"]
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name in changed:
+            weight = layers[name].weight
+            weight += 0.2 * weight.std() * torch.randn(weight.shape[0], 1, generator=generator) @ torch.randn(1, weight.shape[1], generator=generator)
+    tuned.save_pretrained(tmp_path / "tuned")
+    tuned_file = tmp_path / "tuned.safetensors"
+    assert sdxl_to_single_file.main(["--pipeline", str(tmp_path / "tuned"), "--output", str(tuned_file), "--save_precision", "fp16"]) == 0
+    output = tmp_path / "lora.safetensors"
+    argv = ["--base", str(tiny_pipeline_dir), "--tuned", str(tuned_file), "--single_file_config", str(tiny_pipeline_dir), "--rank", "4", "--output", str(output)]
+    assert sdxl_extract_lora.main(argv) == 0
+    printed = capsys.readouterr().out
+    ldm = unet_ldm_names([f"{name}.weight" for name in changed], dict(tuned.unet.config))
+    expected = {"lora_unet_" + ldm[f"{name}.weight"].removesuffix(".weight").replace(".", "_") for name in changed}
+    assert {key.split(".")[0] for key in load_file(output)} == expected
+    assert f"unet: 2 layers; the LoRA keeps 100.0% of their weight change" in printed
+    assert f"{len(layers) - 2} unchanged layers skipped (equal to --base's in float16, the coarser of the two files' dtypes)" in printed
+    base = load_pipeline(tiny_pipeline_dir)
+    before = relative_error(unet_output(base.unet), unet_output(tuned.unet))
+    base.load_lora_weights(str(output))
+    assert relative_error(unet_output(base.unet), unet_output(tuned.unet)) < 0.05 * before
+
+
+@pytest.mark.slow
+def test_a_base_the_tuned_model_was_not_fine_tuned_from_is_warned_about(tmp_path, tiny_pipeline_dir, capsys):
+    """Same architecture, other weights (the tiny pipeline of another seed): the LoRA is written, with a warning
+    whose figure says why."""
+    import sdxl_extract_lora
+    from sdxl_trainer.models.tiny import save_tiny_pipeline
+
+    other = save_tiny_pipeline(tmp_path / "other", seed=1)
+    output = tmp_path / "lora.safetensors"
+    assert sdxl_extract_lora.main(["--base", str(tiny_pipeline_dir), "--tuned", str(other), "--rank", "2", "--output", str(output)]) == 0
+    printed = capsys.readouterr().out
+    warning = re.search(r"Warning: (\d+) of (\d+) UNet layers changed by more than 50% of their weights' norm", printed)
+    assert warning and int(warning[1]) > 0.5 * int(warning[2]), printed
+    assert "is --base the model the fine-tune started from" in printed and output.exists()
+
+
+def test_sharded_weights_read_as_the_model_saved_them(tmp_path, tiny_pipeline_dir):
+    """diffusers shards a component above its max_shard_size (SDXL's fp32 UNet, 10.3 GB, is two shards): the
+    reader follows the index, and every weight reads back as the model holds it."""
+    from sdxl_trainer.models.weight_files import open_model_weights
+
+    pipeline = load_pipeline(tiny_pipeline_dir)
+    pipeline.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    assert len(list((tmp_path / "sharded" / "unet").glob("*.safetensors"))) > 2
+    weights = open_model_weights(str(tmp_path / "sharded"), "--base", str(tmp_path / "sharded")).weights
+    for component in ("unet", "vae"):
+        state = getattr(pipeline, component).state_dict()
+        assert weights[component].keys() == state.keys()
+        assert all(torch.equal(weights[component][name].read(), state[name]) for name in state), component
+
+
+@pytest.mark.slow
+def test_a_single_file_reads_back_every_weight_of_every_component(tmp_path, tiny_pipeline_dir):
+    """The single-file names read backwards: ldm UNet and VAE names (attention as 1x1 convolutions), CLIP-L's
+    Hugging Face names, OpenCLIP's fused q/k/v thirds and transposed projection."""
+    import sdxl_to_single_file
+    from sdxl_trainer.models.single_file import hf_clip_names
+    from sdxl_trainer.models.weight_files import open_model_weights
+
+    single_file = tmp_path / "model.safetensors"
+    assert sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", str(single_file), "--save_precision", "fp32"]) == 0
+    weights = open_model_weights(str(single_file), "--tuned", str(tiny_pipeline_dir)).weights
+    pipeline = load_pipeline(tiny_pipeline_dir)
+    for component in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        state = getattr(pipeline, component).state_dict()
+        state = hf_clip_names(state) if component.startswith("text") else state
+        assert weights[component].keys() == state.keys(), component
+        assert all(torch.equal(weights[component][name].read(), state[name]) for name in state), component

@@ -27,6 +27,7 @@ from sdxl_trainer.cache.buckets import Bucket, nearest_aspect_bucket
 from sdxl_trainer.cache.format import CACHE_INFO_FILE, EMPTY_PROMPT_FILE, MANIFEST_DIR, SHARD_DIR
 from sdxl_trainer.cache.reader import CacheReader, load_manifest
 from sdxl_trainer.cache.storage import CacheError, sha256_file
+from sdxl_trainer.preparation.scan import worker_of
 
 RESOLUTION_FLAGS = ["--min_resolution", "256", "--max_resolution", "320"]
 
@@ -271,6 +272,30 @@ def test_dry_run_prints_histogram_and_writes_nothing(tmp_path, capsys):
     assert str(nearest_aspect_bucket(600, 300, 512)) == "640x384"
     assert "    512x512  2\n    640x384  1\n" in out
     assert "would cache 3 (upscaled: 3); would skip 1 (too small: 1)" in out
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_folder_without_images_ends_before_any_model_loads(tmp_path, capsys):
+    """Nothing to cache is said at once (the model here does not even exist), and nothing is written."""
+    data_dir = tmp_path / "data"
+    (data_dir / "sub").mkdir(parents=True)
+    (data_dir / "notes.txt").write_text("not an image")
+    (data_dir / "sub" / "orphan.mask.png").write_bytes(b"mask")  # looks like data, listed with its reason
+    argv = ["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), "--pretrained_model_name_or_path", str(tmp_path / "no_model")]
+    assert process_data_dir(argv) == 2
+    out = capsys.readouterr().out
+    assert f"[w0000of0001] refused: --data_dir {data_dir} holds no images (.jpg, .jpeg, .png, .webp" in out and "nothing was loaded or written" in out
+    assert "skipping sub/orphan.mask.png: a mask file without an image of its name" in out
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_worker_whose_share_is_empty_ends_before_any_model_loads(tmp_path, capsys):
+    data_dir = make_dataset(tmp_path / "data", 1)
+    argv = ["--data_dir", str(data_dir), "--cache_dir", str(tmp_path / "cache"), "--pretrained_model_name_or_path", str(tmp_path / "no_model")]
+    idle = 1 - worker_of("img000.png", 2)
+    assert process_data_dir([*argv, "--num_shards", "2", "--shard_index", str(idle)]) == 0
+    out = capsys.readouterr().out
+    assert f"[w{idle:04d}of0002] nothing to cache: none of the 1 images in {data_dir} falls to this worker (--num_shards 2)" in out
     assert not (tmp_path / "cache").exists()
 
 

@@ -83,6 +83,21 @@ def test_scan_keeps_the_tar_order_and_names_what_it_cannot_use(tmp_path):
     assert "cut short after member c.txt (no end-of-archive marker" in scan.problems[0].reason
 
 
+def test_members_named_outside_the_tar_are_refused_by_name(tmp_path):
+    """A member name is an item's identity in the cache: one that climbs out (..) or is absolute is listed, not used."""
+    pack(tmp_path / "s.tar", [
+        ("../evil.jpg", b"E"), ("../evil.txt", b"caption"), ("/abs/x.jpg", b"X"), ("/abs/x.txt", b"caption"),
+        ("a/../../up.jpg", b"U"), ("a/../../up.txt", b"caption"), ("ok.jpg", b"O"), ("ok.txt", b"caption ok"),
+    ])
+    scan = scan_tar_shards(tmp_path, 1, 0)
+    assert [pair.relative_path for pair in scan.pairs] == ["s.tar/ok.jpg"]
+    refused = {problem.relative_path: problem for problem in scan.problems}
+    for name in ("../evil.jpg", "/abs/x.jpg", "a/../../up.jpg"):
+        assert refused[f"s.tar/{name}"].category == "unsafe name", name
+    assert "is absolute" in refused["s.tar//abs/x.jpg"].reason and "re-pack the tar" in refused["s.tar//abs/x.jpg"].reason
+    assert "'..'" in refused["s.tar/../evil.jpg"].reason and "'..'" in refused["s.tar/a/../../up.jpg"].reason
+
+
 def test_tar_cache_equals_the_folder_cache(tmp_path, sample_cache_dir, tiny_pipeline_dir, capsys):
     """sample_dataset/ packed into two tars (in the folder scan's order) caches to the same tensors and manifest
     values as the folder itself; only image_path differs, by the tar's name."""

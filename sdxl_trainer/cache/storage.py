@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 
 from sdxl_trainer.runtime.files import LockHeld
+from sdxl_trainer.runtime.tensor_files import header_length, parse_header
 
 STALE_TMP_S = 60.0  # a temporary file older than this was left by a killed worker
 REMOTE_READ_THREADS = 32  # manifest parts read at once from object storage (each one request)
@@ -50,12 +51,7 @@ READ_TIMEOUT_VARIABLE = "SDXL_S3_READ_TIMEOUT_S"  # overrides READ_TIMEOUT_S (se
 REQUEST_ATTEMPTS = 3  # botocore's tries of one request, in its "standard" mode: backoff, and retries on throttling and 5xx answers too
 S3FS_TRIES = 2  # s3fs's own tries around botocore's; the outer one of a read also retries a connection dropped mid-body
 HEADER_PROBE_BYTES = 1 << 18  # the first request for a shard's header reads this much (a 256-item shard's is ~100 KB)
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 REMOTE_BLOCK_BYTES = 8 << 20  # read-ahead of an object opened as a file: a tar's headers a few images apart cost one request
-SAFETENSORS_DTYPES = {
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
 Result = TypeVar("Result")
 
 
@@ -228,27 +224,25 @@ class LocalStore:
 
 
 class RemoteTensors:
-    """A shard in object storage: its safetensors header, read once, says where each tensor lies."""
+    """A shard in object storage: its safetensors header, read once and checked as safetensors checks a file's
+    (runtime/tensor_files.py; a damaged one raises DamagedHeader), says where each tensor lies."""
 
     def __init__(self, store: RemoteStore, name: str):
         self.store, self.name = store, name
         probe = store.read_range(name, 0, HEADER_PROBE_BYTES)
-        if len(probe) < 8:
-            raise ValueError(f"{len(probe)} bytes long, shorter than a safetensors header")
-        header_bytes = int.from_bytes(probe[:8], "little")
-        if header_bytes > MAX_HEADER_BYTES:
-            raise ValueError(f"its first 8 bytes give a header of {header_bytes} bytes: not a safetensors file")
+        header_bytes = header_length(probe)
         header = probe[8 : 8 + header_bytes]
         if len(header) < header_bytes:
             header += store.read_range(name, 8 + len(header), 8 + header_bytes)
-        entries = json.loads(header)
-        entries.pop("__metadata__", None)
         self.data_start = 8 + header_bytes
-        self.entries = {key: (entry["dtype"], tuple(entry["shape"]), *entry["data_offsets"]) for key, entry in entries.items()}
-        self.total_bytes = self.data_start + max((end for *_, end in self.entries.values()), default=0)
+        # A probe shorter than asked for is the whole object: its length is checked too. A longer object's is
+        # checked against the manifest (CacheReader) and by each read's length (RemoteStore.read_items).
+        whole_object = len(probe) < HEADER_PROBE_BYTES
+        self.entries, _ = parse_header(header, len(probe) - self.data_start if whole_object else None)
+        self.total_bytes = self.data_start + max((entry.end for entry in self.entries.values()), default=0)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {key: shape for key, (_, shape, _, _) in self.entries.items()}
+        return {key: entry.shape for key, entry in self.entries.items()}
 
     def has(self, key: str) -> bool:
         return key in self.entries
@@ -256,7 +250,7 @@ class RemoteTensors:
     def span(self, keys: list[str]) -> tuple[int, int]:
         """The byte range (in the object) covering `keys`: one ranged request reads them all."""
         chosen = [self.entries[key] for key in keys]
-        return self.data_start + min(start for *_, start, _ in chosen), self.data_start + max(end for *_, end in chosen)
+        return self.data_start + min(entry.start for entry in chosen), self.data_start + max(entry.end for entry in chosen)
 
     def decode(self, keys: list[str], data: bytes, first_byte: int) -> dict[str, torch.Tensor]:
         buffer = bytearray(data)  # writable, so the tensors own memory torch may write into
@@ -264,8 +258,8 @@ class RemoteTensors:
         for key in keys:
             dtype, shape, start, end = self.entries[key]
             offset = self.data_start + start - first_byte
-            tensors[key] = torch.frombuffer(buffer, dtype=SAFETENSORS_DTYPES[dtype], count=(end - start) // SAFETENSORS_DTYPES[dtype].itemsize,
-                                            offset=offset).reshape(shape) if end > start else torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype])
+            tensors[key] = torch.frombuffer(buffer, dtype=dtype, count=(end - start) // dtype.itemsize, offset=offset).reshape(shape) \
+                if end > start else torch.empty(shape, dtype=dtype)
         return tensors
 
 
@@ -442,7 +436,8 @@ class RemoteStore:
         self.remove(name)
 
     def open_tensors(self, name: str) -> RemoteTensors:
-        return self._call("reading the header of", name, lambda: RemoteTensors(self, name))
+        """The shard's header; its requests raise StorageError, a damaged header DamagedHeader (not the network's fault)."""
+        return RemoteTensors(self, name)
 
     def read_items(self, requests: list[tuple[RemoteTensors, list[str]]]) -> list[dict[str, torch.Tensor]]:
         """Each request's tensors with one ranged request apiece, all of them concurrently."""

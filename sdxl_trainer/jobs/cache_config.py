@@ -197,6 +197,9 @@ class CacheConfig(ModelOptions, ResolutionOptions):
             data_found = self.tar_shards
             if not self.tar_shards:
                 problems.append(f"--data_dir {self.data_dir}: object storage is read as tar shards only (--tar_shards); copy loose images to a folder")
+            elif is_remote(self.cache_dir) and f"{self.cache_dir.rstrip('/')}/".startswith(f"{self.data_dir.rstrip('/')}/"):
+                problems.append(f"--cache_dir {self.cache_dir} is inside --data_dir {self.data_dir}: choose a prefix outside the dataset")
+                data_found = False  # no listing of the tars: the flags are wrong already
         elif not Path(self.data_dir).is_dir():
             problems.append(f"--data_dir {self.data_dir} is not a folder")
         else:

@@ -37,7 +37,7 @@ from sdxl_trainer.cache.writer import ShardWriter, WorkerLock, quarantine, write
 from sdxl_trainer.jobs.cache_config import CacheConfig, resolve_device, resolve_dtype
 from sdxl_trainer.models.encoders import TEXT_MAX_LENGTH, TOKENS_PER_CHUNK, Encoders, chunks_for, load_encoders, model_fingerprint
 from sdxl_trainer.preparation.folders import scan_images
-from sdxl_trainer.preparation.images import UnreadableImage, upright_size
+from sdxl_trainer.preparation.images import IMAGE_EXTENSIONS, UnreadableImage, upright_size
 from sdxl_trainer.preparation.items import PreparedItem, SkippedItem, choose_bucket, prepare_item, read_caption, read_mask_file, read_source
 from sdxl_trainer.preparation.scan import ScanProblem, SourcePair, worker_of
 from sdxl_trainer.preparation.tables import (
@@ -296,6 +296,8 @@ def run_caching(config: CacheConfig) -> int:
     scan_problems = [problem for problem in scan.problems if mine(problem.relative_path)]
     if config.dry_run:
         return dry_run(config, sources, scan_problems, worker_name)
+    if not sources:
+        return nothing_to_cache(config, len(scan.pairs), scan_problems, worker_name)
     try:
         lock = WorkerLock(config.cache_dir, worker_name)
     except CacheError as error:
@@ -314,6 +316,29 @@ def run_caching(config: CacheConfig) -> int:
         return 1
     finally:
         lock.release()
+
+
+def nothing_to_cache(config: CacheConfig, found: int, scan_problems: list[ScanProblem], worker_name: str) -> int:
+    """No item falls to this worker: said before any model loads (seconds, not the minute loading takes), and
+    nothing is written. `found`: the usable items the scan found (a folder's all, tars' and tables' this worker's).
+    An empty share of a larger dataset is done (0); no usable item at all is refused (2)."""
+    for problem in scan_problems:
+        print(f"[{worker_name}] skipping {problem.relative_path}: {problem.reason}")
+    listed = f" ({len(scan_problems)} skipped, listed above)" if scan_problems else ""
+    if found:
+        print(f"[{worker_name}] nothing to cache: none of the {found} images in {config.data_dir} falls to this worker (--num_shards {config.num_shards})")
+        return 0
+    if config.num_shards > 1 and (config.tar_shards or config.metadata_table):  # the scan saw this worker's share only
+        print(f"[{worker_name}] nothing to cache: no usable item falls to this worker (--num_shards {config.num_shards}){listed}")
+        return 0
+    if config.tar_shards:
+        source = f"the tars in --data_dir {config.data_dir} hold no usable samples (an image member with a .txt or .json caption member of its key)"
+    elif config.metadata_table:
+        source = f"--metadata_table {config.metadata_table} lists no usable images (after its filters)"
+    else:
+        source = f"--data_dir {config.data_dir} holds no images ({', '.join(IMAGE_EXTENSIONS)}; searched recursively, hidden names skipped)"
+    print(f"[{worker_name}] refused: {source}{listed}: nothing was loaded or written.")
+    return 2
 
 
 def stopped_message(worker_name: str, cache_dir: str, error: BaseException, committed: int) -> str:

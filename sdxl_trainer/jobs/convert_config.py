@@ -21,4 +21,6 @@ class ConvertConfig:
             problems.append(f"--pipeline {self.pipeline} is not a diffusers pipeline folder (no model_index.json)")
         if self.output.suffix != ".safetensors":
             problems.append(f"--output must end in .safetensors, got {self.output}")
+        if self.output.resolve().is_relative_to(self.pipeline.resolve()):  # its weights, or a file loaders would find in the model
+            problems.append(f"--output {self.output} is inside --pipeline {self.pipeline}, which it converts: write the file outside the pipeline folder")
         return problems

@@ -14,6 +14,7 @@ import torch
 
 from sdxl_trainer.cache.buckets import ResolutionOptions
 from sdxl_trainer.cache.compatibility import CacheCheck, CacheRequirements, check_caches
+from sdxl_trainer.cache.storage import is_remote
 from sdxl_trainer.config import option
 from sdxl_trainer.distributed.fsdp import ComputeOptions, uses_sharding
 from sdxl_trainer.evaluation.evaluator import EvaluationOptions, EvaluationSettings, Schedule
@@ -78,7 +79,27 @@ class TrainConfig(
             problems.append("the UNet always trains here: kohya's --learning_rate 0 (text encoders alone) is not supported; give the UNet a rate")
         if self.learning_rate_scheduler == "polynomial" and self.polynomial_lr_end >= self.learning_rate:
             problems.append(f"--polynomial_lr_end ({self.polynomial_lr_end}) must be below --learning_rate ({self.learning_rate})")
-        return problems + self._caption_variation_problems()
+        return problems + self._caption_variation_problems() + self._run_folder_problems()
+
+    def _run_folder_problems(self) -> list[str]:
+        """The run writes checkpoints and exports into its folder (and --overwrite_run clears it): what it reads
+        (local caches, the model) must lie outside it, and the folder outside every cache."""
+        run_dir = (self.output_dir / self.project_name).resolve()
+        problems = []
+        for cache in [record.cache_dir for record in self.dataset_records() if not is_remote(record.cache_dir)]:
+            cache_dir = Path(cache).resolve()
+            if cache_dir == run_dir or cache_dir.is_relative_to(run_dir):
+                where = "is the run folder" if cache_dir == run_dir else f"is inside the run folder {run_dir}"
+                problems.append(f"cache {cache} {where} (--output_dir/--project_name), which the run writes into: keep caches outside it, or choose another --project_name")
+            elif run_dir.is_relative_to(cache_dir):
+                problems.append(f"the run folder {run_dir} is inside cache {cache}: give an --output_dir outside the cache")
+        model = self.pretrained_model_name_or_path
+        if model and Path(model).expanduser().exists() and Path(model).expanduser().resolve().is_relative_to(run_dir):
+            problems.append(
+                f"--pretrained_model_name_or_path {model} is inside the run folder {run_dir}, whose exports replace what is there: "
+                "copy the model outside it, or choose another --project_name"
+            )
+        return problems
 
     def _caption_variation_problems(self) -> list[str]:
         """The run-wide and per-cache tag variation: in range, and only in caption mode."""

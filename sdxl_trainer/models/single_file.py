@@ -59,6 +59,12 @@ def model_location_problem(name_or_path: str, flag: str) -> str | None:
     """Why `name_or_path` cannot be a model (None if it can): a local file or folder that does not exist, a
     name that is no Hugging Face model id, or a hub model missing from the local cache while offline."""
     path = Path(name_or_path).expanduser()
+    if path.is_dir() and not (path / "model_index.json").is_file():
+        return (
+            f"{flag} {name_or_path} is a folder but not a diffusers model: it has no model_index.json. A model folder holds model_index.json "
+            "and unet/, text_encoder/, text_encoder_2/ and vae/ (each with its config.json and weights), as save_pretrained writes it "
+            "(a run's OUTPUT_DIR/PROJECT_NAME/pipeline is one); give such a folder, a single-file .safetensors, or a Hugging Face model id"
+        )
     if path.exists():
         return None if path.is_dir() or is_single_file(name_or_path) else f"{flag} {name_or_path} is a file but not a .safetensors model"
     looks_local = is_single_file(name_or_path) or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
@@ -68,10 +74,14 @@ def model_location_problem(name_or_path: str, flag: str) -> str | None:
         validate_repo_id(name_or_path)
     except HFValidationError:
         return f"{flag} {name_or_path!r} is neither an existing file or folder nor a Hugging Face model id (like stabilityai/stable-diffusion-xl-base-1.0)"
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")
-    if offline and not isinstance(try_to_load_from_cache(name_or_path, "model_index.json"), str):
+    if hub_offline() and not isinstance(try_to_load_from_cache(name_or_path, "model_index.json"), str):
         return f"{flag} {name_or_path} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: download it first, or give a local path"
     return None
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE is set: Hugging Face models come from the local cache only."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")
 
 
 def config_source(model_name_or_path: str, single_file_config: str) -> str:
@@ -158,46 +168,76 @@ def _vae_module_map(config: dict) -> dict[str, str]:
     return mapping
 
 
-def vae_to_ldm(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+def vae_ldm_names(keys, config: dict) -> dict[str, str]:
+    """diffusers VAE weight name -> its ldm name (without the file's VAE_PREFIX), for a VAE with this config."""
     module_map = _vae_module_map(config)
-    converted = {}
-    for key, value in state_dict.items():
+    names = {}
+    for key in keys:
         name = _rename(key, module_map, {"conv_shortcut": "nin_shortcut"})
         if ".mid.attn_1." in name:
             for old, new in VAE_ATTENTION_NAMES.items():
                 name = name.replace(f".attn_1.{old}.", f".attn_1.{new}.")
-            if value.ndim == 2:
-                value = value[:, :, None, None]  # ldm's attention projections are 1x1 convolutions
-        converted[VAE_PREFIX + name] = value
+        names[key] = name
+    return names
+
+
+def vae_to_ldm(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    names = vae_ldm_names(state_dict, config)
+    converted = {}
+    for key, value in state_dict.items():
+        if ".mid.attn_1." in names[key] and value.ndim == 2:
+            value = value[:, :, None, None]  # ldm's attention projections are 1x1 convolutions
+        converted[VAE_PREFIX + names[key]] = value
     return converted
 
 
+def hf_clip_name(key: str) -> str:
+    """A Hugging Face CLIP text weight's full name: transformers 5 drops the `text_model.` wrapper from
+    CLIPTextModel, the single-file layout (and transformers 4) keeps it."""
+    return key if key.startswith("text_model.") or key.startswith("text_projection") else f"text_model.{key}"
+
+
 def hf_clip_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face CLIP text weights under their full `text_model.` names (transformers 5 drops that
-    wrapper from CLIPTextModel, the single-file layout keeps it); position_ids are not weights."""
-    return {
-        key if key.startswith("text_model.") or key.startswith("text_projection") else f"text_model.{key}": value
-        for key, value in state_dict.items()
-        if not key.endswith("position_ids")
-    }
+    """Hugging Face CLIP text weights under their full `text_model.` names; position_ids are not weights."""
+    return {hf_clip_name(key): value for key, value in state_dict.items() if not key.endswith("position_ids")}
+
+
+# OpenCLIP's names of the Hugging Face CLIP text tower's weights (full names, hf_clip_name), per encoder layer.
+OPENCLIP_TOP_LEVEL = {
+    "text_model.embeddings.token_embedding.weight": "token_embedding.weight",
+    "text_model.embeddings.position_embedding.weight": "positional_embedding",
+    "text_model.final_layer_norm.weight": "ln_final.weight",
+    "text_model.final_layer_norm.bias": "ln_final.bias",
+}
+OPENCLIP_LAYER_NAMES = {"self_attn.out_proj": "attn.out_proj", "layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+FUSED_QKV = "qkv"  # OpenCLIP's attn.in_proj_weight / _bias: q, k and v stacked along the output dimension
+
+
+def openclip_source(name: str) -> tuple[str, int | None, bool]:
+    """Where an OpenCLIP single file keeps the Hugging Face weight `name` (full name): (key without
+    CLIP_G_PREFIX, which third of the fused q/k/v tensor or None, stored transposed)."""
+    if name in OPENCLIP_TOP_LEVEL:
+        return OPENCLIP_TOP_LEVEL[name], None, False
+    if name == "text_projection.weight":
+        return "text_projection", None, True
+    layer, _, rest = name.removeprefix("text_model.encoder.layers.").partition(".")
+    module, _, kind = rest.rpartition(".")
+    for third, projection in enumerate(FUSED_QKV):
+        if module == f"self_attn.{projection}_proj":
+            return f"transformer.resblocks.{layer}.attn.in_proj_{kind}", third, False
+    return f"transformer.resblocks.{layer}.{OPENCLIP_LAYER_NAMES[module]}.{kind}", None, False
 
 
 def clip_g_to_openclip(state_dict: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """Hugging Face CLIPTextModelWithProjection -> OpenCLIP text tower names (q/k/v fused into in_proj)."""
     state_dict = hf_clip_names(state_dict)
-    out = {
-        "token_embedding.weight": state_dict["text_model.embeddings.token_embedding.weight"],
-        "positional_embedding": state_dict["text_model.embeddings.position_embedding.weight"],
-        "ln_final.weight": state_dict["text_model.final_layer_norm.weight"],
-        "ln_final.bias": state_dict["text_model.final_layer_norm.bias"],
-        "text_projection": state_dict["text_projection.weight"].T.contiguous(),
-    }
-    layer_names = {"self_attn.out_proj": "attn.out_proj", "layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+    out = {OPENCLIP_TOP_LEVEL[name]: state_dict[name] for name in OPENCLIP_TOP_LEVEL}
+    out["text_projection"] = state_dict["text_projection.weight"].T.contiguous()
     for layer in range(num_layers):
         source, target = f"text_model.encoder.layers.{layer}.", f"transformer.resblocks.{layer}."
         for kind in ("weight", "bias"):
-            out[f"{target}attn.in_proj_{kind}"] = torch.cat([state_dict[f"{source}self_attn.{name}_proj.{kind}"] for name in "qkv"])
-            for old, new in layer_names.items():
+            out[f"{target}attn.in_proj_{kind}"] = torch.cat([state_dict[f"{source}self_attn.{name}_proj.{kind}"] for name in FUSED_QKV])
+            for old, new in OPENCLIP_LAYER_NAMES.items():
                 out[f"{target}{new}.{kind}"] = state_dict[f"{source}{old}.{kind}"]
     return {CLIP_G_PREFIX + key: value for key, value in out.items()}
 
@@ -225,13 +265,18 @@ def pipeline_to_single_file(pipeline: StableDiffusionXLPipeline) -> dict[str, to
 def model_spec(pipeline: StableDiffusionXLPipeline, title: str) -> dict[str, str]:
     """Stability's model-spec metadata (as kohya writes it): what the file is, for UIs and model hubs."""
     size = pipeline.unet.config.sample_size * pipeline.vae_scale_factor
+    return model_spec_of(title, size, pipeline.scheduler.config.get("prediction_type") == "v_prediction")
+
+
+def model_spec_of(title: str, resolution: int, v_prediction: bool) -> dict[str, str]:
+    """model_spec from the facts it records: a square `resolution` in pixels, the objective."""
     return {
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": "stable-diffusion-xl-v1-base",
         "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
         "modelspec.title": title,
-        "modelspec.resolution": f"{size}x{size}",
-        "modelspec.prediction_type": "v" if pipeline.scheduler.config.get("prediction_type") == "v_prediction" else "epsilon",
+        "modelspec.resolution": f"{resolution}x{resolution}",
+        "modelspec.prediction_type": "v" if v_prediction else "epsilon",
         "modelspec.date": datetime.date.today().isoformat(),
     }
 

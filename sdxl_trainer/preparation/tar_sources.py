@@ -64,7 +64,7 @@ def split_key(name: str) -> tuple[str, str]:
 def scan_tar(store: LocalStore | RemoteStore, label: str) -> DataScan:
     """The samples of the tar `label` (its name under --data_dir, the store), named `label/member`. Listed instead
     of used: a tar that cannot be opened or read, one cut short or damaged (the samples before the damage
-    are kept), images that are not plain files, images without a caption member or with an empty, non-UTF-8
+    are kept), members named outside the tar (absolute or with '..'), images that are not plain files, images without a caption member or with an empty, non-UTF-8
     or unreadable one, several images of one key, and a key that appears again apart from its first files."""
     pairs: list[SourcePair] = []
     problems: list[ScanProblem] = []
@@ -99,6 +99,11 @@ def scan_tar(store: LocalStore | RemoteStore, label: str) -> DataScan:
                         ))
                         break
                     key, extension = split_key(name)
+                    unsafe = unsafe_name_reason(name)
+                    if unsafe:
+                        if extension in (*IMAGE_EXTENSIONS, ".txt", ".json"):  # other members are ignored anyway
+                            problems.append(ScanProblem(f"{label}/{name}", unsafe, "unsafe name"))
+                        continue
                     if group and key != group_key:
                         _add_sample(file, store, label, group_key, group, seen_keys, pairs, problems)
                         group = []
@@ -124,6 +129,18 @@ def member_name(member: tarfile.TarInfo) -> str:
     while name.startswith("./"):
         name = name[2:]
     return name
+
+
+def unsafe_name_reason(name: str) -> str | None:
+    """Why a member name cannot name an item (None if it can): the name is the item's identity in the cache and
+    in every message, so it must stay inside the tar, as an unpacked tar's files would."""
+    if name.startswith("/"):
+        where = "is absolute"
+    elif ".." in name.split("/"):
+        where = "climbs out of its folder ('..')"
+    else:
+        return None
+    return f"the member's name {where}: a tar member is named relative to the tar's root; re-pack the tar from its folder (tar -C folder -cf x.tar .)"
 
 
 def _end_problem(file, offset: int, label: str, last_name: str | None) -> ScanProblem | None:

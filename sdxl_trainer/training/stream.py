@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from sdxl_trainer.cache.format import CacheLocation
-from sdxl_trainer.cache.storage import CacheError
+from sdxl_trainer.cache.format import LOG_DIR, CacheLocation
+from sdxl_trainer.cache.storage import CacheError, open_store
 from sdxl_trainer.config import option
 from sdxl_trainer.distributed.stop_request import ignore_stop_signals
 from sdxl_trainer.training.dataset import CachedDataset, DatasetOptions, collate
@@ -378,6 +378,14 @@ def load_training_data(settings: DataSettings, run_dir: Path, seed: int, world_s
     before the model loads (the planner would plan no batch: a resume with more processes or a larger
     --train_batch_size than the run that saved it gets here too), and warns about items that will not train."""
     dataset = CachedDataset(settings.cache_dirs, settings.loss_weights, flip_aug=settings.flip_aug, loss_masks=settings.loss_masks)
+    items_per_cache = np.bincount(np.asarray(dataset.cache_index, dtype=np.int64), minlength=len(settings.cache_dirs))
+    for cache_dir, items in zip(settings.cache_dirs, items_per_cache):
+        if items == 0:  # its caching skipped every image, or has not run yet
+            store = open_store(cache_dir)
+            raise SystemExit(
+                f"Cannot start training: cache {cache_dir} holds no items. Fill it with python sdxl_process_data_dir.py --data_dir YOUR_IMAGES "
+                f"--cache_dir {cache_dir} (the flags it was made with); if that ran, {store.location(LOG_DIR)} names each image it skipped and why"
+            )
     global_batch_size = settings.per_rank_batch * world_size
     bucket_ids = dataset.bucket_ids()
     try:
