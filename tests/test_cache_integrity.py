@@ -218,7 +218,7 @@ def test_cache_info_without_upscale_fields_still_reads(tmp_path):
 
 
 @pytest.mark.slow
-def test_million_row_manifest_loads_fast_and_finds_items(tmp_path):
+def test_million_row_manifest_loads_and_finds_items(tmp_path):
     """1,000,000 rows in parts of 256 (the default --items_per_shard), written without tensors."""
     num_rows, rows_per_part = 1_000_000, 256
     (tmp_path / MANIFEST_DIR).mkdir()
@@ -264,4 +264,3 @@ def test_million_row_manifest_loads_fast_and_finds_items(tmp_path):
     row = manifest.slice(lookup[f"folder{654321 % 997}/image_0654321.jpg"], 1).to_pylist()[0]
     assert (row["shard"], row["index_in_shard"]) == (f"w0-{654321 // 256:06d}.safetensors", 654321 % 256)
     assert row["caption"] == "caption 654321" and row["bucket_width"] == 654321 % 7 * 64 + 512
-    assert elapsed < 60  # generous: measured a few seconds on 2 shared cores

@@ -109,12 +109,11 @@ def test_a_dropped_connection_is_retried_and_a_dead_one_is_named(s3, s3_sample_c
         assert read.keys() == wanted.keys() and all(torch.equal(read[key], wanted[key]) for key in wanted)
 
     s3.cut(f"/{SHARD_DIR}/", 1000)
-    started = time.monotonic()
     with pytest.raises(CacheError, match=rf"reading {s3_sample_cache}/{SHARD_DIR}/{row['shard']} failed: ClientPayloadError.*after s3fs's retries"):
         CacheReader(s3_sample_cache).read(row["shard"], row["index_in_shard"])
-    elapsed, cuts = time.monotonic() - started, s3.cuts_made
+    cuts = s3.cuts_made
     s3.cut("", 0)
-    assert cuts == 5 and elapsed < 30, (cuts, elapsed)  # s3fs's five tries, with backoff
+    assert cuts == 5  # s3fs's five tries, then the error: a bounded number, not a wait for ever
 
 
 def test_missing_credentials_get_a_message_that_names_the_fix(s3, s3_sample_cache, tiny_pipeline_dir, monkeypatch, tmp_path, capsys):
