@@ -52,7 +52,8 @@ def read_empty_prompt(cache_dir: CacheLocation) -> tuple[torch.Tensor, torch.Ten
     return tensors["prompt_embeds"], tensors["pooled_prompt_embeds"]
 
 
-def _read_part(store: Store, name: str) -> tuple[ManifestPart, pa.Table]:
+def _read_part(store: Store, name: str, columns: list[str] | None = None) -> tuple[ManifestPart, pa.Table]:
+    """A manifest part, all of it decoded (so damage anywhere in it is found), of which `columns` (None: all) are kept."""
     handle = pq.ParquetFile(pa.BufferReader(store.read_bytes(name)))
     metadata = handle.schema_arrow.metadata or {}
     table = handle.read(use_threads=False)  # parts are small: the parallelism is across parts
@@ -61,6 +62,8 @@ def _read_part(store: Store, name: str) -> tuple[ManifestPart, pa.Table]:
             if column not in table.column_names:
                 table = table.append_column(column, pa.nulls(len(table), MANIFEST_SCHEMA.field(column).type))
         table = table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
+    if columns is not None:
+        table = table.select(columns)
     part = ManifestPart(
         name=name,
         shard=metadata[b"shard"].decode(),
@@ -73,8 +76,23 @@ def _read_part(store: Store, name: str) -> tuple[ManifestPart, pa.Table]:
     return part, table
 
 
-def read_manifest_parts(cache_dir: CacheLocation) -> tuple[list[tuple[ManifestPart, pa.Table]], dict[str, str]]:
-    """Every manifest part in write order, and the unreadable ones (name relative to the cache -> reason).
+def read_manifest_part(cache_dir: CacheLocation, name: str, columns: list[str] | None = None) -> pa.Table:
+    """One manifest part (`name` relative to the cache, its `columns`; None: all), read again after the load:
+    a part that is gone or damaged since is a CacheError naming it."""
+    store = open_store(cache_dir)
+    try:
+        return _read_part(store, name, columns)[1]
+    except StorageError:
+        raise
+    except FileNotFoundError:
+        raise CacheError(f"manifest part {store.location(name)} is gone since the cache was opened. {repair_advice(store)}") from None
+    except (OSError, KeyError, ValueError, pa.ArrowException) as error:
+        raise CacheError(f"{store.location(name)}: unreadable manifest part ({type(error).__name__}: {error}). {repair_advice(store)}") from error
+
+
+def read_manifest_parts(cache_dir: CacheLocation, columns: list[str] | None = None) -> tuple[list[tuple[ManifestPart, pa.Table]], dict[str, str]]:
+    """Every manifest part in write order (of its rows, the `columns` asked for; None: all), and the unreadable
+    ones (name relative to the cache -> reason).
 
     Parts are read in parallel threads (Parquet decoding releases the GIL, and object storage answers many
     requests at once): a million items in a few thousand parts load in seconds."""
@@ -84,7 +102,7 @@ def read_manifest_parts(cache_dir: CacheLocation) -> tuple[list[tuple[ManifestPa
 
     def read(name: str):
         try:
-            return _read_part(store, name)
+            return _read_part(store, name, columns)
         except StorageError:
             raise  # the storage, not the part: no reason to call it damaged
         except (OSError, KeyError, ValueError, pa.ArrowException) as error:
@@ -116,9 +134,9 @@ def merge_parts(parts: list[tuple[ManifestPart, pa.Table]]) -> pa.Table:
     return merged.take(pa.array(keep))
 
 
-def intact_parts(cache_dir: CacheLocation) -> list[tuple[ManifestPart, pa.Table]]:
-    """Every manifest part; a damaged one is a CacheError."""
-    parts, damaged = read_manifest_parts(cache_dir)
+def intact_parts(cache_dir: CacheLocation, columns: list[str] | None = None) -> list[tuple[ManifestPart, pa.Table]]:
+    """Every manifest part (its `columns`; None: all); a damaged one is a CacheError."""
+    parts, damaged = read_manifest_parts(cache_dir, columns)
     if damaged:
         name, reason = next(iter(damaged.items()))
         store = open_store(cache_dir)

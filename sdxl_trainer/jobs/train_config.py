@@ -161,6 +161,7 @@ class TrainConfig(
                 self.max_validation_loss_items,
                 self.max_validation_images,
             ),
+            captions_in_memory=self.encode_captions_each_step,
         )
 
     def run_facts(self, world_size: int) -> RunFacts:

@@ -4,6 +4,9 @@ weight and (with --flip_aug) the view drawn for it.
 
 from __future__ import annotations
 
+import operator
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,8 +16,8 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset
 
-from sdxl_trainer.cache.format import FLIPPED_KEY, LOSS_MASK_KEY, TENSOR_KEYS, CacheLocation, captions_in, read_cache_info
-from sdxl_trainer.cache.reader import CacheReader, intact_parts, merge_parts
+from sdxl_trainer.cache.format import FLIPPED_KEY, LOSS_MASK_KEY, MANIFEST_SCHEMA, TENSOR_KEYS, CacheLocation, captions_in, read_cache_info
+from sdxl_trainer.cache.reader import CacheReader, intact_parts, merge_parts, read_manifest_part
 from sdxl_trainer.config import option
 
 FLIP_STREAM = 13  # seed-sequence entry of the --flip_aug draws, apart from the noise and caption draws
@@ -41,38 +44,168 @@ class DatasetOptions:
     )
 
 
+class TextColumn(Sequence[str]):
+    """One string per item, kept in Arrow (one buffer and its offsets, or a dictionary's codes) and made a str only
+    when read. A Python str per item costs some 60 bytes of object besides its text on every rank (0.5 GiB per
+    million items for the manifest's four text columns), and a forked DataLoader worker copies every page of such
+    objects it touches (reading one writes its reference count); Arrow's buffers stay shared."""
+
+    def __init__(self, values: pa.Array | pa.ChunkedArray):
+        self._values = values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        return self._values[operator.index(index)].as_py()
+
+    def arrow(self) -> pa.Array | pa.ChunkedArray:
+        return self._values
+
+
+_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_HEX_VALUES = np.full(256, 255, dtype=np.uint8)
+_HEX_VALUES[_HEX_DIGITS] = np.arange(16, dtype=np.uint8)
+_PACK_ROWS = 1 << 20  # digests unpacked at a time (64 MiB of characters)
+
+
+class HexDigests(Sequence[str]):
+    """Lower-case hex digests of one length (the images' SHA-256), kept as their bytes: 32 bytes an item instead
+    of 64 characters and an offset."""
+
+    def __init__(self, packed: np.ndarray):
+        self._packed = packed  # (items, digest bytes) uint8
+
+    @classmethod
+    def packed_from(cls, values: pa.ChunkedArray) -> HexDigests | None:
+        """The digests of a text column, or None when it holds anything else (nulls, other lengths, upper case)."""
+        lengths = pc.min_max(pc.binary_length(values)) if len(values) else None
+        if values.null_count or lengths is None or lengths["min"] != lengths["max"] or lengths["min"].as_py() % 2:
+            return None
+        width = lengths["min"].as_py()
+        packed = np.empty((len(values), width // 2), dtype=np.uint8)
+        row = 0
+        for chunk in values.chunks:
+            offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int32 if chunk.type == pa.string() else np.int64)
+            characters = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)[offsets[chunk.offset]:offsets[chunk.offset + len(chunk)]]
+            for start in range(0, len(chunk), _PACK_ROWS):
+                digits = _HEX_VALUES[characters[start * width:(start + _PACK_ROWS) * width]].reshape(-1, width)
+                if (digits == 255).any():
+                    return None
+                packed[row:row + len(digits)] = digits[:, 0::2] << 4 | digits[:, 1::2]
+                row += len(digits)
+        return cls(packed)
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        return self._packed[operator.index(index)].tobytes().hex()
+
+    def arrow(self) -> pa.Array:
+        """The digests' bytes, one fixed-size binary value per item (ordered as the hex text is), without a copy."""
+        width = self._packed.shape[1]
+        return pa.Array.from_buffers(pa.binary(width), len(self._packed), [None, pa.py_buffer(np.ascontiguousarray(self._packed))])
+
+
+def hex_text(digests: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """Digests as lower-case hex text: fixed-size binary values (HexDigests.arrow) converted, text as it is."""
+    if not pa.types.is_fixed_size_binary(digests.type):
+        return digests
+    if isinstance(digests, pa.ChunkedArray):
+        return pa.chunked_array([hex_text(chunk) for chunk in digests.chunks], pa.large_string())
+    width = digests.type.byte_width
+    raw = np.frombuffer(digests.buffers()[1], dtype=np.uint8)[digests.offset * width:(digests.offset + len(digests)) * width].reshape(-1, width)
+    text = np.empty((len(digests), 2 * width), dtype=np.uint8)
+    text[:, 0::2], text[:, 1::2] = _HEX_DIGITS[raw >> 4], _HEX_DIGITS[raw & 15]
+    offsets = np.arange(0, text.size + 1, 2 * width, dtype=np.int64)
+    return pa.Array.from_buffers(pa.large_string(), len(digests), [None, pa.py_buffer(offsets), pa.py_buffer(text)])
+
+
+class PartColumn(Sequence[str]):
+    """A text column read from each item's manifest part when an item's value is asked for (the last few parts
+    kept): the captions outside caption mode, which only validation and sample prompts read, a handful of
+    items, while they are most of the manifest's bytes."""
+
+    KEPT_PARTS = 8
+
+    def __init__(self, column: str, cache_dirs: list[CacheLocation], part_names: list[list[str]], cache_index: np.ndarray,
+                 part: np.ndarray, row: np.ndarray):
+        self._column, self._cache_dirs, self._part_names = column, cache_dirs, part_names
+        self._cache_index, self._part, self._row = cache_index, part, row
+        self._recent: OrderedDict[tuple[int, int], pa.ChunkedArray] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._part)
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        index = operator.index(index)
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        key = (int(self._cache_index[index]), int(self._part[index]))
+        values = self._recent.get(key)
+        if values is None:
+            cache, part = key
+            values = read_manifest_part(self._cache_dirs[cache], self._part_names[cache][part], [self._column]).column(0)
+            self._recent[key] = values
+            if len(self._recent) > self.KEPT_PARTS:
+                self._recent.popitem(last=False)
+        else:
+            self._recent.move_to_end(key)
+        return values[int(self._row[index])].as_py()
+
+
 class CachedDataset(Dataset):
     """All items of the given caches. Item i's tensors are read from its shard on access. With
     `loss_weights` (one per cache, --dataset_loss_weights) each item also carries its cache's "loss_weight"; with
     `flip_aug` (caches made with --flip_aug) its mirrored view too, for choose_views; with `loss_masks`
-    (--masked_loss) its "loss_mask" at latent size: the cached one, or ones (trained everywhere) for an item without."""
+    (--masked_loss) its "loss_mask" at latent size: the cached one, or ones (trained everywhere) for an item without.
 
-    def __init__(self, cache_dirs: list[CacheLocation], loss_weights: list[float] | None = None, flip_aug: bool = False, loss_masks: bool = False):
+    Per item it holds numbers in numpy arrays and text in Arrow (TextColumn, HexDigests), no Python object, so its
+    memory is some 100 bytes an item plus the image paths' text, shared with the DataLoader workers. The captions,
+    most of a manifest's bytes, are held only with `captions_in_memory` (caption mode encodes them at every step);
+    otherwise an item's caption is read from its manifest part when asked for (PartColumn)."""
+
+    def __init__(self, cache_dirs: list[CacheLocation], loss_weights: list[float] | None = None, flip_aug: bool = False, loss_masks: bool = False,
+                 captions_in_memory: bool = False):
         self.flip_aug = flip_aug
         self.loss_masks = loss_masks
         self.cache_dirs = list(cache_dirs)
         self.loss_weights = None if loss_weights is None else [float(weight) for weight in loss_weights]
         self.cache_settings = [read_cache_info(cache_dir) for cache_dir in self.cache_dirs]  # each cache's caption prefix and suffix
+        dropped = {"upscaled", "mask_sha256"} | (set() if captions_in_memory else {"caption"})
+        columns = [name for name in MANIFEST_SCHEMA.names if name not in dropped]
+        located = pa.schema([MANIFEST_SCHEMA.field(name) for name in columns] + [("part", pa.int32()), ("row", pa.int32()), ("cache_index", pa.int32())])
         tables = []
         self._shard_bytes = []  # per cache: shard name -> size, so the readers need not read the manifest again
+        part_names = []  # per cache: its manifest parts, for the captions read on use
         for cache_index, cache_dir in enumerate(self.cache_dirs):
-            parts = intact_parts(cache_dir)
+            parts = intact_parts(cache_dir, columns)
             self._shard_bytes.append({part.shard: part.shard_bytes for part, _ in parts})
-            table = merge_parts(parts)
+            part_names.append([part.name for part, _ in parts])
+            table = merge_parts([
+                (part, table.append_column("part", pa.array(np.full(len(table), number, dtype=np.int32)))
+                 .append_column("row", pa.array(np.arange(len(table), dtype=np.int32))))
+                for number, (part, table) in enumerate(parts)
+            ]) if parts else located.empty_table().drop_columns(["cache_index"])
             tables.append(table.append_column("cache_index", pa.array(np.full(len(table), cache_index, dtype=np.int32))))
-        table = pa.concat_tables(tables) if tables else pa.table({})
+        table = pa.concat_tables(tables) if tables else located.empty_table()
+        del tables
         self.num_items = len(table)
 
         def column(name: str) -> np.ndarray:
             return table.column(name).to_numpy()
 
-        self.cache_index = column("cache_index")
-        self.shard = table.column("shard").to_pylist()
+        self.cache_index = column("cache_index").astype(np.min_scalar_type(max(len(self.cache_dirs) - 1, 0)))
+        self.shard = TextColumn(table.column("shard").dictionary_encode().combine_chunks())  # a shard's name once, a code per item
         self.index_in_shard = column("index_in_shard")
-        self.caption_texts = table.column("caption").to_pylist()  # one caption per line (cache.captions_in)
-        self.image_paths = table.column("image_path").to_pylist()  # relative to the data folder the cache was made from
-        self.image_sha256 = table.column("image_sha256").to_pylist()  # of the source image's bytes
-        self.bucket_sizes = np.stack([column("bucket_width"), column("bucket_height")], axis=1)
+        self.image_paths = TextColumn(table.column("image_path"))  # relative to the data folder the cache was made from
+        sha256 = table.column("image_sha256")  # of the source image's bytes
+        self.image_sha256: Sequence[str] = HexDigests.packed_from(sha256) or TextColumn(sha256)
+        if captions_in_memory:  # one caption per line (cache.captions_in)
+            self.caption_texts: Sequence[str] = TextColumn(table.column("caption"))
+        else:
+            self.caption_texts = PartColumn("caption", self.cache_dirs, part_names, self.cache_index, column("part"), column("row"))
         # SDXL add_time_ids: original (h, w), crop (top, left), target (h, w).
         self.time_ids = np.stack(
             [column(name) for name in ("original_height", "original_width", "crop_top", "crop_left", "bucket_height", "bucket_width")],
@@ -83,6 +216,16 @@ class CachedDataset(Dataset):
             self.crop_left_flipped = pc.coalesce(table.column("crop_left_flipped"), table.column("crop_left")).to_numpy().astype(np.float32)
         self._readers: dict[int, CacheReader] = {}
 
+    @property
+    def bucket_sizes(self) -> np.ndarray:
+        """Every item's bucket (width, height), (items, 2) int32, made from the micro-conditioning on each call (not
+        held twice); bucket_size for one item."""
+        return self.time_ids[:, [5, 4]].astype(np.int32)
+
+    def bucket_size(self, index: int) -> tuple[int, int]:
+        """Item `index`'s bucket (width, height)."""
+        return int(self.time_ids[index, 5]), int(self.time_ids[index, 4])
+
     def __len__(self) -> int:
         return self.num_items
 
@@ -90,13 +233,17 @@ class CachedDataset(Dataset):
         """Item `index`'s first caption with its cache's prefix and suffix: what its cached embeddings encode."""
         return self.framed(index, captions_in(self.caption_texts[index])[0])
 
+    def captions(self) -> Sequence[str]:
+        """Every item's caption() as a sequence, each read when asked for (not a list of them all)."""
+        return FramedCaptions(self)
+
     def framed(self, index: int, caption: str) -> str:
         """`caption` (one of item `index`'s, as written or varied) with the item's cache's prefix and suffix."""
         return self.cache_settings[int(self.cache_index[index])].framed(caption)
 
     def bucket_ids(self) -> np.ndarray:
         """One integer per item naming its bucket (equal sizes = equal id)."""
-        return self.bucket_sizes[:, 0].astype(np.int64) * 100_000 + self.bucket_sizes[:, 1]
+        return self.time_ids[:, 5].astype(np.int64) * 100_000 + self.time_ids[:, 4].astype(np.int64)
 
     def _reader(self, cache_index: int) -> CacheReader:
         # Opened lazily, so each DataLoader worker process gets its own file handles.
@@ -137,6 +284,22 @@ class CachedDataset(Dataset):
         if self.loss_weights is not None:
             tensors["loss_weight"] = torch.tensor(self.loss_weights[int(self.cache_index[index])], dtype=torch.float32)
         return tensors
+
+
+class FramedCaptions(Sequence[str]):
+    """CachedDataset.caption of each item, read when asked for."""
+
+    def __init__(self, dataset: CachedDataset):
+        self._dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        index = operator.index(index)
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        return self._dataset.caption(index % len(self))
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -284,6 +284,7 @@ class DataSettings:
     max_updates: int  # 0: the run is num_epochs long
     num_workers: int
     split: SplitSettings  # the items held out for validation
+    captions_in_memory: bool  # caption mode reads every step's captions: held, not read from the manifest on use
 
 
 @dataclass(frozen=True)
@@ -308,7 +309,8 @@ def load_training_data(settings: DataSettings, run_dir: Path, seed: int, world_s
     the run folder) and plan epochs over the rest. Refuses a run in which no bucket holds one global batch
     before the model loads (the planner would plan no batch: a resume with more processes or a larger
     --train_batch_size than the run that saved it gets here too), and warns about items that will not train."""
-    dataset = CachedDataset(settings.cache_dirs, settings.loss_weights, flip_aug=settings.flip_aug, loss_masks=settings.loss_masks)
+    dataset = CachedDataset(settings.cache_dirs, settings.loss_weights, flip_aug=settings.flip_aug, loss_masks=settings.loss_masks,
+                            captions_in_memory=settings.captions_in_memory)
     global_batch_size = settings.per_rank_batch * world_size
     bucket_ids = dataset.bucket_ids()
     try:
