@@ -531,3 +531,22 @@ def test_the_dataset_holds_no_python_object_per_item_and_reads_each_items_text_b
     (tmp_path / "large" / MANIFEST_DIR / "w0-000000.parquet").unlink()
     with pytest.raises(CacheError, match=r"manifest part .*large/manifest/w0-000000.parquet is gone since the cache was opened. Run `"):
         large.caption_texts[4]
+
+
+def test_image_hashes_that_are_not_sha256_hex_read_back_as_written(tmp_path):
+    """The dataset keeps SHA-256 hex digests as their bytes; a part holding anything else keeps every hash as text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from synthetic_manifest import write_manifest_cache
+
+    from sdxl_trainer.cache.format import MANIFEST_DIR
+    from sdxl_trainer.cache.reader import load_manifest
+
+    cache = write_manifest_cache(tmp_path / "cache", 20, rows_per_part=10)
+    second = tmp_path / "cache" / MANIFEST_DIR / "w0-000001.parquet"
+    table = pq.read_table(second)
+    odd = pa.array([f"MD5:{index:028X}" for index in range(len(table))])
+    pq.write_table(table.set_column(table.schema.get_field_index("image_sha256"), "image_sha256", odd).replace_schema_metadata(table.schema.metadata), second)
+    dataset = CachedDataset([cache])
+    assert [dataset.image_sha256[item] for item in range(20)] == [row["image_sha256"] for row in load_manifest(cache).to_pylist()]
+    assert dataset.image_sha256[15] == f"MD5:{5:028X}" and dataset.image_sha256[3] == "3".rjust(64, "0")

@@ -102,7 +102,7 @@ def test_item_names_are_ordered_fingerprinted_and_found_as_their_joined_strings_
 
     import pyarrow as pa
 
-    from sdxl_trainer.training.dataset import HexDigests
+    from sdxl_trainer.training.dataset import packed_digests
     from sdxl_trainer.training.holdout import ItemKeys
 
     rng = np.random.default_rng(3)
@@ -115,8 +115,8 @@ def test_item_names_are_ordered_fingerprinted_and_found_as_their_joined_strings_
     unique = sorted(set(range(count)), key=joined.__getitem__)
     unique = [index for position, index in enumerate(unique) if position == 0 or joined[index] != joined[unique[position - 1]]]
     caches, paths, digests, joined = caches[unique], [paths[i] for i in unique], [digests[i] for i in unique], [joined[i] for i in unique]
-    packed = HexDigests.packed_from(pa.chunked_array([pa.array(digests)]))
-    for keys in (ItemKeys(caches, packed.arrow(), pa.chunked_array([pa.array(paths)])), ItemKeys.of(joined)):
+    packed = pa.chunked_array([packed_digests(pa.array(digests[:200])), packed_digests(pa.array(digests[200:]))])  # as a manifest's parts
+    for keys in (ItemKeys(caches, packed, pa.chunked_array([pa.array(paths[:100]), pa.array(paths[100:])])), ItemKeys.of(joined)):
         assert list(keys) == joined
         assert [joined[i] for i in keys.order] == sorted(joined)
         assert keys.fingerprint() == hashlib.sha256("".join(f"{name}\n" for name in sorted(joined)).encode()).hexdigest()

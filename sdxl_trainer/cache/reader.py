@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -52,8 +53,7 @@ def read_empty_prompt(cache_dir: CacheLocation) -> tuple[torch.Tensor, torch.Ten
     return tensors["prompt_embeds"], tensors["pooled_prompt_embeds"]
 
 
-def _read_part(store: Store, name: str, columns: list[str] | None = None) -> tuple[ManifestPart, pa.Table]:
-    """A manifest part, all of it decoded (so damage anywhere in it is found), of which `columns` (None: all) are kept."""
+def _read_part(store: Store, name: str) -> tuple[ManifestPart, pa.Table]:
     handle = pq.ParquetFile(pa.BufferReader(store.read_bytes(name)))
     metadata = handle.schema_arrow.metadata or {}
     table = handle.read(use_threads=False)  # parts are small: the parallelism is across parts
@@ -62,8 +62,6 @@ def _read_part(store: Store, name: str, columns: list[str] | None = None) -> tup
             if column not in table.column_names:
                 table = table.append_column(column, pa.nulls(len(table), MANIFEST_SCHEMA.field(column).type))
         table = table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
-    if columns is not None:
-        table = table.select(columns)
     part = ManifestPart(
         name=name,
         shard=metadata[b"shard"].decode(),
@@ -76,12 +74,12 @@ def _read_part(store: Store, name: str, columns: list[str] | None = None) -> tup
     return part, table
 
 
-def read_manifest_part(cache_dir: CacheLocation, name: str, columns: list[str] | None = None) -> pa.Table:
-    """One manifest part (`name` relative to the cache, its `columns`; None: all), read again after the load:
-    a part that is gone or damaged since is a CacheError naming it."""
+def read_manifest_part(cache_dir: CacheLocation, name: str) -> pa.Table:
+    """One manifest part (`name` relative to the cache), read again after the load: a part that is gone or
+    damaged since is a CacheError naming it."""
     store = open_store(cache_dir)
     try:
-        return _read_part(store, name, columns)[1]
+        return _read_part(store, name)[1]
     except StorageError:
         raise
     except FileNotFoundError:
@@ -90,9 +88,12 @@ def read_manifest_part(cache_dir: CacheLocation, name: str, columns: list[str] |
         raise CacheError(f"{store.location(name)}: unreadable manifest part ({type(error).__name__}: {error}). {repair_advice(store)}") from error
 
 
-def read_manifest_parts(cache_dir: CacheLocation, columns: list[str] | None = None) -> tuple[list[tuple[ManifestPart, pa.Table]], dict[str, str]]:
-    """Every manifest part in write order (of its rows, the `columns` asked for; None: all), and the unreadable
-    ones (name relative to the cache -> reason).
+def read_manifest_parts(
+    cache_dir: CacheLocation, compact: Callable[[pa.Table], pa.Table] | None = None
+) -> tuple[list[tuple[ManifestPart, pa.Table]], dict[str, str]]:
+    """Every manifest part in write order, and the unreadable ones (name relative to the cache -> reason). With
+    `compact`, each part's table is what compact makes of it as it is read (decoded whole first, so damage
+    anywhere in it is found), so that only that is ever held for all parts at once.
 
     Parts are read in parallel threads (Parquet decoding releases the GIL, and object storage answers many
     requests at once): a million items in a few thousand parts load in seconds."""
@@ -102,7 +103,8 @@ def read_manifest_parts(cache_dir: CacheLocation, columns: list[str] | None = No
 
     def read(name: str):
         try:
-            return _read_part(store, name, columns)
+            part, table = _read_part(store, name)
+            return part, table if compact is None else compact(table)
         except StorageError:
             raise  # the storage, not the part: no reason to call it damaged
         except (OSError, KeyError, ValueError, pa.ArrowException) as error:
@@ -119,10 +121,11 @@ def read_manifest_parts(cache_dir: CacheLocation, columns: list[str] | None = No
 
 
 def merge_parts(parts: list[tuple[ManifestPart, pa.Table]]) -> pa.Table:
-    """Concatenate parts (in write order) keeping, for every image_path, only its last row."""
+    """Concatenate parts (in write order) keeping, for every image_path, only its last row. The parts' tables
+    become the chunks of the result, not copied (unless rows are dropped)."""
     if not parts:
         return MANIFEST_SCHEMA.empty_table()
-    merged = pa.concat_tables([table for _, table in parts]).combine_chunks()
+    merged = pa.concat_tables([table for _, table in parts])
     if len(merged) == 0:
         return merged
     # Last occurrence per image_path, computed in Arrow (a Python dict over millions of rows is slow).
@@ -134,9 +137,9 @@ def merge_parts(parts: list[tuple[ManifestPart, pa.Table]]) -> pa.Table:
     return merged.take(pa.array(keep))
 
 
-def intact_parts(cache_dir: CacheLocation, columns: list[str] | None = None) -> list[tuple[ManifestPart, pa.Table]]:
-    """Every manifest part (its `columns`; None: all); a damaged one is a CacheError."""
-    parts, damaged = read_manifest_parts(cache_dir, columns)
+def intact_parts(cache_dir: CacheLocation, compact: Callable[[pa.Table], pa.Table] | None = None) -> list[tuple[ManifestPart, pa.Table]]:
+    """Every manifest part (each table compacted, see read_manifest_parts); a damaged one is a CacheError."""
+    parts, damaged = read_manifest_parts(cache_dir, compact)
     if damaged:
         name, reason = next(iter(damaged.items()))
         store = open_store(cache_dir)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+from array import array
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -160,7 +161,7 @@ def choose_sample_prompts(file_prompts: list[SamplePrompt], captions: Sequence[s
     with distinct dataset captions in a seeded order."""
     prompts = list(dict.fromkeys(file_prompts))[:count]
     texts = {prompt.text for prompt in prompts}
-    order = list(range(len(captions)))
+    order = array("q", range(len(captions)))  # 8 bytes an item, not a list of ints: the same shuffle
     random.Random(seed).shuffle(order)
     for index in order:
         if len(prompts) >= count:

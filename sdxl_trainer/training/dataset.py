@@ -4,6 +4,7 @@ weight and (with --flip_aug) the view drawn for it.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -66,50 +67,27 @@ class TextColumn(Sequence[str]):
 _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _HEX_VALUES = np.full(256, 255, dtype=np.uint8)
 _HEX_VALUES[_HEX_DIGITS] = np.arange(16, dtype=np.uint8)
-_PACK_ROWS = 1 << 20  # digests unpacked at a time (64 MiB of characters)
+DIGEST_BYTES = 32  # SHA-256
 
 
-class HexDigests(Sequence[str]):
-    """Lower-case hex digests of one length (the images' SHA-256), kept as their bytes: 32 bytes an item instead
-    of 64 characters and an offset."""
-
-    def __init__(self, packed: np.ndarray):
-        self._packed = packed  # (items, digest bytes) uint8
-
-    @classmethod
-    def packed_from(cls, values: pa.ChunkedArray) -> HexDigests | None:
-        """The digests of a text column, or None when it holds anything else (nulls, other lengths, upper case)."""
-        lengths = pc.min_max(pc.binary_length(values)) if len(values) else None
-        if values.null_count or lengths is None or lengths["min"] != lengths["max"] or lengths["min"].as_py() % 2:
-            return None
-        width = lengths["min"].as_py()
-        packed = np.empty((len(values), width // 2), dtype=np.uint8)
-        row = 0
-        for chunk in values.chunks:
-            offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int32 if chunk.type == pa.string() else np.int64)
-            characters = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)[offsets[chunk.offset]:offsets[chunk.offset + len(chunk)]]
-            for start in range(0, len(chunk), _PACK_ROWS):
-                digits = _HEX_VALUES[characters[start * width:(start + _PACK_ROWS) * width]].reshape(-1, width)
-                if (digits == 255).any():
-                    return None
-                packed[row:row + len(digits)] = digits[:, 0::2] << 4 | digits[:, 1::2]
-                row += len(digits)
-        return cls(packed)
-
-    def __len__(self) -> int:
-        return len(self._packed)
-
-    def __getitem__(self, index: int) -> str:  # type: ignore[override]
-        return self._packed[operator.index(index)].tobytes().hex()
-
-    def arrow(self) -> pa.Array:
-        """The digests' bytes, one fixed-size binary value per item (ordered as the hex text is), without a copy."""
-        width = self._packed.shape[1]
-        return pa.Array.from_buffers(pa.binary(width), len(self._packed), [None, pa.py_buffer(np.ascontiguousarray(self._packed))])
+def packed_digests(text: pa.Array | pa.ChunkedArray) -> pa.Array | None:
+    """SHA-256 hex digests (lower case) as their bytes, one fixed-size binary value each; None when the text
+    holds anything else (a null, another length, another character)."""
+    text = text.combine_chunks() if isinstance(text, pa.ChunkedArray) else text
+    width = 2 * DIGEST_BYTES
+    if text.null_count or (len(text) and pc.min_max(pc.binary_length(text)).as_py() != {"min": width, "max": width}):
+        return None
+    offsets = np.frombuffer(text.buffers()[1], dtype=np.int32 if text.type == pa.string() else np.int64)
+    characters = np.frombuffer(text.buffers()[2], dtype=np.uint8)[offsets[text.offset]:offsets[text.offset + len(text)]] if len(text) else np.zeros(0, np.uint8)
+    digits = _HEX_VALUES[characters].reshape(-1, width)
+    if (digits == 255).any():
+        return None
+    packed = np.ascontiguousarray(digits[:, 0::2] << 4 | digits[:, 1::2])
+    return pa.Array.from_buffers(pa.binary(DIGEST_BYTES), len(text), [None, pa.py_buffer(packed)])
 
 
 def hex_text(digests: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
-    """Digests as lower-case hex text: fixed-size binary values (HexDigests.arrow) converted, text as it is."""
+    """Digests as lower-case hex text: fixed-size binary values (packed_digests) converted, text as it is."""
     if not pa.types.is_fixed_size_binary(digests.type):
         return digests
     if isinstance(digests, pa.ChunkedArray):
@@ -120,6 +98,24 @@ def hex_text(digests: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
     text[:, 0::2], text[:, 1::2] = _HEX_DIGITS[raw >> 4], _HEX_DIGITS[raw & 15]
     offsets = np.arange(0, text.size + 1, 2 * width, dtype=np.int64)
     return pa.Array.from_buffers(pa.large_string(), len(digests), [None, pa.py_buffer(offsets), pa.py_buffer(text)])
+
+
+class HexDigests(Sequence[str]):
+    """Hex digests (the images' SHA-256) kept as their bytes in Arrow (packed_digests): 32 bytes an item instead of
+    64 characters and an offset; read back as hex."""
+
+    def __init__(self, values: pa.Array | pa.ChunkedArray):
+        self._values = values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        return self._values[operator.index(index)].as_py().hex()
+
+    def arrow(self) -> pa.Array | pa.ChunkedArray:
+        """The digests' bytes (fixed-size binary), which sort as their hex text does."""
+        return self._values
 
 
 class PartColumn(Sequence[str]):
@@ -146,7 +142,7 @@ class PartColumn(Sequence[str]):
         values = self._recent.get(key)
         if values is None:
             cache, part = key
-            values = read_manifest_part(self._cache_dirs[cache], self._part_names[cache][part], [self._column]).column(0)
+            values = read_manifest_part(self._cache_dirs[cache], self._part_names[cache][part]).column(self._column)
             self._recent[key] = values
             if len(self._recent) > self.KEPT_PARTS:
                 self._recent.popitem(last=False)
@@ -155,16 +151,32 @@ class PartColumn(Sequence[str]):
         return values[int(self._row[index])].as_py()
 
 
+# The manifest columns the dataset reads (the captions too in caption mode).
+KEPT_COLUMNS = ("image_path", "image_sha256", "shard", "index_in_shard", "bucket_width", "bucket_height", "original_width", "original_height",
+                "crop_top", "crop_left", "crop_left_flipped", "has_loss_mask")
+
+
+def compact_part(table: pa.Table, captions: bool) -> pa.Table:
+    """A manifest part's rows as the dataset keeps them: the columns it reads, the image hashes as their bytes
+    (packed_digests, where they are SHA-256 hex), each shard's name once (a dictionary: one for the part)."""
+    kept = table.select([*KEPT_COLUMNS, "caption"] if captions else list(KEPT_COLUMNS))
+    digests = packed_digests(kept.column("image_sha256"))
+    if digests is not None:
+        kept = kept.set_column(kept.schema.get_field_index("image_sha256"), "image_sha256", digests)
+    return kept.set_column(kept.schema.get_field_index("shard"), "shard", kept.column("shard").dictionary_encode())
+
+
 class CachedDataset(Dataset):
     """All items of the given caches. Item i's tensors are read from its shard on access. With
     `loss_weights` (one per cache, --dataset_loss_weights) each item also carries its cache's "loss_weight"; with
     `flip_aug` (caches made with --flip_aug) its mirrored view too, for choose_views; with `loss_masks`
     (--masked_loss) its "loss_mask" at latent size: the cached one, or ones (trained everywhere) for an item without.
 
-    Per item it holds numbers in numpy arrays and text in Arrow (TextColumn, HexDigests), no Python object, so its
-    memory is some 100 bytes an item plus the image paths' text, shared with the DataLoader workers. The captions,
-    most of a manifest's bytes, are held only with `captions_in_memory` (caption mode encodes them at every step);
-    otherwise an item's caption is read from its manifest part when asked for (PartColumn)."""
+    Per item it holds numbers in numpy arrays and text in Arrow (TextColumn, HexDigests), no Python object: about
+    75 bytes an item plus its image path, shared with the DataLoader workers. The captions, most of a manifest's
+    bytes, are held only with `captions_in_memory` (caption mode encodes them at every step); otherwise an item's
+    caption is read from its manifest part when asked for (PartColumn). The manifest parts are compacted as they
+    are read (compact_part) and become the columns' chunks without a copy."""
 
     def __init__(self, cache_dirs: list[CacheLocation], loss_weights: list[float] | None = None, flip_aug: bool = False, loss_masks: bool = False,
                  captions_in_memory: bool = False):
@@ -173,48 +185,59 @@ class CachedDataset(Dataset):
         self.cache_dirs = list(cache_dirs)
         self.loss_weights = None if loss_weights is None else [float(weight) for weight in loss_weights]
         self.cache_settings = [read_cache_info(cache_dir) for cache_dir in self.cache_dirs]  # each cache's caption prefix and suffix
-        dropped = {"upscaled", "mask_sha256"} | (set() if captions_in_memory else {"caption"})
-        columns = [name for name in MANIFEST_SCHEMA.names if name not in dropped]
-        located = pa.schema([MANIFEST_SCHEMA.field(name) for name in columns] + [("part", pa.int32()), ("row", pa.int32()), ("cache_index", pa.int32())])
-        tables = []
+        compact = functools.partial(compact_part, captions=captions_in_memory)
         self._shard_bytes = []  # per cache: shard name -> size, so the readers need not read the manifest again
         part_names = []  # per cache: its manifest parts, for the captions read on use
-        for cache_index, cache_dir in enumerate(self.cache_dirs):
-            parts = intact_parts(cache_dir, columns)
+        located = []  # per cache: its parts, each row with its part and its row in it
+        for cache_dir in self.cache_dirs:
+            parts = intact_parts(cache_dir, compact)
             self._shard_bytes.append({part.shard: part.shard_bytes for part, _ in parts})
             part_names.append([part.name for part, _ in parts])
-            table = merge_parts([
+            located.append([
                 (part, table.append_column("part", pa.array(np.full(len(table), number, dtype=np.int32)))
                  .append_column("row", pa.array(np.arange(len(table), dtype=np.int32))))
                 for number, (part, table) in enumerate(parts)
-            ]) if parts else located.empty_table().drop_columns(["cache_index"])
-            tables.append(table.append_column("cache_index", pa.array(np.full(len(table), cache_index, dtype=np.int32))))
-        table = pa.concat_tables(tables) if tables else located.empty_table()
+            ])
+            del parts
+        tables = []
+        for cache_index, parts in enumerate(_same_hash_type(located)):
+            if parts:
+                merged = merge_parts(parts)
+                tables.append(merged.append_column("cache_index", pa.array(np.full(len(merged), cache_index, dtype=np.int32))))
+        del located
+        table = pa.concat_tables(tables) if tables else _empty_table(compact)
         del tables
         self.num_items = len(table)
 
-        def column(name: str) -> np.ndarray:
-            return table.column(name).to_numpy()
+        def column(name: str, smallest: bool = False) -> np.ndarray:
+            """The column in numpy; with `smallest`, in the narrowest unsigned type that holds its values."""
+            values = table.column(name).to_numpy()
+            return values.astype(np.min_scalar_type(int(values.max(initial=0)))) if smallest else values
 
+        # Numbers into numpy, text into one buffer a column: then the parts' chunks are freed whole (freeing some of
+        # their columns and keeping others would leave most of their pages held).
         self.cache_index = column("cache_index").astype(np.min_scalar_type(max(len(self.cache_dirs) - 1, 0)))
-        self.shard = TextColumn(table.column("shard").dictionary_encode().combine_chunks())  # a shard's name once, a code per item
-        self.index_in_shard = column("index_in_shard")
-        self.image_paths = TextColumn(table.column("image_path"))  # relative to the data folder the cache was made from
-        sha256 = table.column("image_sha256")  # of the source image's bytes
-        self.image_sha256: Sequence[str] = HexDigests.packed_from(sha256) or TextColumn(sha256)
-        if captions_in_memory:  # one caption per line (cache.captions_in)
-            self.caption_texts: Sequence[str] = TextColumn(table.column("caption"))
-        else:
-            self.caption_texts = PartColumn("caption", self.cache_dirs, part_names, self.cache_index, column("part"), column("row"))
-        # SDXL add_time_ids: original (h, w), crop (top, left), target (h, w).
-        self.time_ids = np.stack(
-            [column(name) for name in ("original_height", "original_width", "crop_top", "crop_left", "bucket_height", "bucket_width")],
-            axis=1,
-        ).astype(np.float32)
+        self.index_in_shard = column("index_in_shard", smallest=True)
+        # SDXL add_time_ids: original (h, w), crop (top, left), target (h, w), in pixels: held in the narrowest
+        # unsigned type that holds them all (16 bits up to 65,535 px), made float32 per item; filled a column at a time.
+        names = ("original_height", "original_width", "crop_top", "crop_left", "bucket_height", "bucket_width")
+        largest = max((int(pc.max(table.column(name)).as_py() or 0) for name in names), default=0)
+        self.time_ids = np.empty((self.num_items, 6), dtype=np.min_scalar_type(largest))
+        for position, name in enumerate(names):
+            self.time_ids[:, position] = column(name)
         self.has_loss_mask = pc.fill_null(table.column("has_loss_mask"), False).to_numpy(zero_copy_only=False)
         if flip_aug:
             self.crop_left_flipped = pc.coalesce(table.column("crop_left_flipped"), table.column("crop_left")).to_numpy().astype(np.float32)
+        if captions_in_memory:  # one caption per line (cache.captions_in)
+            self.caption_texts: Sequence[str] = TextColumn(_one_buffer(table.column("caption")))
+        else:
+            self.caption_texts = PartColumn("caption", self.cache_dirs, part_names, self.cache_index, column("part", True), column("row", True))
+        self.shard = TextColumn(_one_buffer(table.select(["shard"]).unify_dictionaries().column(0)))  # each name once, a code per item
+        self.image_paths = TextColumn(_one_buffer(table.column("image_path")))  # relative to the data folder the cache was made from
+        sha256 = _one_buffer(table.column("image_sha256"))  # of the source image's bytes
+        self.image_sha256: Sequence[str] = HexDigests(sha256) if pa.types.is_fixed_size_binary(sha256.type) else TextColumn(sha256)
         self._readers: dict[int, CacheReader] = {}
+        del table
 
     @property
     def bucket_sizes(self) -> np.ndarray:
@@ -275,9 +298,9 @@ class CachedDataset(Dataset):
         cached_mask = self.loss_masks and bool(self.has_loss_mask[index])
         if self.loss_masks and not cached_mask:
             tensors[LOSS_MASK_KEY] = torch.ones(1, *tensors["latents"].shape[1:], dtype=tensors["latents"].dtype)
-        tensors["time_ids"] = torch.from_numpy(self.time_ids[index])
+        tensors["time_ids"] = torch.from_numpy(self.time_ids[index].astype(np.float32))
         if self.flip_aug:
-            mirrored = self.time_ids[index].copy()
+            mirrored = self.time_ids[index].astype(np.float32)
             mirrored[3] = self.crop_left_flipped[index]  # add_time_ids' crop left (see choose_views)
             tensors["time_ids_flipped"] = torch.from_numpy(mirrored)
         tensors["sample_index"] = torch.tensor(sample, dtype=torch.int64)
@@ -300,6 +323,32 @@ class FramedCaptions(Sequence[str]):
         if not -len(self) <= index < len(self):
             raise IndexError(index)
         return self._dataset.caption(index % len(self))
+
+
+def _same_hash_type(located: list[list[tuple]]) -> list[list[tuple]]:
+    """The caches' parts (compacted), their image hashes all packed or, where some part's are not SHA-256 hex, all
+    text again, so the parts concatenate."""
+    if len({table.schema.field("image_sha256").type for parts in located for _, table in parts}) <= 1:
+        return located
+
+    def as_text(table: pa.Table) -> pa.Table:
+        return table.set_column(table.schema.get_field_index("image_sha256"), "image_sha256", hex_text(table.column("image_sha256")).cast(pa.large_string()))
+
+    return [[(part, as_text(table)) for part, table in parts] for parts in located]
+
+
+def _one_buffer(column: pa.ChunkedArray) -> pa.Array:
+    """A column's chunks copied into one array (text with 64-bit offsets where 32-bit ones would overflow)."""
+    if (pa.types.is_string(column.type) or pa.types.is_binary(column.type)) and column.nbytes >= 2**31:
+        column = column.cast(pa.large_binary() if pa.types.is_binary(column.type) else pa.large_string())
+    return column.combine_chunks() if column.num_chunks else pa.array([], column.type)
+
+
+def _empty_table(compact) -> pa.Table:
+    """The table of a dataset without items (every cache empty), with the columns of one that has some."""
+    empty = compact(MANIFEST_SCHEMA.empty_table())
+    return empty.append_column("part", pa.array([], pa.int32())).append_column("row", pa.array([], pa.int32())).append_column(
+        "cache_index", pa.array([], pa.int32()))
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from sdxl_trainer.cache.format import CacheLocation
 from sdxl_trainer.config import option
 from sdxl_trainer.distributed.stop_request import ignore_stop_signals
+from sdxl_trainer.runtime.memory import release_freed_memory
 from sdxl_trainer.training.dataset import CachedDataset, DatasetOptions, collate
 from sdxl_trainer.training.epochs import EpochPlan, EpochPlanner, bucket_counts, rank_slice, small_buckets
 from sdxl_trainer.training.holdout import HOLDOUT_FILE, Holdout, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
@@ -328,6 +329,7 @@ def load_training_data(settings: DataSettings, run_dir: Path, seed: int, world_s
             "or run on fewer processes"
         )
     too_small = small_buckets(dataset.bucket_sizes, bucket_ids, planner.epoch_samples(0) % len(dataset), global_batch_size)
+    release_freed_memory()  # reading the manifests and choosing the split took several times what is kept
     if is_main and too_small:
         print(
             f"Warning: {sum(too_small.values())} items in buckets smaller than one global batch of {global_batch_size} "
