@@ -173,7 +173,7 @@ class CachedDataset(Dataset):
     (--masked_loss) its "loss_mask" at latent size: the cached one, or ones (trained everywhere) for an item without.
 
     Per item it holds numbers in numpy arrays and text in Arrow (TextColumn, HexDigests), no Python object: about
-    75 bytes an item plus its image path, shared with the DataLoader workers. The captions, most of a manifest's
+    55 bytes an item plus its image path, shared with the DataLoader workers. The captions, most of a manifest's
     bytes, are held only with `captions_in_memory` (caption mode encodes them at every step); otherwise an item's
     caption is read from its manifest part when asked for (PartColumn). The manifest parts are compacted as they
     are read (compact_part) and become the columns' chunks without a copy."""
