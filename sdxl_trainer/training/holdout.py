@@ -87,7 +87,7 @@ class ItemKeys(Sequence[str]):
     or as their bytes, the paths in Arrow) and ordered, fingerprinted and searched with Arrow's kernels: as a
     list of Python strings, ten million names took 1.7 GiB. Sorting the columns (the position as text, then the
     hash, then the path) orders the names as sorting the joined strings does, since a '/' sorts below every
-    digit and every hex letter."""
+    digit and every hex letter (and a hash's bytes sort as its hex text does)."""
 
     FINGERPRINT_ROWS = 1 << 18  # names joined into text at a time
 
