@@ -4,7 +4,9 @@
 #   NUM_PROCESSES      processes on this machine (default: its number of GPUs, or 2 without a GPU)
 #   NUM_MACHINES       machines in the job (default 1); run this script on each of them with
 #   MACHINE_RANK       this machine's index, 0 .. NUM_MACHINES-1 (default 0)
-#   MAIN_PROCESS_IP    address of machine 0 (default 127.0.0.1), MAIN_PROCESS_PORT (default 29500)
+#   MAIN_PROCESS_IP    address of machine 0 (default 127.0.0.1), MAIN_PROCESS_PORT its rendezvous port (or
+#                      MASTER_PORT; default: a free port on one machine, so runs side by side do not collide;
+#                      29500 with NUM_MACHINES > 1, where every machine must name the same)
 #   VENV_DIR           virtual env to use (default: venv next to this script; created if missing)
 #   SHUTDOWN_TIMEOUT_S seconds torchrun gives the workers to save state after SIGTERM/SIGINT (default 600)
 # One process on one machine runs without torchrun (python directly), so there a signal reaches the trainer
@@ -28,12 +30,17 @@ if [ "$processes" -eq 1 ] && [ "${NUM_MACHINES:-1}" -eq 1 ]; then
     exec "$VENV_DIR/bin/python" sdxl_FSDP_train.py "$@"
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # what torchrun sets for several processes, without its banner
+# The rendezvous port: as given; else on one machine "free" (the launcher takes a port free then), else 29500.
+port=${MAIN_PROCESS_PORT:-${MASTER_PORT:-}}
+if [ -z "$port" ]; then
+    if [ "${NUM_MACHINES:-1}" -eq 1 ]; then port=free; else port=29500; fi
+fi
 # torchrun, less the launcher output that would follow a failing rank's message (sdxl_trainer/launcher.py).
 exec "$VENV_DIR/bin/python" -m sdxl_trainer.distributed.launcher \
     --nproc_per_node "$processes" \
     --nnodes "${NUM_MACHINES:-1}" \
     --node_rank "${MACHINE_RANK:-0}" \
     --master_addr "${MAIN_PROCESS_IP:-127.0.0.1}" \
-    --master_port "${MAIN_PROCESS_PORT:-29500}" \
+    --master_port "$port" \
     --shutdown_timeout "${SHUTDOWN_TIMEOUT_S:-600}" \
     sdxl_FSDP_train.py "$@"

@@ -9,12 +9,17 @@ A script's config is composed of sections: dataclasses defined beside the compon
 inherited by the script's config class. Flags and TOML keys stay flat (--noise_offset, noise_offset = 0.05);
 --help lists them by section. A field whose type is a list of dataclass records (the trainer's datasets) is
 read from a TOML array of tables ([[datasets]]) and has no flag of its own.
+
+On the command line, flags are matched exactly (argparse would take --lr for --lr_num_cycles) and a usage
+error is one line naming the flag and the closest real one, or the valid values. --help starts with what the
+script does and its common options (a config class's COMMON_OPTIONS), then every option by section.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import sys
 import time
@@ -129,6 +134,44 @@ def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
     return value
 
 
+UNKNOWN_FLAG_HINT = "(--help lists every flag)"
+
+
+def closest_name(typed: str, names: list[str]) -> str | None:
+    """The real flag (or TOML key) a mistyped one most likely meant: the one whose words' initials it is
+    (--lr: --learning_rate), else the most similar spelling; None when nothing is close."""
+    bare = typed.lstrip("-")
+    initials = [name for name in names if len(bare) > 1 and "".join(word[:1] for word in name.lstrip("-").split("_")) == bare]
+    if len(initials) == 1:
+        return initials[0]
+    close = difflib.get_close_matches(typed, names, n=1)
+    return close[0] if close else None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with every flag matched exactly, and every usage error in one line: the unknown flag and the
+    closest real one, or argparse's own line (the flag and its valid values) without the usage block."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self._unknown(extras[0]))
+        return parsed
+
+    def _unknown(self, argument: str) -> str:
+        if not argument.startswith("-"):
+            return f"unexpected argument {argument} {UNKNOWN_FLAG_HINT}"
+        typed = argument.split("=", 1)[0]
+        closest = closest_name(typed, [flag for flag in self._option_string_actions if flag.startswith("--")])
+        return f"unknown flag {typed}; did you mean {closest}? {UNKNOWN_FLAG_HINT}" if closest else f"unknown flag {typed} {UNKNOWN_FLAG_HINT}"
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 # How long a quiet rank (every rank of a job but the first) waits on a bad configuration before it ends the
 # job: torchrun stops every rank at the first failure, so a quiet rank exiting at once could stop the first
 # rank, which reads the same flags, before it printed why (a test saw nothing at all on screen). A rank whose
@@ -136,7 +179,7 @@ def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
 QUIET_RANK_GRACE_S = 30.0
 
 
-class _QuietParser(argparse.ArgumentParser):
+class _QuietParser(_Parser):
     """Prints no help or usage; on an error it leaves the first rank QUIET_RANK_GRACE_S to say it and end
     the job, then says it itself and exits as ArgumentParser would."""
 
@@ -150,14 +193,37 @@ class _QuietParser(argparse.ArgumentParser):
         sys.exit(status)
 
 
+def _help_text(description: str, config_class: type) -> str:
+    """What --help prints before the full reference: the script's description, then its common options
+    (config_class.COMMON_OPTIONS: name -> a short line), one line each with the default."""
+    common = getattr(config_class, "COMMON_OPTIONS", {})
+    if not common:
+        return description
+    fields = {field.name: field for field in dataclasses.fields(config_class)}  # type: ignore[arg-type]
+    lines = [("--config", "a TOML file with any of the options; flags override it")]
+    for name, text in common.items():
+        field = fields[name]
+        if field.default is REQUIRED and field.default_factory is REQUIRED:  # type: ignore[misc]
+            text += " (required)"
+        elif field.default not in (None, False, REQUIRED):
+            text += f" (default: {field.default})"
+        lines.append((f"--{name}", text))
+    width = max(len(flag) for flag, _ in lines) + 2
+    listed = "\n".join(f"  {flag:<{width}}{text}" for flag, text in lines)
+    return f"{description.rstrip()}\n\nCommon options (every option follows, by section; also in docs/flags.md):\n{listed}"
+
+
 def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, description: str = "", quiet: bool = False) -> ConfigT:
     """Build `config_class` from defaults, then `--config FILE.toml`, then command-line flags. With `quiet`
     (every process of a job but one), a bad configuration is left to that one to print (see _QuietParser)."""
     hints = typing.get_type_hints(config_class)
     fields = dataclasses.fields(config_class)  # type: ignore[arg-type]
-    parser_class = _QuietParser if quiet else argparse.ArgumentParser
-    parser = parser_class(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=None, help="TOML file with any of the options below; flags override it")
+    parser_class = _QuietParser if quiet else _Parser
+    parser = parser_class(
+        usage="%(prog)s [-h] [--config FILE.toml] [--option VALUE ...]",
+        description=_help_text(description, config_class), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE.toml", help="TOML file with any of the options below; flags override it")
     for section, section_fields in sections(config_class):
         group = parser.add_argument_group(section) if section else parser
         for field in section_fields:
@@ -176,7 +242,10 @@ def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, des
         known = {field.name for field in fields}
         unknown = sorted(set(from_file) - known)
         if unknown:
-            parser.error(f"{config_path}: unknown keys {unknown}; see --help for the valid names")
+            meant = {key: closest_name(key, sorted(known)) for key in unknown}
+            hints = [f"{name}" if len(unknown) == 1 else f"{name} for {key}" for key, name in meant.items() if name]
+            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+            parser.error(f"{config_path}: unknown keys {unknown}{hint}; see --help for the valid names")
         try:
             values.update({key: _coerce(value, hints[key], key, str(config_path)) for key, value in from_file.items()})
         except ValueError as error:

@@ -260,7 +260,7 @@ def test_cached_dataset_time_ids_and_bucket_ids(tmp_path):
     dataset = CachedDataset([tmp_path / "c1", tmp_path / "c2"])
     assert len(dataset) == 3
     assert [dataset.caption(index) for index in range(3)] == ["caption of a.png", "caption of b.png", "ohwx, caption of c.png"]
-    assert dataset.image_paths == ["a.png", "b.png", "c.png"]
+    assert list(dataset.image_paths) == ["a.png", "b.png", "c.png"]
     # add_time_ids order: original (h, w), crop (top, left), target (h, w).
     assert dataset.time_ids.tolist() == [[200, 300, 0, 16, 64, 96], [300, 200, 16, 0, 96, 64], [640, 960, 0, 0, 64, 96]]
     ids = dataset.bucket_ids()
@@ -499,3 +499,73 @@ def test_a_resume_with_other_repeats_plans_the_rest_of_the_epoch_anew():
     consumed = np.concatenate(saved_plan.batches[:2])
     resumed = EpochPlanner(ids, np.arange(8), 2, 1, seed=1, repeats=np.full(8, 2.0)).plans(1, consumed=consumed)[0]
     assert sorted(used_items(resumed) + consumed.tolist()) == list(range(16))
+
+
+# --- what the dataset holds per item ---------------------------------------------------------------------------
+
+
+def objects_held(root: object) -> int:
+    """How many Python objects `root` holds, directly or through others (classes, modules and functions left out)."""
+    import gc
+    import types
+
+    seen, stack = set(), [root]
+    while stack:
+        held = stack.pop()
+        if id(held) in seen or isinstance(held, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
+            continue
+        seen.add(id(held))
+        stack.extend(gc.get_referents(held))
+    return len(seen)
+
+
+def test_the_dataset_holds_no_python_object_per_item_and_reads_each_items_text_back(tmp_path):
+    """Four Python lists of strings (shard, caption, image path, image hash) cost some 0.5 GiB per million items on
+    every rank, and each DataLoader worker copied the pages it touched. Ten times the items in as many manifest
+    parts: no more Python objects; every item's text still reads back as its manifest row has it."""
+    from synthetic_manifest import write_manifest_cache
+
+    from sdxl_trainer.cache.format import MANIFEST_DIR
+    from sdxl_trainer.cache.reader import load_manifest
+    from sdxl_trainer.cache.storage import CacheError
+
+    small = CachedDataset([write_manifest_cache(tmp_path / "small", 2_000, rows_per_part=1_000, caption_length=60)])
+    large = CachedDataset([write_manifest_cache(tmp_path / "large", 20_000, rows_per_part=10_000, caption_length=60)])
+    assert (len(small), len(large)) == (2_000, 20_000)
+    assert objects_held(large) - objects_held(small) == 0
+    in_memory = CachedDataset([tmp_path / "small"], captions_in_memory=True)  # caption mode: every step reads captions
+    assert objects_held(CachedDataset([tmp_path / "large"], captions_in_memory=True)) - objects_held(in_memory) == 0
+
+    rows = load_manifest(tmp_path / "small").to_pylist()
+    for dataset in (small, in_memory):
+        assert [dataset.image_paths[item] for item in range(len(rows))] == [row["image_path"] for row in rows]
+        assert [dataset.image_sha256[item] for item in range(len(rows))] == [row["image_sha256"] for row in rows]
+        assert [dataset.shard[item] for item in range(len(rows))] == [row["shard"] for row in rows]
+        assert dataset.index_in_shard.tolist() == [row["index_in_shard"] for row in rows]
+        assert [dataset.caption_texts[item] for item in (0, 1_999, 1_000, 999, -1)] == [rows[item]["caption"] for item in (0, 1_999, 1_000, 999, -1)]
+        assert len(dataset.caption_texts[5]) == 60 and dataset.captions()[7] == rows[7]["caption"]
+        assert dataset.bucket_sizes.tolist() == [[row["bucket_width"], row["bucket_height"]] for row in rows]
+    assert large.caption_texts[19_999] == "caption 19999".ljust(60).replace("  ", " w")
+    # Captions outside caption mode are read from their manifest part when asked for: one gone since is named.
+    (tmp_path / "large" / MANIFEST_DIR / "w0-000000.parquet").unlink()
+    with pytest.raises(CacheError, match=r"manifest part .*large/manifest/w0-000000.parquet is gone since the cache was opened. Run `"):
+        large.caption_texts[4]
+
+
+def test_image_hashes_that_are_not_sha256_hex_read_back_as_written(tmp_path):
+    """The dataset keeps SHA-256 hex digests as their bytes; a part holding anything else keeps every hash as text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from synthetic_manifest import write_manifest_cache
+
+    from sdxl_trainer.cache.format import MANIFEST_DIR
+    from sdxl_trainer.cache.reader import load_manifest
+
+    cache = write_manifest_cache(tmp_path / "cache", 20, rows_per_part=10)
+    second = tmp_path / "cache" / MANIFEST_DIR / "w0-000001.parquet"
+    table = pq.read_table(second)
+    odd = pa.array([f"MD5:{index:028X}" for index in range(len(table))])
+    pq.write_table(table.set_column(table.schema.get_field_index("image_sha256"), "image_sha256", odd).replace_schema_metadata(table.schema.metadata), second)
+    dataset = CachedDataset([cache])
+    assert [dataset.image_sha256[item] for item in range(20)] == [row["image_sha256"] for row in load_manifest(cache).to_pylist()]
+    assert dataset.image_sha256[15] == f"MD5:{5:028X}" and dataset.image_sha256[3] == "3".rjust(64, "0")

@@ -67,7 +67,7 @@ def test_split_is_saved_and_reused_and_a_changed_dataset_is_refused(tmp_path):
     with pytest.raises(HoldoutError, match="--validation_loss_percent"):
         load_or_choose_holdout(path, keys, buckets, SplitSettings(0.2, 0.1), seed=1)
     with pytest.raises(HoldoutError, match="dataset changed"):
-        load_or_choose_holdout(path, keys + ["0/ff/new.png"], np.append(buckets, 0), SplitSettings(0.1, 0.1), seed=1)
+        load_or_choose_holdout(path, list(keys) + ["0/ff/new.png"], np.append(buckets, 0), SplitSettings(0.1, 0.1), seed=1)
     edited = list(keys)
     edited[int(first.loss_items[0])] = edited[int(first.loss_items[0])].replace("/0000", "/eeee", 1)  # same path, new content
     with pytest.raises(HoldoutError, match="1 held-out items no longer found"):
@@ -91,3 +91,34 @@ def test_held_out_items_never_appear_in_planned_batches(global_batch, accumulati
         planned = {int(item) for plan in planner.plans(5) for batch in plan.batches for item in batch}
         assert planned, "the plan trains on something"
         assert not planned & set(holdout.held_out.tolist())
+
+
+def test_item_names_are_ordered_fingerprinted_and_found_as_their_joined_strings_are():
+    """ItemKeys keeps the names' parts in columns (digests as bytes, as CachedDataset holds them) and sorts those:
+    the order, the fingerprint a saved split is checked against and the items found must be what the joined
+    strings give, or a split saved before would no longer fit its own run (positions 10 and 11 sort before 2 as
+    text; paths with spaces, accents and other scripts)."""
+    import hashlib
+
+    import pyarrow as pa
+
+    from sdxl_trainer.training.dataset import packed_digests
+    from sdxl_trainer.training.holdout import ItemKeys
+
+    rng = np.random.default_rng(3)
+    count = 500
+    caches = rng.integers(0, 12, count)
+    words = ["a", "b", "é", "日本", "a b", "z-1", "photo", "Photo"]
+    paths = [f"{rng.choice(words)}/{rng.choice(words)}{i % 37}.jpg" for i in range(count)]
+    digests = [f"{value:064x}" for value in rng.integers(0, 50, count)]  # repeated contents under other paths
+    joined = [f"{cache}/{digest}/{path}" for cache, digest, path in zip(caches, digests, paths)]
+    unique = sorted(set(range(count)), key=joined.__getitem__)
+    unique = [index for position, index in enumerate(unique) if position == 0 or joined[index] != joined[unique[position - 1]]]
+    caches, paths, digests, joined = caches[unique], [paths[i] for i in unique], [digests[i] for i in unique], [joined[i] for i in unique]
+    packed = pa.chunked_array([packed_digests(pa.array(digests[:200])), packed_digests(pa.array(digests[200:]))])  # as a manifest's parts
+    for keys in (ItemKeys(caches, packed, pa.chunked_array([pa.array(paths[:100]), pa.array(paths[100:])])), ItemKeys.of(joined)):
+        assert list(keys) == joined
+        assert [joined[i] for i in keys.order] == sorted(joined)
+        assert keys.fingerprint() == hashlib.sha256("".join(f"{name}\n" for name in sorted(joined)).encode()).hexdigest()
+        chosen = [joined[i] for i in (7, 3, 99)] + ["0/ff/not-there.png"]
+        assert keys.find(chosen).tolist() == [3, 7, 99]

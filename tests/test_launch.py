@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -77,15 +79,19 @@ def recording_venv(folder: Path) -> tuple[Path, Path]:
     return folder, log
 
 
-def run_train_sh(tmp_path: Path, processes: int | None, flags: list[str]) -> tuple[subprocess.Popen, str, list[str]]:
-    """bash train.sh as a user starts it (with NUM_PROCESSES=processes, unless None), stdout and stderr on one
-    console; returns the process, its console and the python calls train.sh made."""
+def run_train_sh(tmp_path: Path, processes: int | None, flags: list[str], port: int | None = None) -> tuple[subprocess.Popen, str, list[str]]:
+    """bash train.sh as a user starts it (with NUM_PROCESSES=processes, unless None; MAIN_PROCESS_PORT=port,
+    unless None), stdout and stderr on one console; returns the process, its console and the python calls
+    train.sh made."""
     venv, log = recording_venv(tmp_path / "venv")
-    env = dict(process_env(), VENV_DIR=str(venv), MAIN_PROCESS_PORT=str(free_port()))
+    env = dict(process_env(), VENV_DIR=str(venv))
+    # Decided by train.sh unless given (run_tests.sh sets the MALLOC ones).
+    for name in ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MAIN_PROCESS_PORT", "MASTER_PORT"):
+        env.pop(name, None)
     if processes is not None:
         env["NUM_PROCESSES"] = str(processes)
-    for decided_by_train_sh in ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):  # run_tests.sh sets the last two
-        env.pop(decided_by_train_sh, None)
+    if port is not None:
+        env["MAIN_PROCESS_PORT"] = str(port)
     process = subprocess.Popen(["bash", "train.sh", *flags], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     console, _ = process.communicate(timeout=300)
     return process, console, log.read_text().splitlines()
@@ -106,13 +112,28 @@ def test_one_process_starts_the_trainer_itself_without_torchrun_and_its_refusal_
     assert console.count("Cannot start training:") == 1 and "[rank" not in console
 
 
+@contextlib.contextmanager
+def port_in_use(port: int):
+    """`port` on this machine busy while inside: listened on here, unless something else already holds it."""
+    with socket.socket() as holder:
+        try:
+            holder.bind(("127.0.0.1", port))
+            holder.listen()
+        except OSError:
+            pass  # in use already (another job on this machine): as busy as it needs to be
+        yield
+
+
 @pytest.mark.multiprocess
 def test_two_processes_go_through_the_launcher_and_a_bad_flag_is_the_last_line(tmp_path, sample_cache_dir):
     # No NUM_PROCESSES: a machine without a GPU runs 2 processes, and learns it has none without importing torch.
-    process, console, calls = run_train_sh(tmp_path, None, ["--cached_dataset_dirs", str(sample_cache_dir), "--learning_rate", "-1"])
+    # No MAIN_PROCESS_PORT: train.sh picks a free port, so a job already holding torchrun's 29500 is no obstacle.
+    with port_in_use(29500):
+        process, console, calls = run_train_sh(tmp_path, None, ["--cached_dataset_dirs", str(sample_cache_dir), "--learning_rate", "-1"])
     assert process.returncode == 2
     launch = calls[-1]
     assert launch.startswith(f"{process.pid} mmap=33554432 trim=1073741824 -m sdxl_trainer.distributed.launcher --nproc_per_node 2 ")
+    assert " --master_port free " in launch  # the launcher takes a port free at the start
     if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/dxg").exists() and not Path("/dev/kfd").exists():
         assert calls == [launch]
     assert console.rstrip().splitlines()[-2:] == ["sdxl_FSDP_train.py: error: invalid configuration:", "  --learning_rate must be > 0, got -1.0"]
@@ -131,6 +152,20 @@ def test_two_processes_refused_before_training_leave_the_refusal_last(tmp_path, 
     ]
     assert console.count("Cannot start training:") == 1  # printed once, by the first rank
     assert "Traceback" not in console and "ChildFailedError" not in console
+
+
+@pytest.mark.multiprocess
+def test_a_port_in_use_is_one_line_naming_it_and_the_fix(tmp_path):
+    """A port given in MAIN_PROCESS_PORT that another job holds: torchrun's 40-line EADDRINUSE traceback
+    becomes one line, before any rank starts."""
+    port = free_port()
+    with port_in_use(port):
+        process, console, _ = run_train_sh(tmp_path, 2, ["--cached_dataset_dirs", str(tmp_path)], port=port)
+    assert process.returncode == 1
+    assert console.rstrip().splitlines() == [
+        f"Port {port} of the rendezvous (MAIN_PROCESS_PORT) is in use on this machine, by another run or program: give another "
+        "(the same on every machine), or leave MAIN_PROCESS_PORT unset on a single machine and train.sh picks a free one."
+    ]
 
 
 class StoreCallInFlight:

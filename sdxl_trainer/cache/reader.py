@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -129,8 +130,26 @@ def _read_part(store: Store, name: str) -> tuple[ManifestPart, pa.Table]:
     return part, table
 
 
-def read_manifest_parts(cache_dir: CacheLocation) -> tuple[list[tuple[ManifestPart, pa.Table]], dict[str, str]]:
-    """Every manifest part in write order, and the unreadable ones (name relative to the cache -> reason).
+def read_manifest_part(cache_dir: CacheLocation, name: str) -> pa.Table:
+    """One manifest part (`name` relative to the cache), read again after the load: a part that is gone or
+    damaged since is a CacheError naming it."""
+    store = open_store(cache_dir)
+    try:
+        return _read_part(store, name)[1]
+    except StorageError:
+        raise
+    except FileNotFoundError:
+        raise CacheError(f"manifest part {store.location(name)} is gone since the cache was opened. {repair_advice(store)}") from None
+    except (OSError, KeyError, ValueError, pa.ArrowException) as error:
+        raise CacheError(f"{store.location(name)}: unreadable manifest part ({type(error).__name__}: {error}). {repair_advice(store)}") from error
+
+
+def read_manifest_parts(
+    cache_dir: CacheLocation, compact: Callable[[pa.Table], pa.Table] | None = None
+) -> tuple[list[tuple[ManifestPart, pa.Table]], dict[str, str]]:
+    """Every manifest part in write order, and the unreadable ones (name relative to the cache -> reason). With
+    `compact`, each part's table is what compact makes of it as it is read (decoded whole first, so damage
+    anywhere in it is found), so that only that is ever held for all parts at once.
 
     Parts are read in parallel threads (Parquet decoding releases the GIL, and object storage answers many
     requests at once): a million items in a few thousand parts load in seconds."""
@@ -140,7 +159,8 @@ def read_manifest_parts(cache_dir: CacheLocation) -> tuple[list[tuple[ManifestPa
 
     def read(name: str):
         try:
-            return _read_part(store, name)
+            part, table = _read_part(store, name)
+            return part, table if compact is None else compact(table)
         except StorageError:
             raise  # the storage, not the part: no reason to call it damaged
         except (OSError, KeyError, ValueError, pa.ArrowException) as error:
@@ -157,10 +177,11 @@ def read_manifest_parts(cache_dir: CacheLocation) -> tuple[list[tuple[ManifestPa
 
 
 def merge_parts(parts: list[tuple[ManifestPart, pa.Table]]) -> pa.Table:
-    """Concatenate parts (in write order) keeping, for every image_path, only its last row."""
+    """Concatenate parts (in write order) keeping, for every image_path, only its last row. The parts' tables
+    become the chunks of the result, not copied (unless rows are dropped)."""
     if not parts:
         return MANIFEST_SCHEMA.empty_table()
-    merged = pa.concat_tables([table for _, table in parts]).combine_chunks()
+    merged = pa.concat_tables([table for _, table in parts])
     if len(merged) == 0:
         return merged
     # Last occurrence per image_path, computed in Arrow (a Python dict over millions of rows is slow).
@@ -172,9 +193,9 @@ def merge_parts(parts: list[tuple[ManifestPart, pa.Table]]) -> pa.Table:
     return merged.take(pa.array(keep))
 
 
-def intact_parts(cache_dir: CacheLocation) -> list[tuple[ManifestPart, pa.Table]]:
-    """Every manifest part; a damaged one is a CacheError."""
-    parts, damaged = read_manifest_parts(cache_dir)
+def intact_parts(cache_dir: CacheLocation, compact: Callable[[pa.Table], pa.Table] | None = None) -> list[tuple[ManifestPart, pa.Table]]:
+    """Every manifest part (each table compacted, see read_manifest_parts); a damaged one is a CacheError."""
+    parts, damaged = read_manifest_parts(cache_dir, compact)
     if damaged:
         name, reason = next(iter(damaged.items()))
         store = open_store(cache_dir)

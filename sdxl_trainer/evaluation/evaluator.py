@@ -186,7 +186,7 @@ def build_evaluator(settings: EvaluationSettings, world: World, run_dir: Path, d
         if world.is_main:
             for note in notes:
                 print(f"Note: {note}")
-        prompts = choose_sample_prompts(file_prompts, [dataset.caption(item) for item in range(len(dataset))], settings.num_sample_images, seed)
+        prompts = choose_sample_prompts(file_prompts, dataset.captions(), settings.num_sample_images, seed)
     held_out = HeldOutData(dataset, holdout, noise_scheduler, negative)
     samples = SampleColumns(prompts, column_seeds(prompts, seed), settings.sample_size, run_dir / SAMPLE_GRID_FILE)
     return Evaluator(settings, world, held_out, source, validator, samples, caption_chunks, trained_caption_encoder)

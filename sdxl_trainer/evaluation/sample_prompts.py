@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 import random
 import re
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,12 +156,12 @@ def read_prompts(path: Path) -> tuple[list[SamplePrompt], list[str]]:
     return prompts, notes
 
 
-def choose_sample_prompts(file_prompts: list[SamplePrompt], captions: list[str], count: int, seed: int) -> list[SamplePrompt]:
+def choose_sample_prompts(file_prompts: list[SamplePrompt], captions: Sequence[str], count: int, seed: int) -> list[SamplePrompt]:
     """The file's prompts (at most `count`, a line repeated with all its options once), topped up to `count`
     with distinct dataset captions in a seeded order."""
     prompts = list(dict.fromkeys(file_prompts))[:count]
     texts = {prompt.text for prompt in prompts}
-    order = list(range(len(captions)))
+    order = array("q", range(len(captions)))  # 8 bytes an item, not a list of ints: the same shuffle
     random.Random(seed).shuffle(order)
     for index in order:
         if len(prompts) >= count:

@@ -207,7 +207,7 @@ class ImageValidator:
                 embeds, pooled = tensors["prompt_embeds"].float(), tensors["pooled_prompt_embeds"].float()
             else:
                 embeds, pooled = encoded.prompt_embeds[position].cpu(), encoded.pooled_prompt_embeds[position].cpu()
-            width, height = (int(v) for v in self.dataset.bucket_sizes[item])
+            width, height = self.dataset.bucket_size(item)
             seed = sample_seed(self.seed, VALIDATION_IMAGE_KEY, item)
             requests.append(ImageRequest(item, embeds, pooled, width, height, seed))
         return requests

@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -34,6 +34,19 @@ DEFAULT_MIN_RESOLUTION, DEFAULT_MAX_RESOLUTION = 512, 1024  # px, the caching sc
 class CacheConfig(ModelOptions, ResolutionOptions):
     """Every option of sdxl_process_data_dir.py; the model and the resolution range are the sections the trainer
     shares (models/options.py, cache/buckets.py), with the caching defaults filled in where they are unset."""
+
+    # --help lists these first, a line each (the full reference follows).
+    COMMON_OPTIONS: ClassVar[dict[str, str]] = {
+        "data_dir": "the images, each with a caption file of the same name (photo.jpg + photo.txt)",
+        "cache_dir": "where the cache is written: a folder or s3://bucket/prefix",
+        "metadata_table": "or a .jsonl / .parquet table of paths and captions instead of caption files",
+        "pretrained_model_name_or_path": "the SDXL model whose text encoders and VAE encode the data",
+        "vae_name_or_path": "a replacement VAE, e.g. madebyollin/sdxl-vae-fp16-fix",
+        "min_resolution": "smallest bucket category in px; smaller images are skipped (unset = 512)",
+        "max_resolution": "largest bucket category in px; larger images are scaled down (unset = 1024)",
+        "dry_run": "only scan: the bucket histogram and what would be skipped; loads no model",
+        "verify": "only check an existing --cache_dir against its checksums",
+    }
 
     cache_dir: str = option(
         help="folder to write the cache into (not inside --data_dir), or s3://bucket/prefix in S3-compatible object storage (credentials the "

@@ -8,7 +8,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -70,6 +70,23 @@ class TrainConfig(
     """Every option of sdxl_FSDP_train.py. Each section is defined, and checks its own options, beside the component
     that uses them (DataOptions in training/stream.py, ObjectiveOptions in training/objective.py, ...); this class
     adds the checks that span sections and says what each part of the run is built from."""
+
+    # --help lists these first, a line each (the full reference by section follows).
+    COMMON_OPTIONS: ClassVar[dict[str, str]] = {
+        "cached_dataset_dirs": "the caches to train on: sdxl_process_data_dir.py's folders or s3:// prefixes",
+        "output_dir": "where run folders are made: OUTPUT_DIR/PROJECT_NAME",
+        "project_name": "this run's folder",
+        "pretrained_model_name_or_path": "the model to fine-tune; unset = the one the caches were made with",
+        "train_batch_size": "images per GPU per microbatch",
+        "gradient_accumulation_steps": "microbatches per optimizer update",
+        "learning_rate": "peak learning rate",
+        "optimizer": "adamw8bit, adamw, adafactor or lion",
+        "num_train_epochs": "passes over the data",
+        "max_train_updates": "or a number of optimizer updates instead (0 = off)",
+        "save_model_every_n_epochs": "export the model (and save state) every N epochs; 0 = only at the end",
+        "load_saved_state": "latest = go on where this run stopped; or a checkpoint folder",
+        "estimate_memory": "print the memory per GPU this configuration needs, then exit (no GPU needed)",
+    }
 
     def validate(self) -> list[str]:
         problems = [problem for section in type(self).__mro__ if "problems" in vars(section) for problem in vars(section)["problems"](self)]
@@ -165,6 +182,7 @@ class TrainConfig(
                 self.max_validation_loss_items,
                 self.max_validation_images,
             ),
+            captions_in_memory=self.encode_captions_each_step,
         )
 
     def run_facts(self, world_size: int) -> RunFacts:

@@ -66,9 +66,15 @@ GIB = 2**30
 CARD_SIZES_GIB = (16, 24, 48, 80)
 # What the trackers cannot see, added to their peak: the CUDA context and cuBLAS/cuDNN workspaces (about
 # 0.5-1 GiB on recent GPUs), NCCL's communication buffers, and the caching allocator's unused reserve
-# (fragmentation: bucket shapes change every step; expandable segments keep it small).
-UNTRACKED_GIB = 1.5
-UNTRACKED_SHARE = 0.10
+# (fragmentation: bucket shapes change every step). Set to cover the reserved memory measured for every shipped
+# config (one H200 capped at the card, without the expandable segments the trainer turns on, so an upper bound;
+# benchmarks/results/2026-11-25-h200-memory.json): on one GPU 2.55-2.65 GiB over the tracked peak (5.42 GiB
+# reserved at 2.87 tracked with --cpu_offload, 19.78 at 17.13 with bf16 weights); on several 23-49% of it, as
+# FSDP's gathered weights and reduce-scatter buffers change size at every block (20.44 at 13.76 on 2 x 24 GB,
+# 32.06 at 22.74 on 8 x 80 GB, 16.03 at 10.97 on 4 x 8 x 80 GB).
+UNTRACKED_GIB = 2.5
+UNTRACKED_SHARE = 0.10  # of the tracked peak, on one GPU
+UNTRACKED_SHARE_SHARDED = 0.35  # on several GPUs
 CATEGORIES = ("parameters", "gradients", "optimizer state", "EMA", "activations", "temporaries", "inputs")
 
 # Tracker categories -> ours. All-gather outputs hold gathered weights, reduce-scatter inputs gradients.
@@ -106,6 +112,15 @@ class EstimateSettings:
     train_text_encoder: bool = False  # both text encoders trained too, captions encoded each step (caption mode)
 
 
+def untracked_share(world_size: int) -> float:
+    return UNTRACKED_SHARE_SHARDED if world_size > 1 else UNTRACKED_SHARE
+
+
+def needed_gib(tracked_gib: float, world_size: int) -> float:
+    """A tracked peak per GPU (GiB) with the margin for what no tracker sees, on `world_size` GPUs."""
+    return tracked_gib * (1 + untracked_share(world_size)) + UNTRACKED_GIB
+
+
 @dataclass
 class MemoryEstimate:
     settings: EstimateSettings
@@ -121,7 +136,7 @@ class MemoryEstimate:
     @property
     def gpu_needed_gib(self) -> float:
         """The tracked peak with the margin for what no tracker sees."""
-        return self.gpu_peak / GIB * (1 + UNTRACKED_SHARE) + UNTRACKED_GIB
+        return needed_gib(self.gpu_peak / GIB, self.settings.world_size)
 
     def fits(self, card_gib: float) -> bool:
         # A card's usable memory: "24 GB" cards (RTX 3090/4090) have 24 GiB, of which the driver keeps some.
@@ -147,8 +162,8 @@ class MemoryEstimate:
             lines.append(f"  {category:<16} {self.gpu_peak_by_category[category] / GIB:7.2f} GiB")
         lines.append(f"  {'tracked peak':<16} {self.gpu_peak / GIB:7.2f} GiB")
         lines.append(
-            f"  {'with margin':<16} {self.gpu_needed_gib:7.2f} GiB  (+{UNTRACKED_SHARE:.0%} + {UNTRACKED_GIB} GiB for the CUDA context, "
-            "NCCL buffers, workspaces and fragmentation, which no tracker sees)"
+            f"  {'with margin':<16} {self.gpu_needed_gib:7.2f} GiB  (+{untracked_share(settings.world_size):.0%} + {UNTRACKED_GIB} GiB for the "
+            "CUDA context, NCCL buffers, workspaces and fragmentation, which no tracker sees)"
         )
         if self.host_bytes:
             what = "the offloaded weights, gradients and optimizer state (pinned)" if settings.cpu_offload else "the EMA"

@@ -24,13 +24,20 @@ file's, the run stops with the reason: train in a new run folder, or delete the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import operator
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sdxl_trainer.training.dataset import hex_text
 
 HOLDOUT_FILE = "validation_split.json"
 FORMAT_VERSION = 1
@@ -74,22 +81,72 @@ class Holdout:
         return np.setdiff1d(np.arange(num_items, dtype=np.int64), self.held_out, assume_unique=True)
 
 
-def item_keys(cache_index: np.ndarray, image_paths: list[str], image_sha256: list[str]) -> list[str]:
-    """A name for each item that survives moving the cache and re-merging its manifest:
-    "<cache position>/<image content hash>/<image path>"."""
-    return [f"{int(cache)}/{sha}/{path}" for cache, sha, path in zip(cache_index, image_sha256, image_paths)]
+class ItemKeys(Sequence[str]):
+    """Each item's name, "<cache position>/<image content hash>/<image path>": one that survives moving the cache
+    and re-merging its manifest. Kept as its three parts in columns (positions in numpy, the hex hashes as text
+    or as their bytes, the paths in Arrow) and ordered, fingerprinted and searched with Arrow's kernels: as a
+    list of Python strings, ten million names took 1.7 GiB. Sorting the columns (the position as text, then the
+    hash, then the path) orders the names as sorting the joined strings does, since a '/' sorts below every
+    digit and every hex letter (and a hash's bytes sort as its hex text does)."""
+
+    FINGERPRINT_ROWS = 1 << 18  # names joined into text at a time
+
+    def __init__(self, cache_index: np.ndarray, digests: pa.Array | pa.ChunkedArray, paths: pa.Array | pa.ChunkedArray):
+        self.cache_index, self.digests, self.paths = np.asarray(cache_index), digests, paths
+
+    @classmethod
+    def of(cls, names: ItemKeys | Sequence[str]) -> ItemKeys:
+        """`names` as ItemKeys: a sequence of joined names is split into its columns."""
+        if isinstance(names, ItemKeys):
+            return names
+        parts = [name.split("/", 2) for name in names]
+        return cls(np.array([int(cache) for cache, _, _ in parts], dtype=np.int64), pa.array([digest for _, digest, _ in parts], pa.string()),
+                   pa.array([path for _, _, path in parts], pa.string()))
+
+    def __len__(self) -> int:
+        return len(self.cache_index)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[position] for position in range(len(self))[index]]
+        index = operator.index(index)
+        digest = self.digests[index].as_py()
+        return f"{int(self.cache_index[index])}/{digest.hex() if isinstance(digest, bytes) else digest}/{self.paths[index].as_py()}"
+
+    @functools.cached_property
+    def order(self) -> np.ndarray:
+        """Item indices in the order of their names (independent of the manifest's order)."""
+        caches, position = np.unique(self.cache_index, return_inverse=True)
+        as_text = np.argsort(np.argsort([str(cache) for cache in caches.tolist()], kind="stable")) if len(caches) else np.zeros(0, dtype=np.int64)
+        columns = pa.table({"cache": pa.array(as_text[position].astype(np.int32)), "digest": self.digests, "path": self.paths})
+        return pc.sort_indices(columns, sort_keys=[("cache", "ascending"), ("digest", "ascending"), ("path", "ascending")]).to_numpy().astype(np.int64)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of every name and a newline, in name order: the same for the same items in any manifest order."""
+        digest = hashlib.sha256()
+        for start in range(0, len(self), self.FINGERPRINT_ROWS):
+            chosen = self.order[start:start + self.FINGERPRINT_ROWS]
+            columns = (pa.array(self.cache_index[chosen]).cast(pa.string()), hex_text(self.digests.take(chosen)), self.paths.take(chosen))
+            names = pc.binary_join_element_wise(*(column.cast(pa.large_string()) for column in columns), pa.scalar("/", pa.large_string()))
+            digest.update("".join(f"{name}\n" for name in names.to_pylist()).encode("utf-8"))
+        return digest.hexdigest()
+
+    def find(self, names: list[str]) -> np.ndarray:
+        """The sorted indices of the items named in `names` (a name found nowhere adds none)."""
+        wanted = set(names)
+        paths = pa.array(sorted({name.split("/", 2)[2] for name in wanted if name.count("/") >= 2}), pa.string())
+        candidates = np.flatnonzero(pc.is_in(self.paths, value_set=paths).to_numpy(zero_copy_only=False))  # the same path in other caches too
+        return np.array([index for index in candidates.tolist() if self[index] in wanted], dtype=np.int64)
 
 
-def dataset_item_keys(dataset) -> list[str]:
-    """item_keys() of a CachedDataset."""
-    return item_keys(dataset.cache_index, dataset.image_paths, dataset.image_sha256)
+def item_keys(cache_index: np.ndarray, image_paths: Sequence[str], image_sha256: Sequence[str]) -> ItemKeys:
+    """The names of items given by their cache positions, image paths and image content hashes (hex)."""
+    return ItemKeys(cache_index, pa.array(list(image_sha256), pa.string()), pa.array(list(image_paths), pa.string()))
 
 
-def dataset_fingerprint(keys: list[str]) -> str:
-    digest = hashlib.sha256()
-    for key in sorted(keys):
-        digest.update(key.encode("utf-8") + b"\n")
-    return digest.hexdigest()
+def dataset_item_keys(dataset) -> ItemKeys:
+    """The names of a CachedDataset's items, from its columns (no string per item is made)."""
+    return ItemKeys(dataset.cache_index, dataset.image_sha256.arrow(), dataset.image_paths.arrow())
 
 
 def held_out_count(share: float, num_items: int, cap: int = 0) -> int:
@@ -102,10 +159,10 @@ def held_out_count(share: float, num_items: int, cap: int = 0) -> int:
     return min(count, num_items - 1)
 
 
-def priority_order(keys: list[str], bucket_ids: np.ndarray, seed: int) -> np.ndarray:
+def priority_order(keys: ItemKeys | Sequence[str], bucket_ids: np.ndarray, seed: int) -> np.ndarray:
     """All item indices, stratified by bucket (see the module docstring); the same for the same keys and seed."""
     rng = np.random.default_rng([seed, _HOLDOUT_STREAM])
-    by_key = np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)  # independent of manifest order
+    by_key = ItemKeys.of(keys).order  # independent of manifest order
     positions = np.empty(len(keys), dtype=np.float64)
     for bucket in np.unique(bucket_ids):
         members = by_key[bucket_ids[by_key] == bucket]
@@ -116,21 +173,23 @@ def priority_order(keys: list[str], bucket_ids: np.ndarray, seed: int) -> np.nda
     return np.lexsort((tie_break, positions))
 
 
-def choose_holdout(keys: list[str], bucket_ids: np.ndarray, settings: SplitSettings, seed: int) -> Holdout:
+def choose_holdout(keys: ItemKeys | Sequence[str], bucket_ids: np.ndarray, settings: SplitSettings, seed: int) -> Holdout:
     """Choose the validation-loss and validation-image items (nested prefixes of one stratified order)."""
+    keys = ItemKeys.of(keys)
     order = priority_order(keys, bucket_ids, seed)
     num_loss = held_out_count(settings.loss_percent, len(keys), settings.max_loss_items)
     num_image = held_out_count(settings.image_percent, len(keys), settings.max_image_items)
     return Holdout(seed, np.sort(order[:num_loss]), np.sort(order[:num_image]))
 
 
-def save_holdout(path: Path, holdout: Holdout, keys: list[str], settings: SplitSettings) -> None:
+def save_holdout(path: Path, holdout: Holdout, keys: ItemKeys | Sequence[str], settings: SplitSettings) -> None:
+    keys = ItemKeys.of(keys)
     record = {
         "format_version": FORMAT_VERSION,
         "seed": holdout.seed,
         **asdict(settings),
         "num_items": len(keys),
-        "dataset_fingerprint": dataset_fingerprint(keys),
+        "dataset_fingerprint": keys.fingerprint(),
         "loss_items": [keys[index] for index in holdout.loss_items],
         "image_items": [keys[index] for index in holdout.image_items],
     }
@@ -140,8 +199,9 @@ def save_holdout(path: Path, holdout: Holdout, keys: list[str], settings: SplitS
     os.replace(tmp, path)  # readers on other ranks see the old state or the whole file, never half of it
 
 
-def read_holdout(path: Path, keys: list[str], settings: SplitSettings) -> Holdout:
+def read_holdout(path: Path, keys: ItemKeys | Sequence[str], settings: SplitSettings) -> Holdout:
     """The saved split as dataset indices of this dataset, or a HoldoutError saying why it does not fit."""
+    keys = ItemKeys.of(keys)
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
@@ -154,27 +214,23 @@ def read_holdout(path: Path, keys: list[str], settings: SplitSettings) -> Holdou
             f"The validation split in {path} was made with other settings ({'; '.join(changed)}). Resume with the "
             f"split's settings, or delete {path} to choose a new split (validation curves then start over)."
         )
-    index_of = {key: index for index, key in enumerate(keys)}
-    if record["dataset_fingerprint"] != dataset_fingerprint(keys):
+    if record["dataset_fingerprint"] != keys.fingerprint():
         saved = set(record["loss_items"]) | set(record["image_items"])
-        missing = len(saved - index_of.keys())
+        missing = len(saved) - len(keys.find(list(saved)))
         raise HoldoutError(
             f"The dataset changed since the validation split in {path} was made ({record['num_items']} items then, "
             f"{len(keys)} now; {missing} held-out items no longer found as they were). Items trained on before could "
             f"become validation items, or held-out items training items. Train the new dataset in a new --project_name, "
             f"or delete {path} to choose a new split (validation curves then start over)."
         )
-    return Holdout(
-        int(record["seed"]),
-        np.sort(np.array([index_of[key] for key in record["loss_items"]], dtype=np.int64)),
-        np.sort(np.array([index_of[key] for key in record["image_items"]], dtype=np.int64)),
-    )
+    return Holdout(int(record["seed"]), keys.find(record["loss_items"]), keys.find(record["image_items"]))
 
 
-def load_or_choose_holdout(path: Path, keys: list[str], bucket_ids: np.ndarray, settings: SplitSettings, seed: int, write: bool = True) -> Holdout:
+def load_or_choose_holdout(path: Path, keys: ItemKeys | Sequence[str], bucket_ids: np.ndarray, settings: SplitSettings, seed: int, write: bool = True) -> Holdout:
     """Read the run's split from `path` if it exists (a resumed run), else choose it and, if `write`
     (rank 0), save it. Every rank may call this: the choice is the same everywhere, and the file is
     replaced atomically, so a rank that reads it while rank 0 writes sees the whole of it."""
+    keys = ItemKeys.of(keys)
     if path.exists():
         return read_holdout(path, keys, settings)
     holdout = choose_holdout(keys, bucket_ids, settings, seed)

@@ -19,6 +19,7 @@ from sdxl_trainer.cache.format import LOG_DIR, CacheLocation
 from sdxl_trainer.cache.storage import CacheError, open_store
 from sdxl_trainer.config import option
 from sdxl_trainer.distributed.stop_request import ignore_stop_signals
+from sdxl_trainer.runtime.memory import release_freed_memory
 from sdxl_trainer.training.dataset import CachedDataset, DatasetOptions, collate
 from sdxl_trainer.training.epochs import EpochPlan, EpochPlanner, bucket_counts, rank_slice, small_buckets
 from sdxl_trainer.training.holdout import HOLDOUT_FILE, Holdout, HoldoutError, SplitSettings, dataset_item_keys, load_or_choose_holdout
@@ -351,6 +352,7 @@ class DataSettings:
     max_updates: int  # 0: the run is num_epochs long
     num_workers: int
     split: SplitSettings  # the items held out for validation
+    captions_in_memory: bool  # caption mode reads every step's captions: held, not read from the manifest on use
 
 
 @dataclass(frozen=True)
@@ -377,7 +379,8 @@ def load_training_data(settings: DataSettings, run_dir: Path, seed: int, world_s
     the run folder) and plan epochs over the rest. Refuses a run in which no bucket holds one global batch
     before the model loads (the planner would plan no batch: a resume with more processes or a larger
     --train_batch_size than the run that saved it gets here too), and warns about items that will not train."""
-    dataset = CachedDataset(settings.cache_dirs, settings.loss_weights, flip_aug=settings.flip_aug, loss_masks=settings.loss_masks)
+    dataset = CachedDataset(settings.cache_dirs, settings.loss_weights, flip_aug=settings.flip_aug, loss_masks=settings.loss_masks,
+                            captions_in_memory=settings.captions_in_memory)
     items_per_cache = np.bincount(np.asarray(dataset.cache_index, dtype=np.int64), minlength=len(settings.cache_dirs))
     for cache_dir, items in zip(settings.cache_dirs, items_per_cache):
         if items == 0:  # its caching skipped every image, or has not run yet
@@ -403,6 +406,7 @@ def load_training_data(settings: DataSettings, run_dir: Path, seed: int, world_s
             "or run on fewer processes"
         )
     too_small = small_buckets(dataset.bucket_sizes, bucket_ids, planner.epoch_samples(0) % len(dataset), global_batch_size)
+    release_freed_memory()  # reading the manifests and choosing the split took several times what is kept
     if is_main and too_small:
         print(
             f"Warning: {sum(too_small.values())} items in buckets smaller than one global batch of {global_batch_size} "
