@@ -237,7 +237,6 @@ class CachedDataset(Dataset):
         sha256 = _one_buffer(table.column("image_sha256"))  # of the source image's bytes
         self.image_sha256: Sequence[str] = HexDigests(sha256) if pa.types.is_fixed_size_binary(sha256.type) else TextColumn(sha256)
         self._readers: dict[int, CacheReader] = {}
-        del table
 
     @property
     def bucket_sizes(self) -> np.ndarray:
