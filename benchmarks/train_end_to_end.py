@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                 code = run_logged(command, env, work / f"{name}.log", timeout=1800)
             result = VariantResult(name, flags, code)
             try:
+                if not (run_dir / "tensorboard").is_dir():
+                    raise FileNotFoundError(f"{run_dir / 'tensorboard'} was not written")
                 times = update_times(run_dir)
                 result.ms_per_update, result.save_pause_s, result.updates_measured = measure(times, args.measure_from, args.save_at)
                 batch = _images_per_update(run_dir)
