@@ -16,7 +16,7 @@ from sdxl_trainer.config import parse_config
 from sdxl_trainer.distributed.watchdog import JobWatchdog
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 from sdxl_trainer.jobs.train_build import EXPECTED_ERRORS, build_run, hold_run_folder
-from sdxl_trainer.jobs.train_config import TrainConfig, memory_settings
+from sdxl_trainer.jobs.train_config import TrainConfig, memory_settings, speed_settings
 from sdxl_trainer.jobs.train_loop import run_loop
 from sdxl_trainer.outputs.monitor import ConsoleLog
 from sdxl_trainer.runtime.garbage_collection import exempt_live_objects_from_garbage_collection
@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         from sdxl_trainer.tools.memory_estimate import print_memory_estimate  # the full training stack on fake tensors: only here
 
         print_memory_estimate(memory_settings(config))
+        return 0
+    if config.estimate_speed:
+        from sdxl_trainer.tools.speed_estimate import print_speed_estimate
+
+        print_speed_estimate(speed_settings(config))
         return 0
     world = init_distributed(config.replicate_groups)
     exempt_live_objects_from_garbage_collection()

@@ -46,7 +46,10 @@ def empty_prompt_for(unet: UNet2DConditionModel) -> tuple[torch.Tensor, torch.Te
     return torch.full((TEXT_LENGTH, unet.config.cross_attention_dim), 0.5), torch.full((pooled_dim(unet),), -0.5)
 
 
-def make_train_step(unet, optimizer, pipeline_dir: Path, settings: NoiseSettings | None = None, max_grad_norm: float = 1.0, ema=None, prediction_type="epsilon") -> TrainStep:
+def make_train_step(
+    unet, optimizer, pipeline_dir: Path, settings: NoiseSettings | None = None, max_grad_norm: float = 1.0, ema=None, prediction_type="epsilon",
+    reduce_every_microbatch: bool = False,
+) -> TrainStep:
     constant_rate = LearningRateSchedule("constant", float(optimizer.param_groups[0]["lr"]), warmup_updates=0, total_updates=1)
     return TrainStep(
         unet,
@@ -58,6 +61,7 @@ def make_train_step(unet, optimizer, pipeline_dir: Path, settings: NoiseSettings
         run_seed=3,
         max_grad_norm=max_grad_norm,
         ema=ema,
+        reduce_every_microbatch=reduce_every_microbatch,
     )
 
 

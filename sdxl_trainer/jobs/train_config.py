@@ -8,7 +8,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
@@ -35,6 +35,7 @@ from sdxl_trainer.training.stream import DataOptions, DataSettings
 
 if TYPE_CHECKING:
     from sdxl_trainer.tools.memory_estimate import EstimateSettings  # imported when used: torch's memory trackers
+    from sdxl_trainer.tools.speed_estimate import SpeedSettings
 
 
 @dataclass(kw_only=True)
@@ -56,10 +57,26 @@ class EstimateOptions:
         "then exit: the trainer's own code on fake tensors, no GPU, model download or cache needed (minutes on a CPU); "
         "square --max_resolution latents, 1024 px where it is not given",
     )
-    estimate_gpus: int = option(0, help="GPUs (all machines together) --estimate_memory assumes; 0 = this machine's GPUs, 1 without any")
+    estimate_gpus: int = option(0, help="GPUs (all machines together) --estimate_memory and --estimate_speed assume; 0 = this machine's GPUs, 1 without any")
+    estimate_speed: bool = option(
+        False,
+        help="print this configuration's time per update and img/s on --estimate_gpus GPUs of the kind --gpu linked by --interconnect "
+        "(with --replicate_groups: --gpu's own link inside each machine, --interconnect between them), the share of communication not "
+        "hidden behind compute and what to change, and the gain over one GPU, then exit: no GPU needed (seconds on a CPU); "
+        "compute from an H200's measured steps scaled by peak FLOP/s (docs/speed.md)",
+    )
+    gpu: Literal["h100", "h200", "a100", "4090", "3090"] = option("h100", help="with --estimate_speed: the GPU kind")
+    interconnect: Literal["nvlink4", "nvlink3", "pcie4", "pcie4_x8", "pcie4_x4", "pcie5", "ib400", "eth100"] = option(
+        "nvlink4",
+        help="with --estimate_speed: the link between the GPUs that shard together (between machines with --replicate_groups); "
+        "pcie4_x8 / pcie4_x4: the lanes a desktop board gives each of two cards",
+    )
 
     def problems(self) -> list[str]:
-        return ["--estimate_gpus must be >= 0 (0 = this machine's GPUs)"] if self.estimate_gpus < 0 else []
+        problems = ["--estimate_gpus must be >= 0 (0 = this machine's GPUs)"] if self.estimate_gpus < 0 else []
+        if self.estimate_memory and self.estimate_speed:
+            problems.append("--estimate_memory and --estimate_speed: give one of them")
+        return problems
 
 
 @dataclass(kw_only=True)
@@ -90,8 +107,13 @@ class TrainConfig(
 
     def validate(self) -> list[str]:
         problems = [problem for section in type(self).__mro__ if "problems" in vars(section) for problem in vars(section)["problems"](self)]
-        if self.estimate_memory and self.replicate_groups >= 1 and self.estimate_gpus % self.replicate_groups:
+        if (self.estimate_memory or self.estimate_speed) and self.replicate_groups >= 1 and self.estimate_gpus % self.replicate_groups:
             problems.append(f"--estimate_gpus {self.estimate_gpus} does not split into --replicate_groups {self.replicate_groups} equal groups")
+        if self.estimate_speed and (self.cpu_offload or self.train_text_encoder):
+            problems.append(
+                "--estimate_speed covers the UNet trained on the GPUs: not --cpu_offload (the optimizer steps on the host's CPU, whose "
+                "speed it does not know) nor --train_text_encoder; leave them out for an estimate of the rest"
+            )
         if self.learning_rate == 0 and self.train_text_encoder:
             problems.append("the UNet always trains here: kohya's --learning_rate 0 (text encoders alone) is not supported; give the UNet a rate")
         if self.learning_rate_scheduler == "polynomial" and self.polynomial_lr_end >= self.learning_rate:
@@ -285,3 +307,21 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
         )  # fmt: skip
         for reduce_every_microbatch in sorted(reductions, reverse=True)
     ]
+
+
+def speed_settings(config: TrainConfig) -> SpeedSettings:
+    """What --estimate_speed judges: config.estimate_gpus GPUs of the kind --gpu (0: this machine's count), the
+    batch, resolution and sharding options; --gradient_reduction auto resolved as on that GPU (reduce_every_microbatch)."""
+    from sdxl_trainer.tools.speed_estimate import GPUS, SpeedSettings
+
+    gpus = config.estimate_gpus or max(torch.cuda.device_count(), 1)
+    every_microbatch = config.gradient_reduction == "every_microbatch" or (
+        config.gradient_reduction == "auto" and GPUS[config.gpu].memory_gib < 40 and config.gradient_accumulation_steps > 1
+    )
+    return SpeedSettings(
+        gpus=gpus, replicate_groups=config.replicate_groups if gpus % config.replicate_groups == 0 else 1, train_batch_size=config.train_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps, resolution=config.max_resolution or 1024,
+        compute_bytes=4 if config.mixed_precision == "fp32" and config.weights_dtype == "fp32" else 2,
+        gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
+        reduce_every_microbatch=every_microbatch, gpu=config.gpu, interconnect=config.interconnect,
+    )  # fmt: skip

@@ -43,6 +43,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
     from torch._C._distributed_c10d import FakeStore
@@ -55,6 +56,7 @@ from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.models.encoders import TEXT_MAX_LENGTH, trainable_text_encoder
 from sdxl_trainer.models.sdxl import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, build_full_size_text_encoders, sdxl_tokenizers
 from sdxl_trainer.optimizers.build import build_optimizer, local_optimizer_state_bytes
+from sdxl_trainer.tools.speed_estimate import CollectiveBytes
 from sdxl_trainer.training.captions import CaptionVariation, StepCaptionEncoder
 from sdxl_trainer.training.ema import ShardedEMA
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule
@@ -176,18 +178,11 @@ class MemoryEstimate:
 class _PeakOfCounted:
     """What the estimate's trackers add to torch's: they keep the peak of the categories they count (all of
     them, or the GPU's share under CPU offload) and no per-module statistics, which cost a pass over every
-    tracked module per operation (SDXL's UNet has about 2,000 modules); and a read of a tensor's value to the
-    host gives 1, as fake tensors hold no values and the step reads a few (loss and gradient norm to decide
-    on the step, step counts, sample indices for the noise): every update is then finite and stepped."""
+    tracked module per operation (SDXL's UNet has about 2,000 modules)."""
 
     counted: tuple  # tracker categories on the GPU
     gpu_peak: int = 0
     gpu_peak_snapshot: dict = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return 1.0 if args[0].dtype.is_floating_point else 1
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - the trackers' signature
         for snapshot in self._curr_mem_snap.values():
@@ -195,6 +190,17 @@ class _PeakOfCounted:
             if counted > self.gpu_peak:
                 self.gpu_peak = counted
                 self.gpu_peak_snapshot = dict(snapshot)
+
+
+class _ValuesReadAsOne(TorchDispatchMode):
+    """A read of a fake tensor's value to the host gives 1: fake tensors hold no values, and the step reads a
+    few (loss and gradient norm to decide on the step, step counts, sample indices for the noise). Every
+    update is then finite and stepped."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1.0 if args[0].dtype.is_floating_point else 1
+        return func(*args, **(kwargs or {}))
 
 
 class _FSDPPeakTracker(_PeakOfCounted, FSDPMemTracker):
@@ -369,7 +375,7 @@ def estimate_memory(
         tracker = _FSDPPeakTracker(run) if sharded else _PlainPeakTracker(run)
         categories = _FSDP_CATEGORIES if sharded else _PLAIN_CATEGORIES
         tracker.counted = tuple(category for category in categories if not (settings.cpu_offload and category in _OFFLOADED))
-        with tracker:
+        with tracker, _ValuesReadAsOne():
             _train_two_updates(run, world.device)
         by_category = dict.fromkeys(CATEGORIES, 0)
         for category, size in tracker.gpu_peak_snapshot.items():
@@ -389,6 +395,18 @@ def estimate_memory(
             host_bytes += 2 * local_parameter_bytes(run.trained) + state_bytes  # weights and gradients (in the weights' dtype), the optimizer's state
         return MemoryEstimate(settings, by_category, host_bytes, sum(parameter.numel() for parameter in unet.parameters()),
                               sum(parameter.numel() for parameter in run.trained.parameters() if parameter.requires_grad))  # fmt: skip
+
+
+def count_collectives(settings: EstimateSettings, unet_config: dict | None = None) -> CollectiveBytes:
+    """What one rank's collectives move in estimate_memory's two updates, on fake tensors over the fake process
+    group (its first update, the optimizer's alone, moves nothing): the speed estimate's byte count, checked at
+    full size by tests/test_speed_estimate.py."""
+    with _fake_world(settings.world_size, torch.device("cpu")) as world, FakeTensorMode(allow_non_fake_inputs=True), tracing(TracingContext(FakeTensorMode())):
+        run = _build_run(settings, world, unet_config or SDXL_UNET_CONFIG, None)
+        _zero_gradients(run)
+        with CollectiveBytes() as counted, _ValuesReadAsOne():
+            _train_two_updates(run, world.device)
+    return counted
 
 
 @dataclass

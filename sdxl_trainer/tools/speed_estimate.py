@@ -1,0 +1,383 @@
+"""Time per update of a training configuration on named hardware, predicted on any machine (no GPU needed):
+--estimate_speed --gpu h100|h200|a100|4090|3090 --interconnect nvlink4|nvlink3|pcie4|pcie4_x8|pcie4_x4|pcie5|ib400|eth100.
+
+What it adds up, per FSDP2 unit of the UNet as distributed/fsdp.shard_unet wraps it (the root, each down / mid
+/ up block, each transformer block), in the order the forward reaches them:
+- compute: each unit's share of a microbatch's time on one GPU. Until the GPU battery measures units one by
+  one, that time is the whole UNet's, measured on an H200 (benchmarks/results/2026-11-27-h200-gpu_check.json:
+  the trainer's step at batch 1, 4 and 8, less its optimizer step), split over the units by their FLOP (counted
+  on the meta device); another GPU's is scaled by its published peak bf16 FLOP/s. A microbatch is never faster
+  than the H200's batch-1 time: the host's work (launching kernels) sets a floor that a faster GPU or a smaller
+  batch does not lower, and it is taken to be the same on every machine.
+- communication, as FSDP2 issues it (docs/design.md §15): each unit's weights all-gathered in the compute
+  dtype before its forward, and again before its backward with --reshard_after_forward; its gradients
+  reduce-scattered in fp32 after its backward, on every microbatch or on the last (--gradient_reduction); with
+  HSDP (--replicate_groups) the reduced shards all-reduced across the groups. Shards are padded as FSDP2 pads
+  them (dim 0 to a multiple of the shard count). A collective of N bytes over p GPUs takes (p - 1) / p x N (an
+  all-reduce twice that) at the link's bandwidth (NCCL's ring).
+- overlap: one stream computes, one communicates (in the order the collectives are issued); a unit computes
+  once its weights are gathered, and the next unit's gather starts as soon as the link is free once this
+  unit's compute has started (FSDP2's prefetch); a unit's reduce-scatter follows its backward.
+- the optimizer step: the larger of the 8-bit AdamW step's memory traffic (16 bytes a value of the rank's shard)
+  at the GPU's bandwidth and the host time measured on the H200 (its step is host-bound).
+Nothing else (data loading, logging, saves) is counted: the battery's end-to-end part measures that.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+H200_MEASUREMENT = REPO_ROOT / "benchmarks" / "results" / "2026-11-27-h200-gpu_check.json"
+H200_PEAK_BF16 = 989e12
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    peak_bf16_flops: float  # dense tensor-core FLOP/s, fp32 accumulation, no sparsity
+    memory_bandwidth: float  # bytes/s
+    memory_gib: int
+    intra_node_link: str  # what links the GPUs of one machine (HSDP's shard groups)
+    source: str
+
+
+GPUS = {
+    "h200": GpuSpec(989e12, 4.8e12, 141, "nvlink4", "NVIDIA H200 SXM (the H100's GH100 die: 1,979 TFLOP/s with sparsity)"),
+    "h100": GpuSpec(989e12, 3.35e12, 80, "nvlink4", "NVIDIA H100 SXM datasheet (1,979 with sparsity, half without)"),
+    "a100": GpuSpec(312e12, 2.039e12, 80, "nvlink3", "NVIDIA A100 SXM 80GB datasheet"),
+    "4090": GpuSpec(165e12, 1.008e12, 24, "pcie4", "Ada whitepaper, RTX 4090 (330 with fp16 accumulation or sparsity); no GPU-to-GPU P2P"),
+    "3090": GpuSpec(71e12, 0.936e12, 24, "pcie4", "GA102 whitepaper, RTX 3090 (142 with fp16 accumulation)"),
+}
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    bytes_per_second: float  # per GPU and direction, as the link is sold
+    efficiency: float  # the share NCCL's rings reach (its "bus bandwidth")
+    source: str
+
+    @property
+    def bandwidth(self) -> float:
+        return self.bytes_per_second * self.efficiency
+
+
+LINKS = {
+    "nvlink4": LinkSpec(450e9, 0.82, "900 GB/s both ways per H100/H200; NCCL's busbw about 370 GB/s (nccl-tests #212)"),
+    "nvlink3": LinkSpec(300e9, 0.80, "600 GB/s both ways per A100 (assumed: NCCL's share as NVLink4's)"),
+    "pcie4": LinkSpec(31.5e9, 0.70, "PCIe 4.0 x16, 16 GT/s x 128b/130b (NCCL's share assumed; without P2P, as on RTX 4090s, through host memory: less)"),
+    "pcie4_x8": LinkSpec(15.75e9, 0.70, "PCIe 4.0 x8: two cards on a desktop board's CPU lanes, split x8/x8 (NCCL's share assumed)"),
+    "pcie4_x4": LinkSpec(7.9e9, 0.70, "PCIe 4.0 x4: a desktop board's second slot wired to the chipset (NCCL's share assumed)"),
+    "pcie5": LinkSpec(63e9, 0.70, "PCIe 5.0 x16 (NCCL's share assumed)"),
+    "ib400": LinkSpec(50e9, 0.90, "InfiniBand NDR 400 Gb/s per GPU (NCCL's share assumed)"),
+    "eth100": LinkSpec(12.5e9, 0.80, "100 Gb Ethernet (NCCL's share assumed)"),
+}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP2 unit: its name, its parameters' shapes, and its forward FLOP per image."""
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    forward_flop: float
+
+    def padded_values(self, shards: int) -> int:
+        """Values one rank holds of this unit: each parameter's dim 0 padded to a multiple of `shards`."""
+        return sum(-(-shape[0] // shards) * math.prod(shape[1:]) for shape in self.shapes)
+
+
+@dataclass(frozen=True)
+class SpeedSettings:
+    gpus: int
+    replicate_groups: int
+    train_batch_size: int
+    gradient_accumulation_steps: int
+    resolution: int
+    compute_bytes: int  # 2 (bf16 / fp16) or 4 (fp32): what the weights are gathered in
+    gradient_checkpointing: bool
+    reshard_after_forward: bool
+    reduce_every_microbatch: bool
+    gpu: str
+    interconnect: str
+
+    @property
+    def shard_group(self) -> int:
+        return self.gpus // self.replicate_groups
+
+
+def fsdp_units(unet: nn.Module) -> list[nn.Module]:
+    """The modules shard_unet makes FSDP2 units of, the root first: each transformer block (or the checkpoint
+    wrapper around it), each down / mid / up block, the UNet."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    blocks = [module for module in unet.modules() if isinstance(module, BasicTransformerBlock)]
+    return [unet, *unet.down_blocks, unet.mid_block, *unet.up_blocks, *blocks]
+
+
+def units_of(unet: nn.Module, resolution: int) -> list[Unit]:
+    """The UNet's FSDP2 units in the order its forward reaches them, with their parameters (those of nested
+    units left out) and forward FLOP per image (counted on the meta device: the unit's own, nested units' out)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    modules = fsdp_units(unet)
+    names = {module: name for name, module in unet.named_modules()}
+    owner: dict[int, nn.Module] = {}
+    for module in sorted(modules, key=lambda module: -len(names[module])):  # the innermost unit claims a parameter first
+        for parameter in module.parameters():
+            owner.setdefault(id(parameter), module)
+    if not next(unet.parameters()).is_meta:
+        raise ValueError("units_of counts FLOP on the meta device: build the UNet under torch.device('meta')")
+    order: list[nn.Module] = []
+    hooks = [module.register_forward_pre_hook(lambda module, _args: order.append(module) if module not in order else None) for module in modules]
+    config, side = unet.config, resolution // 8
+    pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+    with torch.device("meta"), FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        unet(torch.zeros(1, config.in_channels, side, side), torch.zeros(1, dtype=torch.long), encoder_hidden_states=torch.zeros(1, 77, config.cross_attention_dim),
+             added_cond_kwargs={"text_embeds": torch.zeros(1, pooled), "time_ids": torch.zeros(1, 6)})
+    for hook in hooks:
+        hook.remove()
+    counts = counter.get_flop_counts()  # by module, each module's count including its submodules'
+
+    def path(module: nn.Module) -> str:
+        return type(unet).__name__ + (f".{names[module]}" if module is not unet else "")
+
+    def inside(inner: nn.Module, outer: nn.Module) -> bool:
+        return inner is not outer and (outer is unet or path(inner).startswith(path(outer) + "."))
+
+    units = []
+    for module in order:
+        nested = [other for other in modules if inside(other, module)]
+        direct = [other for other in nested if not any(inside(other, between) for between in nested)]
+        flop = sum(counts.get(path(module), {}).values()) - sum(sum(counts.get(path(other), {}).values()) for other in direct)
+        shapes = tuple(tuple(parameter.shape) for parameter in module.parameters() if owner[id(parameter)] is module)
+        units.append(Unit(names[module] or "root", shapes, float(flop)))
+    return units
+
+
+@functools.cache
+def sdxl_units(resolution: int) -> tuple[Unit, ...]:
+    from sdxl_trainer.models.sdxl import build_full_size_unet
+
+    with torch.device("meta"):
+        unet = build_full_size_unet()
+    return tuple(units_of(unet, resolution))
+
+
+# ---- what the collectives move --------------------------------------------------------------------------
+
+
+def collective_bytes(units: list[Unit] | tuple[Unit, ...], settings: SpeedSettings) -> dict[str, int]:
+    """Bytes of the tensors FSDP2's collectives move in one update on one rank, by kind, as torch counts a
+    collective's size: an all-gather's gathered output, a reduce-scatter's whole input, an all-reduce's tensor
+    (what CollectiveBytes counts). Nothing with one process and no offload: the UNet is not sharded there."""
+    if settings.gpus == 1:
+        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    shards = settings.shard_group
+    gathers_per_microbatch = 2 if settings.reshard_after_forward else 1
+    reductions = settings.gradient_accumulation_steps if settings.reduce_every_microbatch else 1
+    gathered = sum(unit.padded_values(shards) for unit in units) * shards
+    return {
+        "all_gather": gathered * settings.compute_bytes * gathers_per_microbatch * settings.gradient_accumulation_steps,
+        "reduce_scatter": gathered * 4 * reductions,
+        "all_reduce": (sum(unit.padded_values(shards) for unit in units) * 4 * reductions) if settings.replicate_groups > 1 else 0,
+    }
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts, by kind, the bytes of the collectives that run under it (c10d's all-gather, reduce-scatter and
+    all-reduce, as FSDP2 and the trainer call them), in forward and backward: a public dispatch mode, no patch.
+    `least_bytes` leaves out the small ones (a loss or a norm all-reduced)."""
+
+    def __init__(self, least_bytes: int = 64):
+        super().__init__()
+        self.least_bytes = least_bytes
+        self.kinds = {torch.ops.c10d._allgather_base_: "all_gather", torch.ops.c10d._reduce_scatter_base_: "reduce_scatter", torch.ops.c10d.allreduce_: "all_reduce"}
+        self.bytes = dict.fromkeys(self.kinds.values(), 0)
+        self.calls = dict.fromkeys(self.kinds.values(), 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = self.kinds.get(func.overloadpacket)
+        if kind is not None:
+            tensor = {"all_gather": lambda: args[0], "reduce_scatter": lambda: args[1], "all_reduce": lambda: args[0][0]}[kind]()
+            size = tensor.numel() * tensor.element_size()
+            if size >= self.least_bytes:
+                self.bytes[kind] += size
+                self.calls[kind] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# ---- time ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComputeTimes:
+    """One GPU's time for a microbatch of the whole UNet, and its host floor, in seconds."""
+
+    seconds: float
+    host_floor: float
+    source: str
+
+
+def microbatch_compute(settings: SpeedSettings, flop_per_image: float) -> ComputeTimes:
+    """A microbatch's forward and backward on one GPU of the kind, from the H200's measured steps (see the
+    module docstring): the effective FLOP/s of its batch-8 step, scaled by peak; at least its batch-1 time."""
+    rows = [row for row in json.loads(H200_MEASUREMENT.read_text())["sweep"]["rows"]
+            if row["path"] == "trainer" and row["gradient_checkpointing"] == settings.gradient_checkpointing and row["seconds_per_step"]]
+    by_batch = {row["batch_size"]: row["seconds_per_step"] - row["optimizer_seconds"] for row in rows}
+    largest = max(by_batch)
+    h200_flop_per_image = flop_per_image * (1024 / settings.resolution) ** 2  # the measurement's resolution
+    effective = largest * h200_flop_per_image / by_batch[largest] * GPUS[settings.gpu].peak_bf16_flops / H200_PEAK_BF16
+    return ComputeTimes(settings.train_batch_size * flop_per_image / effective, by_batch[min(by_batch)],
+                        f"{H200_MEASUREMENT.name}: the H200 trainer step at batch {largest} less its optimizer ({by_batch[largest] * 1000:.0f} ms), "
+                        f"scaled by peak bf16 FLOP/s to the {settings.gpu}; host floor its batch-1 time ({by_batch[min(by_batch)] * 1000:.0f} ms)")
+
+
+def optimizer_seconds(settings: SpeedSettings, values: int) -> float:
+    rows = json.loads(H200_MEASUREMENT.read_text())["sweep"]["rows"]
+    host = min(row["optimizer_seconds"] for row in rows if row["path"] == "trainer" and row["optimizer_seconds"])
+    return max(16 * values / settings.shard_group / (GPUS[settings.gpu].memory_bandwidth * 0.7), host)
+
+
+@dataclass
+class SpeedEstimate:
+    settings: SpeedSettings
+    update_seconds: float
+    compute_seconds: float  # every microbatch's forward and backward, the GPU busy
+    optimizer_seconds: float
+    exposed_communication_seconds: float  # the compute stream waiting for a collective
+    communication_seconds: float  # the link busy, hidden or not
+    collective_bytes: dict[str, int]
+    compute_source: str
+
+    @property
+    def images_per_update(self) -> int:
+        settings = self.settings
+        return settings.train_batch_size * settings.gradient_accumulation_steps * settings.gpus
+
+    @property
+    def images_per_second(self) -> float:
+        return self.images_per_update / self.update_seconds
+
+    def report(self) -> str:
+        settings = self.settings
+        link = LINKS[settings.interconnect]
+        lines = [
+            f"Speed estimate: {settings.gpus} x {settings.gpu}"
+            + (f" in {settings.replicate_groups} machines (HSDP; {GPUS[settings.gpu].intra_node_link} inside, {settings.interconnect} between)"
+               if settings.replicate_groups > 1 else f" over {settings.interconnect}" if settings.gpus > 1 else "")
+            + f", batch {settings.train_batch_size} x {settings.gpus} GPU x {settings.gradient_accumulation_steps} accumulation "
+            f"= {self.images_per_update} images per update at {settings.resolution} px:",
+            f"  {self.update_seconds * 1000:.0f} ms per update: compute {self.compute_seconds * 1000:.0f} ms, optimizer "
+            f"{self.optimizer_seconds * 1000:.0f} ms"
+            + (f", communication not hidden {self.exposed_communication_seconds * 1000:.0f} ms ({self.exposed_communication_seconds / self.update_seconds:.0%} "
+               f"of the update; the link is busy {self.communication_seconds * 1000:.0f} ms)" if settings.gpus > 1 else ""),
+            f"  {self.images_per_second / settings.gpus:.2f} img/s per GPU, {self.images_per_second:.2f} img/s for the job",
+        ]
+        moved = {kind: size / 2**30 for kind, size in self.collective_bytes.items()}
+        if settings.gpus > 1:
+            lines.append(f"  per update and GPU: all-gathers {moved['all_gather']:.1f} GiB, reduce-scatters {moved['reduce_scatter']:.1f} GiB"
+                         + (f", all-reduces {moved['all_reduce']:.1f} GiB" if moved["all_reduce"] else ""))
+        share = self.exposed_communication_seconds / self.update_seconds
+        if settings.gpus > 1 and share > 0.15:
+            advice = ["a larger --train_batch_size (more compute to hide each gather behind)"]
+            if settings.reshard_after_forward:
+                advice.append("--no-reshard_after_forward (one gather per microbatch instead of two, if the memory allows)")
+            if settings.reduce_every_microbatch and settings.gradient_accumulation_steps > 1:
+                advice.append("--gradient_reduction once_per_update (one reduce-scatter per update, if the memory allows)")
+            if settings.replicate_groups == 1 and settings.gpus > 8:
+                advice.append("--replicate_groups MACHINES (gathers inside each machine, only the all-reduce between them)")
+            advice.append(f"a faster link than {settings.interconnect} ({link.bandwidth / 1e9:.0f} GB/s assumed)")
+            lines.append(f"  {share:.0%} of the update waits for the link: try " + "; ".join(advice) + ".")
+        lines.append(f"  compute from {self.compute_source} (per unit: by FLOP; a placeholder until the GPU battery measures units)"
+                     + (f"; link {settings.interconnect}: {link.source}" if settings.gpus > 1 else ""))
+        return "\n".join(lines)
+
+
+def estimate_speed(settings: SpeedSettings, units: list[Unit] | tuple[Unit, ...] | None = None) -> SpeedEstimate:
+    """The update's time by the model in the module docstring."""
+    units = units if units is not None else sdxl_units(settings.resolution)
+    flop_per_image = sum(unit.forward_flop for unit in units)
+    compute = microbatch_compute(settings, flop_per_image * (4 if settings.gradient_checkpointing else 3))
+    microbatch = max(compute.seconds, compute.host_floor)
+    forward_share = 1 / (4 if settings.gradient_checkpointing else 3)  # backward: twice the forward, and the recompute
+    shares = [unit.forward_flop / flop_per_image for unit in units]
+    forward = [microbatch * forward_share * share for share in shares]
+    backward = [microbatch * (1 - forward_share) * share for share in shares]
+    sharded = settings.gpus > 1
+    shards = settings.shard_group
+    intra = LINKS[GPUS[settings.gpu].intra_node_link if settings.replicate_groups > 1 else settings.interconnect]
+    gather = [(shards - 1) / shards * unit.padded_values(shards) * shards * settings.compute_bytes / intra.bandwidth if sharded else 0.0 for unit in units]
+    scatter = [(shards - 1) / shards * unit.padded_values(shards) * shards * 4 / intra.bandwidth if sharded else 0.0 for unit in units]
+    replicas = settings.replicate_groups
+    reduce_across = [2 * (replicas - 1) / replicas * unit.padded_values(shards) * 4 / LINKS[settings.interconnect].bandwidth for unit in units]
+    clock = _Timeline()
+    for microbatch_number in range(settings.gradient_accumulation_steps):
+        reduce_now = settings.reduce_every_microbatch or microbatch_number == settings.gradient_accumulation_steps - 1
+        clock.forward(forward, gather)
+        clock.backward(backward, gather if settings.reshard_after_forward else [0.0] * len(units), scatter if reduce_now else [0.0] * len(units),
+                       reduce_across if reduce_now and replicas > 1 else [0.0] * len(units))
+    optimizer = optimizer_seconds(settings, sum(math.prod(shape) for unit in units for shape in unit.shapes))
+    compute_total = sum(forward + backward) * settings.gradient_accumulation_steps
+    steps = clock.finish()
+    return SpeedEstimate(settings, steps + optimizer, compute_total, optimizer, max(steps - compute_total, 0.0), clock.link_busy,
+                         collective_bytes(units, settings), compute.source)
+
+
+class _Timeline:
+    """Two streams, as FSDP2 runs them: the GPU's compute and the link's collectives (each in issue order)."""
+
+    def __init__(self) -> None:
+        self.compute_free = 0.0
+        self.link_free = 0.0
+        self.across_free = 0.0  # HSDP's link between machines
+        self.link_busy = 0.0
+
+    def _collective(self, seconds: float, not_before: float) -> float:
+        start = max(self.link_free, not_before)
+        self.link_free = start + seconds
+        self.link_busy += seconds
+        return self.link_free
+
+    def forward(self, compute: list[float], gather: list[float]) -> None:
+        ready = self._collective(gather[0], self.compute_free)
+        for index, seconds in enumerate(compute):
+            start = max(self.compute_free, ready)
+            if index + 1 < len(compute):  # the next unit's gather, issued once this one computes
+                ready = self._collective(gather[index + 1], start)
+            self.compute_free = start + seconds
+
+    def backward(self, compute: list[float], gather: list[float], scatter: list[float], reduce_across: list[float]) -> None:
+        order = list(reversed(range(len(compute))))
+        ready = self._collective(gather[order[0]], self.compute_free)
+        for position, index in enumerate(order):
+            start = max(self.compute_free, ready)
+            if position + 1 < len(order):
+                ready = self._collective(gather[order[position + 1]], start)
+            self.compute_free = start + compute[index]
+            scattered = self._collective(scatter[index], self.compute_free)
+            if reduce_across[index]:
+                self.across_free = max(self.across_free, scattered) + reduce_across[index]
+                self.link_busy += reduce_across[index]
+
+    def finish(self) -> float:
+        return max(self.compute_free, self.link_free, self.across_free)
+
+
+def print_speed_estimate(settings: SpeedSettings) -> None:
+    estimate = estimate_speed(settings)
+    print(estimate.report())
+    if settings.gpus > 1:
+        alone = estimate_speed(SpeedSettings(**{**settings.__dict__, "gpus": 1, "replicate_groups": 1}))
+        gain = estimate.images_per_second / alone.images_per_second
+        print(f"  against one {settings.gpu} with the same settings ({alone.images_per_second:.2f} img/s; whether it fits: --estimate_memory): "
+              f"x{gain:.2f} with {settings.gpus} ({gain / settings.gpus:.0%} of a perfect scaling)")
+
