@@ -50,7 +50,7 @@ def test_an_update_reads_the_device_once_and_never_inside_a_microbatch(world, ti
     seed, settings = 4, NoiseSettings(conditional_dropout_percent=0.1, noise_offset=0.05, ip_noise_gamma=0.1)
     data = load_training_data(
         DataSettings([str(sample_cache_dir)], None, None, flip_aug=False, loss_masks=False, per_rank_batch=2, gradient_accumulation_steps=2,
-                     num_epochs=4, max_updates=0, num_workers=0, split=SplitSettings(0.0, 0.0, 0, 0)),
+                     num_epochs=4, max_updates=0, num_workers=0, split=SplitSettings(0.0, 0.0, 0, 0), captions_in_memory=False),
         tmp_path / "run", seed, world_size=1, is_main=True,
     )
     stream = data.stream(DataPosition.epoch_start(0), 0, rank=0, device=world.device, draws=SampleDraws(seed, settings))
