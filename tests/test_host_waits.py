@@ -1,11 +1,11 @@
 """What makes a GPU's host wait, counted over updates of the tiny model through the trainer's own path (the data
-stream with its draws, TrainStep, the monitor's logging): every read of a tensor's value on the host (.item(),
+stream with its draws, TrainStep, the monitor's logging, the ranks' stop agreement): every read of a tensor's value on the host (.item(),
 .tolist(), a truth value, int() / float(), .numpy(), .cpu(), nonzero). On a GPU each read of a device tensor
 stops the host until the GPU has caught up, and the GPU then idles while the host prepares what comes next.
 
 Here everything is on the CPU, so a read is told apart by where it happens: the update's one read of the loss
 and gradient norm (TrainStep), and reads of tensors that live on the host by design (the monitor's peak-memory
-figures, gathered over a gloo group), listed below with why. Any other read fails the test, with its place.
+figures and the stop agreement's flag, both over gloo groups), listed below with why. Any other read fails the test, with its place.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import sys
 from collections import defaultdict
 
 import pytest
+import torch.distributed as dist
 from diffusers import UNet2DConditionModel
 from torch.overrides import TorchFunctionMode
 from unet_batches import make_train_step
 
 from sdxl_trainer.distributed.fsdp import prepare_unet
+from sdxl_trainer.distributed.stop_request import StopRequest
 from sdxl_trainer.optimizers.build import build_optimizer
 from sdxl_trainer.outputs.monitor import MetricsWriter, TrainingMonitor
 from sdxl_trainer.training.holdout import SplitSettings
@@ -28,7 +30,8 @@ from sdxl_trainer.training.stream import DataPosition, DataSettings, load_traini
 HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero"}
 # Where a read is allowed: (file, function) of the code that reads.
 THE_UPDATES_READ = ("step.py", "__call__")  # the loss and gradient norm, one transfer, after the microbatches
-HOST_SIDE = {("monitor.py", "gather_floats")}  # allocator peaks gathered over a gloo group: CPU tensors, no GPU
+# Allocator peaks gathered, and the stop flag all-reduced, over gloo groups: CPU tensors, no GPU.
+HOST_SIDE = {("monitor.py", "gather_floats"), ("stop_request.py", "agreed")}
 
 
 class HostReads(TorchFunctionMode):
@@ -58,14 +61,17 @@ def test_an_update_reads_the_device_once_and_never_inside_a_microbatch(world, ti
     optimizer = build_optimizer("adamw8bit", unet.parameters(), 1e-4, 1e-2, (0.9, None), 1e-8)
     step = make_train_step(unet, optimizer, tiny_pipeline_dir, settings)
     monitor = TrainingMonitor(MetricsWriter(tmp_path / "tensorboard", True), stream.num_updates, 0, world.device, True, every_n_updates=1)
+    stop = StopRequest(announce=False, host_group=dist.new_group(backend="gloo"))  # as train_build makes it
     reads_per_update = []
     for number, update in zip(range(5), stream):
         assert all("noise" in batch for batch in update.microbatches)  # drawn where the batch was read
         with HostReads() as reads:
             result = step(update.microbatches, update.epoch)
             monitor.log_update(step.updates_done, update.epoch, result.loss, result.learning_rate, result.grad_norm, result.stepped, 0)
+            assert not stop.agreed()
         reads_per_update.append(reads.places)
     monitor.close()
+    stop.restore_handlers()
     assert len(reads_per_update) == 5
     # The first update builds the optimizer's layout from its state on the host (its step counts: CPU tensors).
     for places in reads_per_update[1:]:

@@ -210,7 +210,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     return Run(
         config=config, world=world, log_dir=log_dir, models=models, ema=ema, stream=stream, train_step=train_step, first_update=first_update,
         total_updates=total_updates, resumed=saved is not None, monitor=monitor, evaluator=evaluator, checkpointer=checkpointer, exporter=exporter,
-        stop=StopRequest(announce=world.is_main),
+        stop=StopRequest(announce=world.is_main, host_group=dist.new_group(backend="gloo")),
     )
 
 

@@ -37,7 +37,7 @@ def run_loop(run: Run) -> None:
                 f"loss or gradient. State saved to {checkpoint_dir}. Lower --learning_rate, use --mixed_precision bf16 instead of fp16, "
                 "or check the cache with sdxl_process_data_dir.py --verify."
             )
-        if run.stop.agreed(run.world.device):
+        if run.stop.agreed():
             try:
                 checkpoint_dir = checkpointer.before_exit(update.position_after, even_without_save_state=True)
             except CheckpointError as error:
