@@ -242,6 +242,8 @@ def microbatch_compute(settings: SpeedSettings, flop_per_image: float) -> Comput
 
 
 def optimizer_seconds(settings: SpeedSettings, values: int) -> float:
+    """The 8-bit AdamW step over a rank's shard of `values`: its memory traffic at 70% of the GPU's bandwidth,
+    or the host time the H200 measured for it (the least of its rows), whichever is longer."""
     rows = json.loads(H200_MEASUREMENT.read_text())["sweep"]["rows"]
     host = min(row["optimizer_seconds"] for row in rows if row["path"] == "trainer" and row["optimizer_seconds"])
     return max(16 * values / settings.shard_group / (GPUS[settings.gpu].memory_bandwidth * 0.7), host)
