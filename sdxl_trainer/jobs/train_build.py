@@ -27,6 +27,7 @@ from sdxl_trainer.evaluation.metrics import MetricWeightsError
 from sdxl_trainer.jobs.train_config import (
     WEIGHTS_DTYPES,
     TrainConfig,
+    device_memory_gib,
     learning_rate_schedule,
     reduce_every_microbatch,
     resolve_compute_dtype,
@@ -183,7 +184,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
         config.max_grad_norm,
         scaler=scaler,
         ema=ema,
-        reduce_every_microbatch=reduce_every_microbatch(config, world.device),
+        reduce_every_microbatch=reduce_every_microbatch(config, device_memory_gib(world.device)),
         caption_encoder=caption_encoder,
     )
     if saved:

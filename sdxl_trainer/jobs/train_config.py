@@ -257,13 +257,24 @@ def with_cache_settings(config: TrainConfig) -> tuple[TrainConfig, CacheCheck]:
     return dataclasses.replace(config, **caches.taken), caches
 
 
-def reduce_every_microbatch(config: TrainConfig, device: torch.device) -> bool:
-    """--gradient_reduction resolved: on a 24 GB card the unsharded fp32 gradient of SDXL (10.3 GB) does not fit
-    beside the rest, so accumulation there reduce-scatters after every microbatch."""
+def reduce_every_microbatch(config: TrainConfig, gpu_memory_gib: float) -> bool:
+    """--gradient_reduction resolved for a GPU of gpu_memory_gib (math.inf without a GPU): on a 24 GB card the
+    unsharded fp32 gradient of SDXL (10.3 GB) does not fit beside the rest, so accumulation there reduce-scatters
+    after every microbatch."""
     if config.gradient_reduction != "auto":
         return config.gradient_reduction == "every_microbatch"
-    small_gpu = device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory < 40 * 2**30
-    return small_gpu and config.gradient_accumulation_steps > 1
+    return gpu_memory_gib < 40 and config.gradient_accumulation_steps > 1
+
+
+def device_memory_gib(device: torch.device) -> float:
+    """A GPU's memory in GiB; math.inf for the CPU (no card size to fit)."""
+    return torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else math.inf
+
+
+def gpu_compute_dtype(config: TrainConfig) -> torch.dtype:
+    """The compute dtype of this config on a GPU since Ampere (auto: bf16), which the estimates assume; fp16
+    has bf16's sizes."""
+    return resolve_compute_dtype("bf16" if config.mixed_precision == "auto" else config.mixed_precision, torch.device("cuda"), config.weights_dtype)
 
 
 def learning_rate_schedule(config: TrainConfig, total_updates: int) -> LearningRateSchedule:
@@ -290,10 +301,7 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
     # A GPU holds what full sharding over its group gives it (one group of all GPUs without --replicate_groups);
     # under HSDP without --estimate_gpus this machine is one group.
     shard_group = config.estimate_gpus // config.replicate_groups if config.estimate_gpus else machine_gpus
-    # auto is bf16 on every GPU since Ampere; fp16 has the same sizes.
-    compute_dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.mixed_precision]
-    if config.weights_dtype == "bf16":
-        compute_dtype = torch.bfloat16
+    compute_dtype = gpu_compute_dtype(config)
     reductions = {config.gradient_reduction == "every_microbatch"}
     if config.gradient_reduction == "auto" and uses_sharding(gpus, config.cpu_offload):  # a plain module has no reduction to choose
         reductions = {True, False} if config.gradient_accumulation_steps > 1 else {False}
@@ -315,13 +323,10 @@ def speed_settings(config: TrainConfig) -> SpeedSettings:
     from sdxl_trainer.tools.speed_estimate import GPUS, SpeedSettings
 
     gpus = config.estimate_gpus or max(torch.cuda.device_count(), 1)
-    every_microbatch = config.gradient_reduction == "every_microbatch" or (
-        config.gradient_reduction == "auto" and GPUS[config.gpu].memory_gib < 40 and config.gradient_accumulation_steps > 1
-    )
     return SpeedSettings(
         gpus=gpus, replicate_groups=config.replicate_groups if gpus % config.replicate_groups == 0 else 1, train_batch_size=config.train_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps, resolution=config.max_resolution or 1024,
-        compute_bytes=4 if config.mixed_precision == "fp32" and config.weights_dtype == "fp32" else 2,
+        compute_bytes=gpu_compute_dtype(config).itemsize,
         gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
-        reduce_every_microbatch=every_microbatch, gpu=config.gpu, interconnect=config.interconnect,
+        reduce_every_microbatch=reduce_every_microbatch(config, GPUS[config.gpu].memory_gib), gpu=config.gpu, interconnect=config.interconnect,
     )  # fmt: skip

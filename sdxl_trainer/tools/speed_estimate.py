@@ -227,11 +227,17 @@ class ComputeTimes:
     source: str
 
 
+@functools.cache
+def _h200_trainer_rows() -> tuple[dict, ...]:
+    """The H200 battery's measured trainer steps (its sweep's rows that ran)."""
+    rows = json.loads(H200_MEASUREMENT.read_text())["sweep"]["rows"]
+    return tuple(row for row in rows if row["path"] == "trainer" and row["seconds_per_step"])
+
+
 def microbatch_compute(settings: SpeedSettings, flop_per_image: float) -> ComputeTimes:
     """A microbatch's forward and backward on one GPU of the kind, from the H200's measured steps (see the
     module docstring): the effective FLOP/s of its batch-8 step, scaled by peak; at least its batch-1 time."""
-    rows = [row for row in json.loads(H200_MEASUREMENT.read_text())["sweep"]["rows"]
-            if row["path"] == "trainer" and row["gradient_checkpointing"] == settings.gradient_checkpointing and row["seconds_per_step"]]
+    rows = [row for row in _h200_trainer_rows() if row["gradient_checkpointing"] == settings.gradient_checkpointing]
     by_batch = {row["batch_size"]: row["seconds_per_step"] - row["optimizer_seconds"] for row in rows}
     largest = max(by_batch)
     h200_flop_per_image = flop_per_image * (1024 / settings.resolution) ** 2  # the measurement's resolution
@@ -244,8 +250,7 @@ def microbatch_compute(settings: SpeedSettings, flop_per_image: float) -> Comput
 def optimizer_seconds(settings: SpeedSettings, values: int) -> float:
     """The 8-bit AdamW step over a rank's shard of `values`: its memory traffic at 70% of the GPU's bandwidth,
     or the host time the H200 measured for it (the least of its rows), whichever is longer."""
-    rows = json.loads(H200_MEASUREMENT.read_text())["sweep"]["rows"]
-    host = min(row["optimizer_seconds"] for row in rows if row["path"] == "trainer" and row["optimizer_seconds"])
+    host = min(row["optimizer_seconds"] for row in _h200_trainer_rows() if row["optimizer_seconds"])
     return max(16 * values / settings.shard_group / (GPUS[settings.gpu].memory_bandwidth * 0.7), host)
 
 
