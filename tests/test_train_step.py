@@ -538,3 +538,29 @@ def test_autocast_is_left_after_the_forward_also_when_it_raises():
     assert seen == [(True, torch.bfloat16)] * 2
     assert not torch.is_autocast_enabled("cpu")
     assert torch.nn.functional.linear(torch.ones(1, 2), torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_whether_a_save_is_due_is_decided_without_the_steps_state(world, tmp_path):
+    """After every update the checkpointer asks whether a save is due. It reads the step's update count, not its
+    state_dict(), which reads the fp16 loss scaler's scale and growth tracker from the device (a GPU sync after
+    every update); state_dict() is for the save itself."""
+    from sdxl_trainer.state.checkpointer import Checkpointer, CheckpointOptions, RunFacts
+    from sdxl_trainer.training.stream import DataPosition
+
+    class Step:
+        updates_done = 3
+
+        def state_dict(self) -> dict:
+            raise AssertionError("the step's state read to decide whether to save")
+
+        def load_state_dict(self, state: dict) -> None:
+            raise AssertionError("not resumed here")
+
+    model = torch.nn.Linear(2, 2)
+    checkpointer = Checkpointer(
+        tmp_path / "checkpoints", CheckpointOptions(save_state=True, save_state_every_n_updates=2, checkpoints_total_limit=0), model,
+        torch.optim.SGD(model.parameters(), lr=0.1), None, Step(), RunFacts("adamw", "fp32", False, False, "", 2, 1), seed=0, report=print,
+        last_saved_update=None,
+    )  # fmt: skip
+    checkpointer.after_update(DataPosition.epoch_start(0))  # update 3 of every 2: nothing due
+    assert not (tmp_path / "checkpoints").exists()

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,13 @@ class CheckpointOptions:
         if self.delete_abandoned_branches and not self.overwrite_run:
             problems.append("--delete_abandoned_branches only applies with --overwrite_run")
         return problems
+
+
+class CountsUpdates(Stateful, Protocol):
+    """The train step as the checkpointer sees it. updates_done is read after every update to see whether a save
+    is due, so not through state_dict(), which reads device values (the fp16 loss scaler's scale)."""
+
+    updates_done: int
 
 
 @dataclass(frozen=True)
@@ -213,11 +220,11 @@ class Checkpointer:
     checkpoints, which stay as they were."""
 
     def __init__(self, checkpoints_dir: Path, options: CheckpointOptions, model: nn.Module, optimizer: torch.optim.Optimizer, ema: Stateful | None,
-                 step: Stateful, run_facts: RunFacts, seed: int, report: Callable[[str], None], last_saved_update: int | None,
+                 step: CountsUpdates, run_facts: RunFacts, seed: int, report: Callable[[str], None], last_saved_update: int | None,
                  writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter):
         """Collective (makes the writer's process group). `model`: what the checkpoint holds with the optimizer
         state (TrainedModels.checkpointed); `step`: the train step, whose state_dict() gives the counters
-        (update, skipped updates, loss scaler); `run_facts` and `seed`: the rest of trainer_state.json; `report`
+        (update, skipped updates, loss scaler) at a save, and updates_done the update count after each update; `run_facts` and `seed`: the rest of trainer_state.json; `report`
         prints a message once (rank 0); `writer_factory`: DCP's writer for a folder."""
         self.checkpoints_dir = checkpoints_dir
         self.options = options
@@ -237,7 +244,7 @@ class Checkpointer:
 
     @property
     def _updates_done(self) -> int:
-        return self.step.state_dict()["update"]
+        return self.step.updates_done
 
     def _staged(self, position: HasState) -> StagedState:
         data = position.state_dict()
