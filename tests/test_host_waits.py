@@ -60,8 +60,9 @@ def test_an_update_reads_the_device_once_and_never_inside_a_microbatch(world, ti
     unet = prepare_unet(UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet"), world, param_dtype=None)
     optimizer = build_optimizer("adamw8bit", unet.parameters(), 1e-4, 1e-2, (0.9, None), 1e-8)
     step = make_train_step(unet, optimizer, tiny_pipeline_dir, settings)
-    monitor = TrainingMonitor(MetricsWriter(tmp_path / "tensorboard", True), stream.num_updates, 0, world.device, True, every_n_updates=1)
-    stop = StopRequest(announce=False, host_group=dist.new_group(backend="gloo"))  # as train_build makes it
+    host_group = dist.new_group(backend="gloo")  # as train_build makes it
+    monitor = TrainingMonitor(MetricsWriter(tmp_path / "tensorboard", True), stream.num_updates, 0, world.device, True, host_group, every_n_updates=1)
+    stop = StopRequest(announce=False, host_group=host_group)
     reads_per_update = []
     for number, update in zip(range(5), stream):
         assert all("noise" in batch for batch in update.microbatches)  # drawn where the batch was read

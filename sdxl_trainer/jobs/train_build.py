@@ -194,7 +194,9 @@ def build_run(config: TrainConfig, world: World) -> Run:
         describe_run(config, world, data, stream, total_updates, compute_dtype, train_step.reduce_every_microbatch)
 
     wandb_settings = WandbSettings(config.wandb_project, config.project_name, run_dir, config_to_dict(config)) if config.report_to_wandb else None
-    monitor = TrainingMonitor(MetricsWriter(log_dir, world.is_main, wandb_settings), total_updates, first_update, world.device, world.is_main, config.log_every_n_updates)
+    host_group = dist.new_group(backend="gloo")  # the monitor's gathers and the stop agreement, on CPU tensors
+    monitor = TrainingMonitor(MetricsWriter(log_dir, world.is_main, wandb_settings), total_updates, first_update, world.device, world.is_main, host_group,
+                              config.log_every_n_updates)
     pipeline_source = PipelineSource(
         config.pretrained_model_name_or_path, config.single_file_config, compute_dtype, config.sampling_scheduler_overrides(), config.handoff_dir,
         config.project_name, caches.vae_name_or_path,
@@ -211,7 +213,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     return Run(
         config=config, world=world, log_dir=log_dir, models=models, ema=ema, stream=stream, train_step=train_step, first_update=first_update,
         total_updates=total_updates, resumed=saved is not None, monitor=monitor, evaluator=evaluator, checkpointer=checkpointer, exporter=exporter,
-        stop=StopRequest(announce=world.is_main, host_group=dist.new_group(backend="gloo")),
+        stop=StopRequest(announce=world.is_main, host_group=host_group),
     )
 
 

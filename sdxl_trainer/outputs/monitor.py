@@ -194,9 +194,11 @@ class TrainingMonitor:
     """What a run reports: the progress bar and messages (rank 0), the per-update scalars, epoch losses,
     throughput and every rank's peak memory."""
 
-    def __init__(self, metrics: MetricsWriter, total_updates: int, first_update: int, device: torch.device, is_main: bool, every_n_updates: int = 1):
+    def __init__(self, metrics: MetricsWriter, total_updates: int, first_update: int, device: torch.device, is_main: bool, host_group: dist.ProcessGroup,
+                 every_n_updates: int = 1):
         """Scalars are written every `every_n_updates` updates: loss and gradient norm averaged over them,
-        the learning rate and counters as of the last one."""
+        the learning rate and counters as of the last one. `host_group`: a gloo group the allocator's peaks
+        are gathered over (CPU tensors: the GPU is never waited for)."""
         self.metrics = metrics
         self.every_n_updates = every_n_updates
         self._pending: list[tuple[float, float]] = []
@@ -205,7 +207,7 @@ class TrainingMonitor:
         self.is_main = is_main
         self.epoch_losses: list[float] = []
         self.progress = tqdm(total=total_updates, initial=first_update, desc="training", unit="update", disable=not is_main, dynamic_ncols=True)
-        self._host_group = dist.new_group(backend="gloo")  # collective: every rank builds its monitor
+        self._host_group = host_group
 
     def say(self, message: str) -> None:
         """A message printed once (by rank 0), above the progress bar."""
