@@ -143,9 +143,9 @@ class TrainConfig(
     def _caption_variation_problems(self) -> list[str]:
         """The run-wide and per-cache tag variation: in range, and only in caption mode."""
         problems = []
+        records = self.dataset_records()
         per_cache = {
-            name: getattr(self, f"dataset_{name}") if getattr(self, f"dataset_{name}") is not None
-            else [getattr(record, name) for record in self.datasets if getattr(record, name) is not None] or None
+            name: [value for record in records if (value := getattr(record, name)) is not None] or None
             for name in ("shuffle_caption", "keep_tokens", "caption_tag_dropout_rate")
         }
         if not self.encode_captions_each_step:
