@@ -37,8 +37,9 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from safetensors import safe_open  # noqa: E402
 
+from sdxl_trainer.models.components import TEXT_ENCODER_NAMES  # noqa: E402
 from sdxl_trainer.models.single_file import hf_clip_name  # noqa: E402
-from sdxl_trainer.models.weight_files import COMPONENTS, TEXT_ENCODERS, meta_module  # noqa: E402
+from sdxl_trainer.models.weight_files import COMPONENTS, meta_module  # noqa: E402
 from sdxl_trainer.outputs.lora_extract import UNET_ATTENTION_BLOCKS, low_rank_factors, target_layers  # noqa: E402
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.float16: "F16"}
@@ -67,7 +68,7 @@ def configs(size: str) -> dict[str, dict]:
         return {
             "unet": dict(UNet2DConditionModel(**unet).config),
             "vae": dict(AutoencoderKL(**vae).config),
-            **{name: CLIPTextConfig(vocab_size=49408, max_position_embeddings=77, **text).to_dict() for name, text in zip(TEXT_ENCODERS, texts)},
+            **{name: CLIPTextConfig(vocab_size=49408, max_position_embeddings=77, **text).to_dict() for name, text in zip(TEXT_ENCODER_NAMES, texts)},
         }
 
 
@@ -118,7 +119,7 @@ def write_pair(work_dir: Path, size: str, changed_share: float) -> list[str]:
         write_folder_configs(work_dir / folder, component_configs)
     for component in COMPONENTS:
         module = meta_module(component, component_configs[component])
-        shapes = {(hf_clip_name(key) if component in TEXT_ENCODERS else key): tuple(value.shape)
+        shapes = {(hf_clip_name(key) if component in TEXT_ENCODER_NAMES else key): tuple(value.shape)
                   for key, value in module.state_dict().items() if value.is_floating_point()}
         lora_weights = [f"{name}.weight" for name in target_layers(module, UNET_ATTENTION_BLOCKS)] if component == "unet" else []
         every = max(1, round(1 / changed_share)) if changed_share > 0 else 0

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.models.single_file import (
     CLIP_G_PREFIX,
     CLIP_L_PREFIX,
@@ -31,8 +32,7 @@ from sdxl_trainer.models.single_file import (
 )
 from sdxl_trainer.runtime.tensor_files import DamagedHeader, TensorFile
 
-COMPONENTS = ("unet", "text_encoder", "text_encoder_2", "vae")
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+COMPONENTS = ("unet", *TEXT_ENCODER_NAMES, "vae")
 WEIGHT_STEMS = ("diffusion_pytorch_model", "model")  # diffusers' and transformers' weight file names
 CONFIG_FILES = {component: f"{component}/config.json" for component in COMPONENTS}
 SCHEDULER_CONFIG_FILE = "scheduler/scheduler_config.json"
@@ -197,7 +197,7 @@ def _folder_weights(folder: Path, component: str) -> dict[str, StoredWeight]:
         tensor_file = _open(path)
         for key, entry in tensor_file.entries.items():
             if entry.dtype.is_floating_point:
-                weights.setdefault(hf_clip_name(key) if component in TEXT_ENCODERS else key, StoredWeight(tensor_file, key, entry.shape))
+                weights.setdefault(hf_clip_name(key) if component in TEXT_ENCODER_NAMES else key, StoredWeight(tensor_file, key, entry.shape))
     return weights
 
 
@@ -222,7 +222,7 @@ def _single_file_weights(path: Path, configs: dict[str, dict], scheduler: dict, 
     absent, mismatched = [], []
     for component in COMPONENTS:
         state = meta_module(component, configs[component]).state_dict()
-        shapes = {hf_clip_name(key) if component in TEXT_ENCODERS else key: tuple(value.shape) for key, value in state.items() if value.is_floating_point()}
+        shapes = {hf_clip_name(key) if component in TEXT_ENCODER_NAMES else key: tuple(value.shape) for key, value in state.items() if value.is_floating_point()}
         weights[component] = {}
         for weight, (key, third, transposed) in _single_file_source(component, list(shapes), configs[component]).items():
             entry = tensor_file.entries.get(key)

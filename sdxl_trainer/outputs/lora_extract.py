@@ -43,8 +43,9 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.models.single_file import hf_clip_name, model_spec_of, unet_ldm_names
-from sdxl_trainer.models.weight_files import COMPONENTS, TEXT_ENCODERS, ModelFilesError, ModelWeights, StoredWeight
+from sdxl_trainer.models.weight_files import COMPONENTS, ModelFilesError, ModelWeights, StoredWeight
 from sdxl_trainer.runtime.files import make_shareable
 
 UNET_ATTENTION_BLOCKS = ("Transformer2DModel",)
@@ -190,7 +191,7 @@ def extract_lora(
         absent = [name for name in lora_layers if name not in base_weights or name not in tuned_weights]
         if absent:
             raise ModelFilesError(f"the {component} weights of {len(absent)} layers its config describes are not in the files (e.g. {absent[0]})")
-        if component in TEXT_ENCODERS:  # kohya's rule: a text encoder only where it was trained, not merely rounded
+        if component in TEXT_ENCODER_NAMES:  # kohya's rule: a text encoder only where it was trained, not merely rounded
             largest = max((float(rounding_free_change(base_weights[name].read(), tuned_weights[name].read())[0].abs().max()) for name in lora_layers), default=0.0)
             if largest <= min_diff:
                 extraction.skipped_text_encoders[component] = largest
