@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from diffusers import UNet2DConditionModel
 from train_step_worker import full_weights, rank_batch  # the same global batch in every layout
-from unet_batches import clipping_against_torch, make_train_step, saved_state_of
+from unet_batches import clipping_against_torch, make_train_step, save_training_state, saved_state_of
 
 from sdxl_trainer.distributed.fsdp import local_parameter_bytes, shard_unet
 from sdxl_trainer.distributed.world import device_mesh, init_distributed, shutdown_distributed
 from sdxl_trainer.optimizers.build import build_optimizer
-from sdxl_trainer.state.checkpoint import load_training_state, save_training_state
+from sdxl_trainer.state.checkpoint import load_training_state
 
 GROUPS = 2
 OPTIMIZER_NAMES = ("adamw", "adamw8bit")

@@ -22,13 +22,13 @@ from diffusers import UNet2DConditionModel
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 from train_step_worker import LEARNING_RATES, full_weights, rank_batch
-from unet_batches import make_train_step, saved_state_of
+from unet_batches import make_train_step, save_training_state, saved_state_of
 
 from sdxl_trainer.distributed.fsdp import full_state_dict_on_rank0, prepare_unet
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 from sdxl_trainer.evaluation.handoff import PipelineHandoff
 from sdxl_trainer.optimizers.build import build_optimizer
-from sdxl_trainer.state.checkpoint import JsonIndexWriter, load_training_state, save_training_state
+from sdxl_trainer.state.checkpoint import JsonIndexWriter, load_training_state
 from sdxl_trainer.training.ema import ShardedEMA
 
 

@@ -497,9 +497,9 @@ def test_one_process_trains_a_plain_unet_like_the_sharded_one(world, tiny_pipeli
 def test_a_plain_unet_resumes_exactly(world, tiny_pipeline_dir, tmp_path, optimizer_name):
     """One process: "2 updates straight" equals "1 update, save, restore into a fresh UNet and optimizer,
     1 update", bit for bit, for every optimizer (torchao's 8-bit state included)."""
-    from unet_batches import saved_state_of
+    from unet_batches import save_training_state, saved_state_of
 
-    from sdxl_trainer.state.checkpoint import load_training_state, save_training_state
+    from sdxl_trainer.state.checkpoint import load_training_state
 
     def fresh():
         unet = unet_in_layout("plain", tiny_pipeline_dir, world)

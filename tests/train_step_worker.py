@@ -16,12 +16,12 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from unet_batches import clipping_against_torch, make_train_step, saved_state_of, synthetic_batch
+from unet_batches import clipping_against_torch, make_train_step, save_training_state, saved_state_of, synthetic_batch
 
 from sdxl_trainer.distributed.fsdp import local_parameter_bytes, shard_unet
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer, local_optimizer_state_bytes
-from sdxl_trainer.state.checkpoint import load_training_state, save_training_state
+from sdxl_trainer.state.checkpoint import load_training_state
 from sdxl_trainer.training.ema import ShardedEMA
 
 LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4}

@@ -10,7 +10,7 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch.distributed.tensor import DTensor
 
-from sdxl_trainer.state.checkpoint import TrainerState
+from sdxl_trainer.state.checkpoint import JsonIndexWriter, TensorStager, TrainerState, stage_training_state, write_staged_state
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule
 from sdxl_trainer.training.objective import NoiseSettings, build_noise_scheduler
 from sdxl_trainer.training.step import TrainStep, clip_gradients
@@ -127,3 +127,10 @@ def assert_clipped_as_torch(report: dict[str, dict[str, float]]) -> None:
         assert math.isclose(result["ours"], result["torch"], rel_tol=1e-6), (max_norm, result)
         assert result["gradient_difference"] <= 1e-7, max_norm
     assert report["1.0"]["torch"] > 10
+
+
+def save_training_state(checkpoint_dir: Path, model, optimizer, ema, trainer_state: TrainerState, position: DataPosition,
+                        writer_factory=JsonIndexWriter) -> Path:
+    """Collective: the state saved at once, as the trainer's Checkpointer saves it (staged, then written)."""
+    staged = stage_training_state(model, optimizer, ema, trainer_state, position, TensorStager())
+    return write_staged_state(checkpoint_dir, staged, writer_factory=writer_factory)

@@ -543,20 +543,6 @@ def stage_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema
     return StagedState(stager.stage(_tensor_state(model, optimizer, ema)), rng_arrays, rng_details, arrays, trainer_state)
 
 
-def save_training_state(
-    checkpoint_dir: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    ema: Stateful | None,
-    trainer_state: TrainerState,
-    position: HasState,
-    writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter,
-) -> Path:
-    """Collective: the state saved now (staged, then written: write_staged_state)."""
-    staged = stage_training_state(model, optimizer, ema, trainer_state, position, TensorStager())
-    return write_staged_state(checkpoint_dir, staged, writer_factory=writer_factory)
-
-
 def write_staged_state(
     checkpoint_dir: Path, staged: StagedState, group: dist.ProcessGroup | None = None,
     writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter,
