@@ -243,8 +243,8 @@ def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, des
         unknown = sorted(set(from_file) - known)
         if unknown:
             meant = {key: closest_name(key, sorted(known)) for key in unknown}
-            hints = [f"{name}" if len(unknown) == 1 else f"{name} for {key}" for key, name in meant.items() if name]
-            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+            guesses = [f"{name}" if len(unknown) == 1 else f"{name} for {key}" for key, name in meant.items() if name]
+            hint = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
             parser.error(f"{config_path}: unknown keys {unknown}{hint}; see --help for the valid names")
         try:
             values.update({key: _coerce(value, hints[key], key, str(config_path)) for key, value in from_file.items()})
