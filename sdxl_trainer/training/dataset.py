@@ -17,8 +17,9 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset
 
-from sdxl_trainer.cache.format import FLIPPED_KEY, LOSS_MASK_KEY, MANIFEST_SCHEMA, TENSOR_KEYS, CacheLocation, captions_in, read_cache_info
+from sdxl_trainer.cache.format import FLIPPED_KEY, LOSS_MASK_KEY, MANIFEST_SCHEMA, TENSOR_KEYS, CacheLocation, Store, captions_in, read_cache_info
 from sdxl_trainer.cache.reader import CacheReader, intact_parts, merge_parts, read_manifest_part
+from sdxl_trainer.cache.storage import open_store
 from sdxl_trainer.config import option
 
 FLIP_STREAM = 13  # seed-sequence entry of the --flip_aug draws, apart from the noise and caption draws
@@ -130,6 +131,7 @@ class PartColumn(Sequence[str]):
         self._column, self._cache_dirs, self._part_names = column, cache_dirs, part_names
         self._cache_index, self._part, self._row = cache_index, part, row
         self._recent: OrderedDict[tuple[int, int], pa.ChunkedArray] = OrderedDict()
+        self._stores: dict[int, Store] = {}  # opened on first use, in the process that reads (an S3 client is a session)
 
     def __len__(self) -> int:
         return len(self._part)
@@ -142,7 +144,9 @@ class PartColumn(Sequence[str]):
         values = self._recent.get(key)
         if values is None:
             cache, part = key
-            values = read_manifest_part(self._cache_dirs[cache], self._part_names[cache][part]).column(self._column)
+            if cache not in self._stores:
+                self._stores[cache] = open_store(self._cache_dirs[cache])
+            values = read_manifest_part(self._stores[cache], self._part_names[cache][part]).column(self._column)
             self._recent[key] = values
             if len(self._recent) > self.KEPT_PARTS:
                 self._recent.popitem(last=False)
