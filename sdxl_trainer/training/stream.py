@@ -397,7 +397,8 @@ def load_training_data(settings: DataSettings, run_dir: Path, seed: int, world_s
         raise SystemExit(f"Cannot start training: {error}") from error
     repeats = np.asarray(settings.repeats)[dataset.cache_index] if settings.repeats else None
     planner = EpochPlanner(bucket_ids, holdout.trainable(len(dataset)), global_batch_size, settings.gradient_accumulation_steps, seed, repeats)
-    per_bucket = bucket_counts(dataset.bucket_sizes, bucket_ids, planner.possible_samples() % len(dataset))
+    bucket_sizes = dataset.bucket_sizes  # made from the time ids on each read: once here
+    per_bucket = bucket_counts(bucket_sizes, bucket_ids, planner.possible_samples() % len(dataset))
     if per_bucket and max(per_bucket.values()) < global_batch_size:
         raise SystemExit(
             f"Cannot start training: no bucket holds one global batch of --train_batch_size {settings.per_rank_batch} x "
@@ -405,7 +406,8 @@ def load_training_data(settings: DataSettings, run_dir: Path, seed: int, world_s
             f"{', counting the copies of --dataset_repeats' if settings.repeats else ''}: {per_bucket}): lower --train_batch_size "
             "or run on fewer processes"
         )
-    too_small = small_buckets(dataset.bucket_sizes, bucket_ids, planner.epoch_samples(0) % len(dataset), global_batch_size)
+    too_small = small_buckets(bucket_sizes, bucket_ids, planner.epoch_samples(0) % len(dataset), global_batch_size)
+    del bucket_sizes
     release_freed_memory()  # reading the manifests and choosing the split took several times what is kept
     if is_main and too_small:
         print(
