@@ -209,6 +209,15 @@ def is_unicode(text: str) -> bool:
     return True
 
 
+def outside_its_root(path: str) -> str | None:
+    """How a relative path leaves the folder it is relative to ("is absolute", "climbs out ..."), or None."""
+    if path.startswith("/"):
+        return "is absolute"
+    if ".." in path.split("/"):
+        return "climbs out of its folder ('..')"
+    return None
+
+
 def unnameable_path(path: str) -> str | None:
     """Why no file can have this name (it would stop the scan: hashing it, or opening it), or None."""
     if "\0" in path:
@@ -251,7 +260,7 @@ def scan_table(table: Path, data_dir: Path, filters: TableFilters, mine: Callabl
             continue
         path = row.get("path")
         relative = PurePosixPath(path) if isinstance(path, str) and path else None
-        if relative is None or relative.is_absolute() or ".." in relative.parts:
+        if relative is None or outside_its_root(path):
             hint = " (a column of another name: --table_columns path=NAME)" if path is None else ""
             problems.append(ScanProblem(f"{label}:{number}", f"row {number} has no usable path ({path!r}): give one relative to --data_dir{hint}", "bad table row"))
             continue

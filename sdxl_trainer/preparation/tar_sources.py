@@ -25,7 +25,7 @@ from typing import BinaryIO
 from sdxl_trainer.cache.storage import LocalStore, RemoteStore, StorageError, open_store
 from sdxl_trainer.preparation.images import IMAGE_EXTENSIONS
 from sdxl_trainer.preparation.scan import DataScan, ScanProblem, SourcePair, TarMember, normalized_caption
-from sdxl_trainer.preparation.tables import row_caption
+from sdxl_trainer.preparation.tables import outside_its_root, row_caption
 
 TAR_SUFFIX = ".tar"
 
@@ -134,11 +134,8 @@ def member_name(member: tarfile.TarInfo) -> str:
 def unsafe_name_reason(name: str) -> str | None:
     """Why a member name cannot name an item (None if it can): the name is the item's identity in the cache and
     in every message, so it must stay inside the tar, as an unpacked tar's files would."""
-    if name.startswith("/"):
-        where = "is absolute"
-    elif ".." in name.split("/"):
-        where = "climbs out of its folder ('..')"
-    else:
+    where = outside_its_root(name)
+    if where is None:
         return None
     return f"the member's name {where}: a tar member is named relative to the tar's root; re-pack the tar from its folder (tar -C folder -cf x.tar .)"
 
