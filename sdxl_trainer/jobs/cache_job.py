@@ -190,8 +190,7 @@ def dry_run(config: CacheConfig, sources: list[SourcePair], scan_problems: list[
 
     histogram: Counter[str] = Counter()
     skipped: Counter[str] = Counter(problem.category for problem in scan_problems)
-    for problem in scan_problems:
-        print(f"[{worker_name}] skipping {problem.relative_path}: {problem.reason}")
+    print_scan_problems(scan_problems, worker_name)
     upscaled = 0
     with ThreadPoolExecutor(config.num_io_threads) as pool:
         for result in tqdm(bounded_map(pool, plan, sources, 4 * config.num_io_threads), total=len(sources), desc=f"scanning [{worker_name}]", unit="img"):
@@ -318,12 +317,16 @@ def run_caching(config: CacheConfig) -> int:
         lock.release()
 
 
+def print_scan_problems(scan_problems: list[ScanProblem], worker_name: str) -> None:
+    for problem in scan_problems:
+        print(f"[{worker_name}] skipping {problem.relative_path}: {problem.reason}")
+
+
 def nothing_to_cache(config: CacheConfig, found: int, scan_problems: list[ScanProblem], worker_name: str) -> int:
     """No item falls to this worker: said before any model loads (seconds, not the minute loading takes), and
     nothing is written. `found`: the usable items the scan found (a folder's all, tars' and tables' this worker's).
     An empty share of a larger dataset is done (0); no usable item at all is refused (2)."""
-    for problem in scan_problems:
-        print(f"[{worker_name}] skipping {problem.relative_path}: {problem.reason}")
+    print_scan_problems(scan_problems, worker_name)
     listed = f" ({len(scan_problems)} skipped, listed above)" if scan_problems else ""
     if found:
         print(f"[{worker_name}] nothing to cache: none of the {found} images in {config.data_dir} falls to this worker (--num_shards {config.num_shards})")
