@@ -188,26 +188,45 @@ def test_clipping_on_local_shards_gives_torchs_norm_and_gradients(world, tiny_pi
     assert_clipped_as_torch(clipping_against_torch(unet_in_layout(layout, tiny_pipeline_dir, world)))
 
 
-def test_nonfinite_update_is_skipped_without_touching_weights_or_state_but_counts_toward_the_schedule(world, tiny_pipeline_dir):
+def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Copies of every tensor the optimizer keeps (local shards; an 8-bit moment's codes and scales)."""
+    copies = []
+    for state in optimizer.state.values():
+        for value in state.values():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            inner = [getattr(local, name) for name in local.__tensor_flatten__()[0]] if type(local) is not torch.Tensor else [local]
+            copies += [tensor.clone() for tensor in inner]
+    return copies
+
+
+# adamw8bit and adamw are told the verdict on the device (nothing read on the host), lion is stepped or not by the host.
+@pytest.mark.parametrize("optimizer_name", [pytest.param("adamw8bit", marks=pytest.mark.slow), "adamw", "lion"])
+def test_nonfinite_update_is_skipped_without_touching_weights_or_state_but_counts_toward_the_schedule(world, tiny_pipeline_dir, optimizer_name):
     unet = sharded_unet(tiny_pipeline_dir, world)
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-3)
+    optimizer = build_optimizer(optimizer_name, unet.parameters(), 1e-3, 1e-2, (0.9, None), 1e-8)
     ema = ShardedEMA(unet, decay=0.9, on_cpu=False)
     step = make_train_step(unet, optimizer, tiny_pipeline_dir, ema=ema)
-    before = weights(unet)
+    assert step.skips_on_device == (optimizer_name != "lion")
+    assert step([synthetic_batch(unet, [0, 1], seed=3)], epoch=0).stepped  # the optimizer's state and the EMA move
+    before, state_before, ema_before = weights(unet), optimizer_state(optimizer), [shadow.clone() for shadow in ema.shadow]
     poisoned = synthetic_batch(unet, [0, 1], seed=4)
     poisoned["latents"][1, 0, 0, 0] = float("nan")
     result = step([poisoned], epoch=0)
     assert not result.stepped and np.isnan(result.loss)
     assert largest_difference(before, weights(unet)) == 0.0
-    assert optimizer.state == {} or all(not state for state in optimizer.state.values())
-    assert step.updates_done == 1 and ema.updates == 0  # its batches are spent: the schedule moves on
-    assert (step.skipped_updates, step.consecutive_skipped_updates) == (1, 1)
+    state_after = optimizer_state(optimizer)
+    assert len(state_after) == len(state_before) and all(torch.equal(a, b) for a, b in zip(state_before, state_after))  # moments and step counts
+    assert all(torch.equal(a, b) for a, b in zip(ema_before, ema.shadow))
+    assert step.updates_done == 2 and ema.updates == 2  # its batches are spent: the schedule (and the EMA's warm-up) moves on
+    assert (result.skipped_updates, result.skipped_in_a_row) == (step.skipped_updates, step.consecutive_skipped_updates) == (1, 1)
     assert all(parameter.grad is None for parameter in unet.parameters())  # nothing left to leak into the next update
 
-    assert step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0).stepped
+    result = step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0)
+    assert result.stepped
     assert largest_difference(before, weights(unet)) > 0
-    assert step.updates_done == 2 and ema.updates == 1
-    assert (step.skipped_updates, step.consecutive_skipped_updates) == (1, 0)
+    assert not all(torch.equal(a, b) for a, b in zip(state_before, optimizer_state(optimizer)))
+    assert step.updates_done == 3
+    assert (result.skipped_updates, result.skipped_in_a_row) == (step.skipped_updates, step.consecutive_skipped_updates) == (1, 0)
 
 
 @pytest.mark.slow

@@ -29,11 +29,12 @@ def run_loop(run: Run) -> None:
         if step.updates_done == run.first_update + 1:
             monitor.say(f"First update done in {time.perf_counter() - started:.1f} s.")
         monitor.throughput.stop(update.images)
-        monitor.log_update(step.updates_done, update.epoch, result.loss, result.learning_rate, result.grad_norm, result.stepped, step.skipped_updates)
-        if step.consecutive_skipped_updates >= config.max_consecutive_skipped_updates:
+        monitor.log_update(step.updates_done, update.epoch, result)
+        # Checked when the update's figures have been read (when the monitor logs), so the host never waits for them.
+        if result.is_read and result.skipped_in_a_row >= config.max_consecutive_skipped_updates:
             checkpoint_dir = checkpointer.before_exit(update.position_after, even_without_save_state=True)
             raise SystemExit(
-                f"Stopped at update {step.updates_done}: the last {step.consecutive_skipped_updates} updates all had a NaN/inf "
+                f"Stopped at update {step.updates_done}: the last {result.skipped_in_a_row} updates all had a NaN/inf "
                 f"loss or gradient. State saved to {checkpoint_dir}. Lower --learning_rate, use --mixed_precision bf16 instead of fp16, "
                 "or check the cache with sdxl_process_data_dir.py --verify."
             )

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch.optim.adamw import adamw
 
-from sdxl_trainer.optimizers.shards import _entries_per_group, _local, fp32_zeros_like
+from sdxl_trainer.optimizers.shards import StepsIfFinite, _entries_per_group, _local, fp32_zeros_like
 
 
-class ShardAdamW(torch.optim.AdamW):
+class ShardAdamW(StepsIfFinite, torch.optim.AdamW):
     """torch's fused AdamW (torch.optim.adamw.adamw, fused=True) run on each rank's local shards, with torch
     AdamW's state (step, exp_avg, exp_avg_sq) and so its checkpoints. Called on DTensors, the same kernel
     first works out how each of its arguments is sharded, at a run's first update and again when a resume
@@ -21,14 +21,19 @@ class ShardAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
+    def step(self, closure=None, *, finite: torch.Tensor | None = None):  # noqa: ARG002 - torch.optim signature
+        """The step, left undone where `finite` (a bool scalar on the device) is False; None: always."""
         for group, entries in _entries_per_group(self, self._new_state):
             beta1, beta2 = group["betas"]
+            # Moved here, not by the kernel: with --cpu_offload the shards are in host memory, and the kernel's
+            # own non-blocking copy to the host could be read before it lands.
+            found_inf = None if finite is None else (~finite).to(entries[0].weights.device, torch.float32)
             adamw(
                 [entry.weights for entry in entries], [entry.grad for entry in entries],
                 [_local(entry.state["exp_avg"]) for entry in entries], [_local(entry.state["exp_avg_sq"]) for entry in entries],
                 [], [entry.state["step"] for entry in entries],
-                fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                fused=True, found_inf=found_inf, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                maximize=False,
             )  # fmt: skip
 
     @staticmethod

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.subclass_8bit import OptimState8bit
 
-from sdxl_trainer.optimizers.shards import fp32_zeros_like, runs_of_at_most
+from sdxl_trainer.optimizers.shards import StepsIfFinite, fp32_zeros_like, runs_of_at_most
 from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key
 
 # Values per chunk: the kernel's temporaries are about 16 bytes per value (270 MB at this size) and a
@@ -64,7 +64,7 @@ def _quantize(values: torch.Tensor, code_values: torch.Tensor) -> tuple[torch.Te
     return codes.to(torch.uint8), scale
 
 
-def _adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step):
+def _adamw_update(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step):
     """One AdamW update in fp32, written as torchao's single_param_adam is (same order of operations)."""
     param = param.float()
     grad = grad.float()
@@ -76,11 +76,22 @@ def _adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps
     return param, exp_avg, exp_avg_sq
 
 
-def _step_8bit_moments(param, grad, avg_codes, avg_scale, sq_codes, sq_scale, signed_values, unsigned_values, lr, beta1, beta2, weight_decay, eps, step):
+# Each kernel returns its inputs unchanged where `finite` (the update's verdict, a bool scalar on the device) is
+# False: the selection is fused into the kernel, which reads and writes every value anyway. Unchanged bf16
+# weights come back as their exact fp32 values, which stochastic rounding leaves as they are.
+def _adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step, finite):
+    new_param, new_avg, new_avg_sq = _adamw_update(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step)
+    return torch.where(finite, new_param, param.float()), torch.where(finite, new_avg, exp_avg), torch.where(finite, new_avg_sq, exp_avg_sq)
+
+
+def _step_8bit_moments(param, grad, avg_codes, avg_scale, sq_codes, sq_scale, signed_values, unsigned_values, lr, beta1, beta2, weight_decay, eps, step,
+                       finite):
     exp_avg = _dequantize(avg_codes, avg_scale, signed_values)
     exp_avg_sq = _dequantize(sq_codes, sq_scale, unsigned_values)
-    param, exp_avg, exp_avg_sq = _adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step)
-    return (param, *_quantize(exp_avg, signed_values), *_quantize(exp_avg_sq, unsigned_values))
+    new_param, exp_avg, exp_avg_sq = _adamw_update(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step)
+    new_states = (*_quantize(exp_avg, signed_values), *_quantize(exp_avg_sq, unsigned_values))
+    old_states = (avg_codes, avg_scale, sq_codes, sq_scale)
+    return (torch.where(finite, new_param, param.float()), *(torch.where(finite, new, old) for new, old in zip(new_states, old_states)))
 
 
 # Compiled once each with dynamic shapes: every chunk, whatever its length, runs the same kernel.
@@ -118,7 +129,7 @@ class _Chunk(NamedTuple):
 class _Batch(NamedTuple):
     """Shards of one kind that step together: same update count, state kind, device and dtypes."""
 
-    step_counts: torch.Tensor  # every shard's count in one tensor, whose elements are their state["step"]: one add a step, not 1,680
+    step_counts: torch.Tensor  # every shard's count in one tensor on their device, whose elements are their state["step"]: one add a step, not 1,680
     is_8bit: bool
     chunks: list[_Chunk]
 
@@ -134,10 +145,10 @@ class _Layout(NamedTuple):
     batches: list[_Batch]
 
 
-class AdamW8bit(TorchaoAdamW8bit):
+class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
     """torchao's AdamW8bit (its state, checkpoints and the fp32 state it keeps for shards under 4,096 values
-    or not a multiple of the 256-value block) with a multi-tensor step and stochastic rounding into bf16
-    weights. No amsgrad."""
+    or not a multiple of the 256-value block) with a multi-tensor step, stochastic rounding into bf16
+    weights, and an update's skip decided on the device (step(finite=...), StepsIfFinite). No amsgrad."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=BLOCK_SIZE)
@@ -151,15 +162,19 @@ class AdamW8bit(TorchaoAdamW8bit):
         return buffer.float()
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
+    def step(self, closure=None, *, finite: torch.Tensor | None = None):  # noqa: ARG002 - torch.optim signature
+        """The step, left undone (weights, moments, step counts) where `finite` (a bool scalar on the device) is
+        False; None: always. Nothing here reads a value from the device."""
         chunks_stepped = 0
         for group_number, group in enumerate(self.param_groups):
             layout = self._layout(group_number, group)
             if layout is None:
                 continue
             for batch in layout.batches:
-                batch.step_counts.add_(1)
-                chunks_stepped += self._step_batch(batch, group, chunks_stepped)
+                device = batch.step_counts.device
+                batch_finite = torch.ones((), dtype=torch.bool, device=device) if finite is None else finite.to(device)
+                batch.step_counts.add_(batch_finite)
+                chunks_stepped += self._step_batch(batch, group, chunks_stepped, batch_finite)
 
     def _layout(self, group_number: int, group: dict) -> _Layout | None:
         """The group's layout for this step (None: no gradient in the group): the kept one while it holds."""
@@ -188,7 +203,7 @@ class AdamW8bit(TorchaoAdamW8bit):
         for (step, is_8bit, _, _, _), shards in kinds.items():
             # One tensor holds the update counts of the batch's shards; each shard's state["step"] is its element
             # (a tensor of its own to load, save and count, as torchao's are).
-            step_counts = torch.full((len(shards),), step)
+            step_counts = torch.full((len(shards),), step, device=shards[0][1].device)
             for number, (param, *_) in enumerate(shards):
                 self.state[param]["step"] = step_counts[number]
             chunks = []
@@ -205,11 +220,11 @@ class AdamW8bit(TorchaoAdamW8bit):
         self._layouts[group_number] = layout
         return layout
 
-    def _step_batch(self, batch: _Batch, group: dict, first_chunk: int) -> int:
-        """Step one batch's chunks; returns their number. `first_chunk` numbers them within the update, which
-        keys their stochastic rounding."""
+    def _step_batch(self, batch: _Batch, group: dict, first_chunk: int, finite: torch.Tensor) -> int:
+        """Step one batch's chunks where `finite`; returns their number. `first_chunk` numbers them within the
+        update, which keys their stochastic rounding."""
         beta1, beta2 = group["betas"]
-        step_settings = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], batch.step_counts[0])
+        step_settings = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], batch.step_counts[0], finite)
         # torch.compile cannot trace under a dispatch mode (the memory estimate's fake tensors and trackers,
         # memory_estimate.py): the same functions run eagerly there, their temporaries an upper bound.
         eager = is_in_torch_dispatch_mode()
@@ -222,7 +237,7 @@ class AdamW8bit(TorchaoAdamW8bit):
             for targets, values in zip(chunk.states, new_states):
                 _write_back(targets, values)
             if chunk.weights[0].dtype == torch.bfloat16:
-                new_weights = round_to_bf16(new_weights, rounding_key(int(batch.step_counts[0]), chunk_number))  # CPU: no device wait
+                new_weights = round_to_bf16(new_weights, rounding_key(batch.step_counts[0].long(), chunk_number))  # the key made on the device
             _write_back(chunk.weights, new_weights)
         return len(batch.chunks)
 

@@ -13,6 +13,13 @@ from torch.distributed.tensor import DTensor
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 
 
+class StepsIfFinite:
+    """Marks an optimizer whose step takes the update's verdict on the device (TrainStep): step(finite=...)
+    leaves weights, moments and step counts exactly as they were where `finite` (a bool scalar on the
+    training device) is False, so the host never waits to learn it. It goes through step() itself, so
+    torch's optimizer step hooks still run."""
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 

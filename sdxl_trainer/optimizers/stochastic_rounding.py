@@ -32,9 +32,10 @@ def _mix32(value):
     return (value >> 16) ^ value
 
 
-def rounding_key(step: int, stream: int) -> int:
+def rounding_key(step: int | torch.Tensor, stream: int) -> int | torch.Tensor:
     """The 32-bit key of one rounding: `step` is the optimizer's update count (different random bits every
-    update), `stream` tells apart the tensors or chunks rounded in one update."""
+    update), `stream` tells apart the tensors or chunks rounded in one update. A step count given as an int64
+    tensor on the device gives the same key as a tensor there, without reading the count on the host."""
     return _mix32(_mix32(step & _LOW_32_BITS) ^ (stream & _LOW_32_BITS))
 
 
@@ -51,12 +52,12 @@ def _round_to_bf16(values: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 _compiled_round_to_bf16 = torch.compile(_round_to_bf16, dynamic=True, fullgraph=True)
 
 
-def round_to_bf16(values: torch.Tensor, key: int) -> torch.Tensor:
+def round_to_bf16(values: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
     """`values` rounded stochastically to bf16, the random bits fixed by `key` (rounding_key) and each
     value's position. Compiled (one kernel for every length), eager under a dispatch mode (the memory
     estimate's fake tensors cannot be compiled)."""
     round_fn = _round_to_bf16 if is_in_torch_dispatch_mode() else _compiled_round_to_bf16
-    return round_fn(values, torch.tensor(key, dtype=torch.int64, device=values.device))
+    return round_fn(values, torch.as_tensor(key, dtype=torch.int64, device=values.device))
 
 
 def store_weights(weights: torch.Tensor, new_values: torch.Tensor, key: int) -> None:

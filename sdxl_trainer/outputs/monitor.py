@@ -15,6 +15,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from sdxl_trainer.config import option
+from sdxl_trainer.training.step import UpdateResult
 
 WANDB_ID_FILE = "wandb_run_id.txt"
 
@@ -201,11 +202,12 @@ class TrainingMonitor:
         are gathered over (CPU tensors: the GPU is never waited for)."""
         self.metrics = metrics
         self.every_n_updates = every_n_updates
-        self._pending: list[tuple[float, float]] = []
+        self._unread: list[tuple[int, UpdateResult]] = []  # (update number, its figures still on the device)
+        self._since_written: list[tuple[float, float]] = []  # loss and gradient norm of each update read since the last scalars
         self.throughput = Throughput()
         self.device = device
         self.is_main = is_main
-        self.epoch_losses: list[float] = []
+        self._epoch_losses: list[float] = []  # of this epoch's updates that stepped, as read so far
         self.progress = tqdm(total=total_updates, initial=first_update, desc="training", unit="update", disable=not is_main, dynamic_ncols=True)
         self._host_group = host_group
 
@@ -214,21 +216,32 @@ class TrainingMonitor:
         if self.is_main:
             tqdm.write(message)
 
-    def log_update(self, update: int, epoch: int, loss: float, learning_rate: float, grad_norm: float, stepped: bool, skipped_updates: int) -> None:
-        """Collective (every rank's peak memory is gathered)."""
-        self._pending.append((loss, grad_norm))
-        if update % self.every_n_updates == 0:
-            self._write_scalars(update, learning_rate, skipped_updates)
-        self.progress.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", img_s=f"{self.throughput.images_per_second:.2f}")
+    def log_update(self, update: int, epoch: int, result: UpdateResult) -> None:
+        """Called after every update. Its figures stay on the device until the scalars are written (every
+        `every_n_updates` updates), when every update's since the last read come in one transfer: the host
+        never waits for the device in between. Collective then (every rank's peak memory is gathered)."""
+        self._unread.append((update, result))
         self.progress.update()
-        if stepped:
-            self.epoch_losses.append(loss)
-        else:
-            self.say(f"Warning: update {update} skipped: loss {loss}, gradient norm {grad_norm} (NaN/inf).")
+        if update % self.every_n_updates == 0:
+            self._read_unread()
+            self._write_scalars(update, result)
+            self.progress.set_postfix(epoch=epoch + 1, loss=f"{result.loss:.4f}", img_s=f"{self.throughput.images_per_second:.2f}")
 
-    def _write_scalars(self, update: int, learning_rate: float, skipped_updates: int) -> None:
-        losses, grad_norms = zip(*self._pending)
-        self._pending = []
+    def _read_unread(self) -> None:
+        """The figures of the updates not read yet, in one transfer: into the averages of the next scalars and
+        the epoch's loss, with a warning for each skipped update."""
+        UpdateResult.read_together([result for _, result in self._unread])
+        for update, result in self._unread:
+            self._since_written.append((result.loss, result.grad_norm))
+            if result.stepped:
+                self._epoch_losses.append(result.loss)
+            else:
+                self.say(f"Warning: update {update} skipped: loss {result.loss}, gradient norm {result.grad_norm} (NaN/inf).")
+        self._unread = []
+
+    def _write_scalars(self, update: int, last: UpdateResult) -> None:
+        losses, grad_norms = zip(*self._since_written)
+        self._since_written = []
         # The allocator's peaks are host-side counters: gathered over a gloo group, the GPU is never waited for.
         memory = gather_floats(peak_memory_gib(self.device), torch.device("cpu"), self._host_group)
         reserved = peak_reserved_gib(self.device)
@@ -236,9 +249,9 @@ class TrainingMonitor:
         self.metrics.scalars(
             {
                 "train/loss": float(np.mean(losses)),
-                "train/lr": learning_rate,
+                "train/lr": last.learning_rate,
                 "train/grad_norm": float(np.mean(grad_norms)),
-                "train/skipped_updates": skipped_updates,
+                "train/skipped_updates": last.skipped_updates,
                 "perf/images_per_s": self.throughput.images_per_second,
                 "perf/data_wait_share": self.throughput.data_wait_share,
                 **{f"perf/peak_memory_gib/rank{rank}": value for rank, value in enumerate(memory)},
@@ -248,9 +261,11 @@ class TrainingMonitor:
         )
 
     def log_epoch(self, finished_epochs: int) -> None:
-        if self.epoch_losses:
-            self.metrics.scalars({"train/epoch_loss": sum(self.epoch_losses) / len(self.epoch_losses)}, finished_epochs)
-        self.epoch_losses = []
+        """The epoch's mean loss over the updates that stepped (reads the updates not read yet)."""
+        self._read_unread()
+        if self._epoch_losses:
+            self.metrics.scalars({"train/epoch_loss": sum(self._epoch_losses) / len(self._epoch_losses)}, finished_epochs)
+        self._epoch_losses = []
 
     def close(self) -> None:
         self.progress.close()

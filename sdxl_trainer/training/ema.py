@@ -61,15 +61,23 @@ class ShardedEMA:
         return min(self.decay, (1 + self.updates) / (10 + self.updates))
 
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, finite: torch.Tensor | None = None) -> None:
+        """Average in the current weights. `finite`: the update's verdict as a bool scalar on the device (TrainStep
+        decides a skip there); where False the average stays as it is. The warm-up counts every update seen,
+        skipped ones too, so the host never reads the verdict (with --ema_on_cpu the weights' copy to the host
+        waits for the device anyway)."""
         weight_of_new = 1 - self.current_decay()
         current = [_local(parameter).detach().to(shadow.device, torch.float32) for parameter, shadow in zip(self.parameters, self.shadow)]
-        torch._foreach_lerp_(self.shadow, current, weight_of_new)
+        if finite is None:
+            torch._foreach_lerp_(self.shadow, current, weight_of_new)
+        else:
+            # The same fp32 weight as the scalar's where finite, 0 (the average unchanged) where not.
+            torch._foreach_lerp_(self.shadow, current, finite.to(self.shadow[0].device, torch.float32) * weight_of_new)
         self.updates += 1
 
     def state_dict(self) -> dict:
         """"weights": parameter name -> EMA weights as a DTensor laid out like the parameter (DCP saves and
-        reshards them; with on_cpu they sit on the CPU), and "updates": how many updates it has averaged."""
+        reshards them; with on_cpu they sit on the CPU), and "updates": how many updates it has seen."""
         weights = {name: _laid_out_like(parameter, shadow) for name, parameter, shadow in zip(self.names, self.parameters, self.shadow)}
         return {"weights": weights, "updates": self.updates}
 

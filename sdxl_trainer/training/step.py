@@ -7,6 +7,10 @@ and reported; with fp16 the gradient scaler also lowers its scale. It still coun
 batches are spent and the schedule moves on, so the epoch plan, the schedule's length and a resume stay
 exactly those of a run without the fault (a retry would have to redraw data the plan has used). The
 trainer stops (after saving state) when too many updates in a row are skipped.
+
+The skip is decided on the device for the AdamW optimizers (StepsIfFinite): the host queues the next update
+without waiting for this one, and reads an update's figures (UpdateResult) only when it logs them. Lion,
+Adafactor and fp16's loss scaler decide on the host: one read per update.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.config import option
+from sdxl_trainer.optimizers.shards import StepsIfFinite
 from sdxl_trainer.training.captions import StepCaptionEncoder
 from sdxl_trainer.training.ema import ShardedEMA
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule, set_learning_rate
@@ -36,7 +41,8 @@ class StepOptions:
 
     max_grad_norm: float = option(1.0, help="clip the global gradient norm to this; 0 = no clipping (the norm is still logged)")
     max_consecutive_skipped_updates: int = option(
-        10, help="stop (after saving state) when this many updates in a row have a NaN/inf loss or gradient and are skipped"
+        10, help="stop (after saving state) when this many updates in a row have a NaN/inf loss or gradient and are skipped "
+        "(checked when the scalars are written, every --log_every_n_updates)",
     )
     gradient_reduction: Literal["auto", "every_microbatch", "once_per_update"] = option(
         "auto",
@@ -55,12 +61,57 @@ class StepOptions:
         return problems
 
 
-@dataclass
 class UpdateResult:
-    loss: float  # mean loss over every sample of the update, all ranks
-    grad_norm: float  # global norm of the true (unscaled) gradients, before clipping
-    stepped: bool  # False when the update was skipped for a NaN/inf loss or gradient
-    learning_rate: float  # the learning rate this update used (or would have used, if skipped)
+    """An update's figures, left on the device until they are first read: the first read of any of them
+    waits for the update to finish and fetches them all in one transfer (read_together: many updates' in
+    one). The training loop reads them only when it logs."""
+
+    def __init__(self, figures: torch.Tensor, learning_rate: float):
+        self._figures = figures  # on the device: loss, gradient norm, stepped (1/0), skipped updates so far, skipped in a row
+        self._values: list[float] | None = None
+        self.learning_rate = learning_rate  # the learning rate this update used (or would have used, if skipped)
+
+    @staticmethod
+    def read_together(results: list[UpdateResult]) -> None:
+        """Fetch the figures of every result not read yet, in one transfer."""
+        unread = [result for result in results if result._values is None]
+        if unread:
+            for result, values in zip(unread, torch.stack([result._figures for result in unread]).tolist()):
+                result._values = values
+
+    @property
+    def is_read(self) -> bool:
+        return self._values is not None
+
+    def _read(self) -> list[float]:
+        if self._values is None:
+            UpdateResult.read_together([self])
+        return self._values
+
+    @property
+    def loss(self) -> float:
+        """Mean loss over every sample of the update, all ranks."""
+        return self._read()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        """Global norm of the true (unscaled) gradients, before clipping."""
+        return self._read()[1]
+
+    @property
+    def stepped(self) -> bool:
+        """False when the update was skipped for a NaN/inf loss or gradient."""
+        return self._read()[2] == 1.0
+
+    @property
+    def skipped_updates(self) -> int:
+        """Updates skipped so far in the run, this one included."""
+        return int(self._read()[3])
+
+    @property
+    def skipped_in_a_row(self) -> int:
+        """Updates skipped in a row, ending with this one (0 when it stepped)."""
+        return int(self._read()[4])
 
 
 class TrainStep:
@@ -101,8 +152,22 @@ class TrainStep:
         self.trained_parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
         trained_encoders = caption_encoder.text_encoders if caption_encoder is not None and caption_encoder.trains else ()
         self.sharded_modules = [module for model in (unet, *trained_encoders) for module in model.modules() if isinstance(module, FSDPModule)]
-        self.skipped_updates = 0
-        self.consecutive_skipped_updates = 0
+        self._skip_counts = torch.zeros(2, dtype=torch.int64)  # skipped updates in all, and in a row; moved to the device by the first update
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether the optimizer is told the update's verdict on the device instead of being stepped or not."""
+        return self.scaler is None and isinstance(self.optimizer, StepsIfFinite)
+
+    @property
+    def skipped_updates(self) -> int:
+        """Updates skipped so far (a read from the device)."""
+        return int(self._skip_counts[0])
+
+    @property
+    def consecutive_skipped_updates(self) -> int:
+        """Updates skipped in a row up to the last one (a read from the device)."""
+        return int(self._skip_counts[1])
 
     def state_dict(self) -> dict:
         """Plain (JSON-able) state beside the tensors: updates done, loss scaler, skip counters (named as in
@@ -120,8 +185,7 @@ class TrainStep:
         self.updates_done = state["update"]
         if self.scaler and state["loss_scaler"]:
             self.scaler.load_state_dict(state["loss_scaler"])
-        self.skipped_updates = state["skipped_updates"]
-        self.consecutive_skipped_updates = state["consecutive_skipped_updates"]
+        self._skip_counts = torch.tensor([state["skipped_updates"], state["consecutive_skipped_updates"]], dtype=torch.int64)
 
     def __call__(self, microbatches: list[dict[str, torch.Tensor]], epoch: int) -> UpdateResult:
         device = microbatches[0]["latents"].device
@@ -145,30 +209,29 @@ class TrainStep:
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip and check the true gradients, not the scaled ones
-        grad_norm = clip_gradients(self.trained_parameters, self.max_grad_norm or math.inf)
-        # The update's one read from the device: both numbers in one transfer.
-        loss_value, grad_norm_value = torch.stack([loss_sum, grad_norm.to(loss_sum.device, loss_sum.dtype)]).tolist()
+        grad_norm = clip_gradients(self.trained_parameters, self.max_grad_norm or math.inf).to(device, torch.float32)
         # Both values are global (all-reduced), so every rank takes the same decision.
-        finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
+        finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
         learning_rate = self.learning_rate(self.updates_done)
         set_learning_rate(self.optimizer, learning_rate)
-        if finite:
+        if self.skips_on_device:
+            self.optimizer.step(finite=finite)
+        elif bool(finite):  # the host decides: a read from the device
             if self.scaler:
                 self.scaler.step(self.optimizer)
             else:
                 self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update(finite)
         if self.scaler:
             self.scaler.update()  # lowers the scale after an overflow
         self.optimizer.zero_grad(set_to_none=True)
         self.updates_done += 1
-        if finite:
-            if self.ema is not None:
-                self.ema.update()
-            self.consecutive_skipped_updates = 0
-        else:
-            self.skipped_updates += 1
-            self.consecutive_skipped_updates += 1
-        return UpdateResult(loss_value, grad_norm_value, finite, learning_rate)
+        skipped = (~finite).long()
+        counts = self._skip_counts.to(device)
+        self._skip_counts = torch.stack([counts[0] + skipped, (counts[1] + 1) * skipped])
+        figures = torch.cat([torch.stack([loss_sum.float(), grad_norm, finite.float()]), self._skip_counts.float()])
+        return UpdateResult(figures, learning_rate)
 
 
 @torch.no_grad()  # DTensor.to_local is then a plain attribute read, not an autograd function per tensor
