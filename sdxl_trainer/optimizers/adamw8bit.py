@@ -9,7 +9,9 @@ quickstart's first update wait minutes.
 `AdamW8bit` keeps torchao's state objects and checkpoint layout as they are (a checkpoint written by either
 resumes on the other, and DCP reshards it the same way) and replaces only the step: each rank's local
 shards are concatenated into flat chunks of up to CHUNK_VALUES values, one compiled kernel with dynamic
-shapes (compiled once, not per shape) updates a chunk, and multi-tensor copies write the results back.
+shapes (compiled once, not per shape) updates a chunk, and multi-tensor copies write the weights back. A
+chunk's state lives in flat buffers that the shards' state tensors are views into, so it is read and
+written whole, with no per-tensor work.
 The arithmetic and the rounding to codes are torchao's, so both give the same weights and scales to fp32
 rounding; a value that rounding puts on the other side of a code boundary gets the neighbouring code
 (tests/test_adamw8bit.py allows 0.01% of the codes to differ).
@@ -116,13 +118,28 @@ def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
     torch._foreach_copy_(targets, _unflatten(flat, targets))
 
 
+def _share_one_buffer(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat buffer holding the values of `tensors`, each of which becomes a view into it (`set_`: the same
+    tensor objects, so the optimizer's state, its checkpoints and a resume see them as before). A step then
+    reads and writes the buffer in one call, where flattening the state and writing it back cost a call per
+    tensor and direction. A save copies each view into a buffer of its own (TensorStager), so a checkpoint
+    holds each tensor's values only, not the shared buffer."""
+    flat = _flatten(tensors)
+    storage, offset = flat.untyped_storage(), 0
+    for tensor in tensors:
+        tensor.set_(storage, offset, tensor.shape)
+        offset += tensor.numel()
+    return flat
+
+
 class _Chunk(NamedTuple):
     """Shards stepped by one kernel call: their parameters (to read the gradients), local weights, and state
-    tensors (8-bit: codes and scales of both moments, and the two code tables; otherwise the fp32 moments)."""
+    buffers that their state tensors are views into (_share_one_buffer; 8-bit: codes and scales of both
+    moments, with the two code tables; otherwise the fp32 moments)."""
 
     params: list[torch.Tensor]
     weights: list[torch.Tensor]
-    states: tuple[list[torch.Tensor], ...]
+    states: tuple[torch.Tensor, ...]
     code_values: tuple[torch.Tensor, ...]
 
 
@@ -212,9 +229,9 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
                 if is_8bit:
                     states = ([state.codes for state in exp_avgs], [state.scale for state in exp_avgs],
                               [state.codes for state in exp_avg_sqs], [state.scale for state in exp_avg_sqs])
-                    chunks.append(_Chunk(run_params, weights, states, (exp_avgs[0].qmap, exp_avg_sqs[0].qmap)))
+                    chunks.append(_Chunk(run_params, weights, tuple(map(_share_one_buffer, states)), (exp_avgs[0].qmap, exp_avg_sqs[0].qmap)))
                 else:
-                    chunks.append(_Chunk(run_params, weights, (exp_avgs, exp_avg_sqs), ()))
+                    chunks.append(_Chunk(run_params, weights, (_share_one_buffer(exp_avgs), _share_one_buffer(exp_avg_sqs)), ()))
             batches.append(_Batch(step_counts, is_8bit, chunks))
         layout = _Layout(params, tuple(map(_local, params)), tuple(self.state[param]["exp_avg"] for param in params), batches)
         self._layouts[group_number] = layout
@@ -233,9 +250,9 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
         for chunk_number, chunk in enumerate(batch.chunks, start=first_chunk):
             weights, grads = _flatten(chunk.weights), _flatten([_local(param.grad) for param in chunk.params])
             kernel = step_8bit_moments if batch.is_8bit else adamw
-            new_weights, *new_states = kernel(weights, grads, *map(_flatten, chunk.states), *chunk.code_values, *step_settings)
-            for targets, values in zip(chunk.states, new_states):
-                _write_back(targets, values)
+            new_weights, *new_states = kernel(weights, grads, *chunk.states, *chunk.code_values, *step_settings)
+            for state, values in zip(chunk.states, new_states):
+                state.copy_(values)
             if chunk.weights[0].dtype == torch.bfloat16:
                 new_weights = round_to_bf16(new_weights, rounding_key(batch.step_counts[0].long(), chunk_number))  # the key made on the device
             _write_back(chunk.weights, new_weights)
