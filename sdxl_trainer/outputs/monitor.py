@@ -101,29 +101,66 @@ class WandbSettings:
 
 class MetricsWriter:
     """TensorBoard scalars and images (and the same in Weights & Biases if asked), written by rank 0 only;
-    other ranks hold a no-op writer."""
+    other ranks hold a no-op writer.
 
-    def __init__(self, log_dir: Path, enabled: bool, wandb_settings: WandbSettings | None = None):
+    A write the disk refuses (full, or gone) costs those values and one warning, never the run: TensorBoard's
+    writer thread dies on the first error and would raise it at every later write, so it is let go, and a
+    write `retry_after_seconds` later opens a new event file beside the earlier ones (TensorBoard reads them
+    all; each try on a full disk leaves an empty one)."""
+
+    def __init__(self, log_dir: Path, enabled: bool, wandb_settings: WandbSettings | None = None, retry_after_seconds: float = 60.0):
+        self._log_dir = log_dir
+        self._enabled = enabled
         self._writer = None
+        self._retry_after_seconds = retry_after_seconds
+        self._failed_at: float | None = None  # when the last write failed, if none has succeeded since
         self._wandb = None
         if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(log_dir))
+            self._writer = self._open_writer()  # a folder that cannot be written stops the start, before any training
             if wandb_settings is not None:
                 self._wandb = _start_wandb(wandb_settings)
 
+    def _tensorboard(self, write) -> None:
+        if not self._enabled or (self._failed_at is not None and time.monotonic() - self._failed_at < self._retry_after_seconds):
+            return
+        try:
+            if self._writer is None:
+                self._writer = self._open_writer()
+            write(self._writer)
+            self._failed_at = None
+        except OSError as error:
+            if self._failed_at is None:
+                print(f"Warning: could not write TensorBoard logs to {self._log_dir} ({error}). Training goes on; the scalars meanwhile are lost, "
+                      f"and logging resumes in a new event file once the disk has room again (tried every {self._retry_after_seconds:g} s).",
+                      file=sys.stderr)
+            self._failed_at = time.monotonic()
+            self._let_go_of_writer()
+
+    def _open_writer(self):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=str(self._log_dir))
+
+    def _let_go_of_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:
+                pass  # its thread already failed; what it held is lost, as the warning said
+
     def scalars(self, values: dict[str, float], step: int) -> None:
-        if self._writer is not None:
+        def write(writer) -> None:
             for tag, value in values.items():
-                self._writer.add_scalar(tag, value, step)
+                writer.add_scalar(tag, value, step)
+
+        self._tensorboard(write)
         if self._wandb is not None and values:
             self._wandb.log(dict(values), step=step)
 
     def image(self, tag: str, image, step: int) -> None:
         """One RGB image (PIL image or uint8 (H, W, 3) array), e.g. the sample grid under "samples/grid"."""
-        if self._writer is not None:
-            self._writer.add_image(tag, np.asarray(image), step, dataformats="HWC")
+        self._tensorboard(lambda writer: writer.add_image(tag, np.asarray(image), step, dataformats="HWC"))
         if self._wandb is not None:
             import wandb
 
@@ -131,8 +168,9 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            self._tensorboard(lambda writer: writer.flush())
+        self._let_go_of_writer()
+        self._enabled = False
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

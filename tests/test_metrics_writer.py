@@ -1,0 +1,49 @@
+"""TensorBoard logging on a disk that fills up: the run goes on, with one warning, and logging resumes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT, process_env, scalars, small_filesystem_prefix
+
+# Writes scalars, fills the disk, writes more (TensorBoard's writer thread fails, and the error reaches the
+# next write), frees the disk and writes again. Runs in its own process, on a small filesystem of its own.
+WRITER_ON_A_DISK_THAT_FILLS = """
+import sys, time
+from pathlib import Path
+from sdxl_trainer.outputs.monitor import MetricsWriter
+
+disk = Path(sys.argv[1])
+writer = MetricsWriter(disk / "run" / "tensorboard", True, retry_after_seconds=0.5)
+writer.scalars({"train/loss": 1.0}, 1)
+filler = disk / "filler"
+with open(filler, "wb", buffering=0) as file:
+    try:
+        while True:
+            file.write(bytes(4096))
+    except OSError:
+        pass
+for step in range(2, 40):  # more than the event file's last page holds
+    writer.scalars({"train/loss": float(step), **{f"filler/{number}": 0.0 for number in range(100)}}, step)
+    time.sleep(0.02)
+filler.unlink()
+time.sleep(0.5)
+writer.scalars({"train/loss": 500.0}, 500)
+writer.close()
+print("done")
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_costs_the_scalars_written_meanwhile_and_one_warning_not_the_run(tmp_path):
+    mounted, copied = tmp_path / "disk", tmp_path / "copied"
+    command = [*small_filesystem_prefix(mounted, copied, "1m"), sys.executable, "-c", WRITER_ON_A_DISK_THAT_FILLS, str(mounted)]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "done"
+    warning = f"Warning: could not write TensorBoard logs to {mounted / 'run' / 'tensorboard'} ([Errno 28] No space left on device)"
+    assert result.stderr.count("Warning: could not write TensorBoard logs") == 1 and warning in result.stderr, result.stderr[-3000:]
+    logged = scalars(copied / "run", "train/loss")
+    assert logged[0] == 1.0 and logged[-1] == 500.0  # before the disk filled, and in a new event file once it had room
