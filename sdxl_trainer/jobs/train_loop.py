@@ -27,7 +27,8 @@ def run_loop(run: Run) -> None:
         started = time.perf_counter()
         result = step(update.microbatches, update.epoch)
         if step.updates_done == run.first_update + 1:
-            monitor.say(f"First update done in {time.perf_counter() - started:.1f} s.")
+            first_loss = result.loss  # read back, which waits for the update to finish: the time below is the device's too
+            monitor.say(f"First update done in {time.perf_counter() - started:.1f} s (loss {first_loss:.4f}).")
         monitor.throughput.stop(update.images)
         monitor.log_update(step.updates_done, update.epoch, result)
         # Checked when the update's figures have been read (when the monitor logs), so the host never waits for them.
