@@ -193,14 +193,14 @@ class ConsoleLog:
     def __init__(self, path: Path, enabled: bool):
         self.path = path
         self.enabled = enabled
-        self._file = None
+        self._file: _LogFile | None = None
         self._originals: tuple = ()
 
     def __enter__(self) -> ConsoleLog:
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8", buffering=1)
             self._originals = (sys.stdout, sys.stderr)
+            self._file = _LogFile(self.path, console=sys.stderr)
             sys.stdout, sys.stderr = (_Tee(stream, self._file) for stream in self._originals)
         return self
 
@@ -211,8 +211,42 @@ class ConsoleLog:
             self._file = None
 
 
+class _LogFile:
+    """train.log, appended to until the disk refuses a write (full, or gone): then one warning on the console
+    and no more writes, so a print never ends the run. The console keeps every message."""
+
+    def __init__(self, path: Path, console):
+        self.path = path
+        self._console = console
+        self._file = open(path, "a", encoding="utf-8", buffering=1)
+
+    def write(self, text: str) -> None:
+        self._guarded(lambda file: file.write(text))
+
+    def flush(self) -> None:
+        self._guarded(lambda file: file.flush())
+
+    def _guarded(self, action) -> None:
+        if self._file is None:
+            return
+        try:
+            action(self._file)
+        except OSError as error:
+            self.close()
+            self._console.write(f"Warning: could not append to {self.path} ({error}). Every message still reaches the console; "
+                                f"{self.path.name} gets none from here on.\n")
+
+    def close(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass  # what it held is lost, as the warning said
+
+
 class _Tee:
-    def __init__(self, stream, log_file):
+    def __init__(self, stream, log_file: _LogFile):
         self._stream = stream
         self._log_file = log_file
 

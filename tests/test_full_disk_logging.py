@@ -1,4 +1,5 @@
-"""TensorBoard logging on a disk that fills up: the run goes on, with one warning, and logging resumes."""
+"""Logging on a disk that fills up: TensorBoard's scalars and train.log each cost one warning, not the run;
+TensorBoard logging resumes once the disk has room."""
 
 from __future__ import annotations
 
@@ -47,3 +48,36 @@ def test_a_full_disk_costs_the_scalars_written_meanwhile_and_one_warning_not_the
     assert result.stderr.count("Warning: could not write TensorBoard logs") == 1 and warning in result.stderr, result.stderr[-3000:]
     logged = scalars(copied / "run", "train/loss")
     assert logged[0] == 1.0 and logged[-1] == 500.0  # before the disk filled, and in a new event file once it had room
+
+
+# Prints a line into train.log, fills the disk, then prints more than the file's last page holds.
+CONSOLE_ON_A_DISK_THAT_FILLS = """
+import sys
+from pathlib import Path
+from sdxl_trainer.outputs.monitor import ConsoleLog
+
+disk = Path(sys.argv[1])
+with ConsoleLog(disk / "run" / "train.log", True):
+    print("before the disk filled")
+    with open(disk / "filler", "wb", buffering=0) as file:
+        try:
+            while True:
+                file.write(bytes(4096))
+        except OSError:
+            pass
+    for number in range(100):
+        print(f"line {number}: " + "x" * 100)
+print("done")
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_stops_train_log_with_one_warning_and_the_console_keeps_every_line(tmp_path):
+    mounted, copied = tmp_path / "disk", tmp_path / "copied"
+    command = [*small_filesystem_prefix(mounted, copied, "1m"), sys.executable, "-c", CONSOLE_ON_A_DISK_THAT_FILLS, str(mounted)]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["before the disk filled", *(f"line {number}: " + "x" * 100 for number in range(100)), "done"]
+    warning = f"Warning: could not append to {mounted / 'run' / 'train.log'} ([Errno 28] No space left on device)"
+    assert result.stderr.count("Warning: could not append to") == 1 and warning in result.stderr, result.stderr[-3000:]
+    assert (copied / "run" / "train.log").read_text().startswith("before the disk filled\n")
