@@ -143,11 +143,7 @@ class MetricsWriter:
 
     def _let_go_of_writer(self) -> None:
         writer, self._writer = self._writer, None
-        if writer is not None:
-            try:
-                writer.close()
-            except OSError:
-                pass  # its thread already failed; what it held is lost, as the warning said
+        _close_after_a_failed_write(writer)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         def write(writer) -> None:
@@ -238,11 +234,17 @@ class _LogFile:
 
     def close(self) -> None:
         file, self._file = self._file, None
-        if file is not None:
-            try:
-                file.close()
-            except OSError:
-                pass  # what it held is lost, as the warning said
+        _close_after_a_failed_write(file)
+
+
+def _close_after_a_failed_write(file) -> None:
+    """Close a log file (or TensorBoard writer) that may have failed a write: closing flushes, which fails the
+    same way, and what it held is lost, as the warning said."""
+    if file is not None:
+        try:
+            file.close()
+        except OSError:
+            pass
 
 
 class _Tee:
