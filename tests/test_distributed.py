@@ -51,7 +51,13 @@ def test_learning_rate_depends_only_on_updates(runs_on_one_and_two_processes):
     assert all(later < earlier for earlier, later in zip(one[warmup:], one[warmup + 1:]))
 
 
-def test_updates_that_keep_failing_stop_the_run_after_saving_state(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+# (--log_every_n_updates, the update the run stops at, its skipped updates, train/skipped_updates as logged): the
+# skips are counted on the device and read when the scalars are written, so the stop waits for that read.
+STOP_AFTER_SKIPS = [(1, 3, 2, [0, 1, 2]), (2, 4, 3, [1, 3])]
+
+
+@pytest.mark.parametrize("log_every, stop_update, skipped, logged", STOP_AFTER_SKIPS, ids=["logging every update", "logging every 2nd update"])
+def test_updates_that_keep_failing_stop_the_run_after_saving_state(tmp_path, sample_cache_dir, tiny_pipeline_dir, log_every, stop_update, skipped, logged):
     """A learning rate of 1e30 blows the weights up after one update. The copied pipeline has no VAE or
     text-encoder weights at all (only their config files): training from a cache must not need them."""
     unet_only = tmp_path / "unet_only"
@@ -68,17 +74,18 @@ def test_updates_that_keep_failing_stop_the_run_after_saving_state(tmp_path, sam
             *SAMPLE_RESOLUTION_FLAGS,
             "--optimizer", "adamw", "--learning_rate", "1e30", "--learning_rate_scheduler", "constant",
             "--mixed_precision", "fp32", "--no-save_samples", "--no-validation_image", "--dataloader_num_workers", "0", "--set_seed", "1",
-            "--max_consecutive_skipped_updates", "2", "--no-save_diffusers",
+            "--max_consecutive_skipped_updates", "2", "--log_every_n_updates", str(log_every), "--no-save_diffusers",
             "--output_dir", str(tmp_path), "--project_name", "run",
         ],
         expect_success=False,
     )
     assert result.returncode != 0
-    assert "Stopped at update 3: the last 2 updates all had a NaN/inf loss or gradient" in result.stderr
+    assert f"Stopped at update {stop_update}: the last {skipped} updates all had a NaN/inf loss or gradient" in result.stderr
+    assert all(f"Warning: update {update} skipped: loss nan" in result.stdout + result.stderr for update in range(2, stop_update + 1))
     assert "Lower --learning_rate" in result.stderr
-    checkpoint = tmp_path / "run" / "checkpoints" / "update_00000003"
+    checkpoint = tmp_path / "run" / "checkpoints" / f"update_{stop_update:08d}"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert (state["update"], state["skipped_updates"]) == (3, 2)
+    assert (state["update"], state["skipped_updates"], state["consecutive_skipped_updates"]) == (stop_update, skipped, skipped)
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
-    assert scalars(tmp_path / "run", "train/skipped_updates") == [0, 1, 2]
+    assert scalars(tmp_path / "run", "train/skipped_updates") == logged
     assert not (tmp_path / "run" / "pipeline").exists()
