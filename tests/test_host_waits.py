@@ -7,15 +7,19 @@ Here everything is on the CPU, so a read is told apart by where it happens: the 
 figures of the updates since it last logged (UpdateResult.read_together), on updates that log and on no
 other, and reads of tensors that live on the host by design (the monitor's peak-memory figures and the stop
 agreement's flag, both over gloo groups), listed below with why. Any other read fails the test, with its place.
+On a GPU, CUDA's sync debug mode also refuses every wait on the updates that do not log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import defaultdict
+from typing import Iterator
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 from diffusers import UNet2DConditionModel
 from torch.overrides import TorchFunctionMode
@@ -35,6 +39,21 @@ HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__",
 THE_LOGS_READ = ("step.py", "read_together")  # the figures of the updates since the last log, one transfer
 # Allocator peaks gathered, and the stop flag all-reduced, over gloo groups: CPU tensors, no GPU.
 HOST_SIDE = {("monitor.py", "gather_floats"), ("stop_request.py", "agreed")}
+
+
+@contextlib.contextmanager
+def no_device_syncs(device: torch.device, refused: bool) -> Iterator[None]:
+    """On a GPU (the battery runs this file there: GPU_CHECK_PARTS=host_waits) with `refused`, CUDA raises at any
+    operation that makes the host wait for the device, wherever it is: a read, a blocking copy, a synchronize.
+    Off the GPU there is nothing to refuse; HostReads tells the reads apart by their place."""
+    if device.type != "cuda" or not refused:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 class HostReads(TorchFunctionMode):
@@ -70,7 +89,8 @@ def test_only_updates_that_log_read_the_device_once_and_never_inside_a_microbatc
     reads_per_update, results = [], []
     for number, update in zip(range(7), stream):
         assert all("noise" in batch for batch in update.microbatches)  # drawn where the batch was read
-        with HostReads() as reads:
+        logs = (number + 1) % log_every == 0
+        with HostReads() as reads, no_device_syncs(world.device, number > 0 and not logs):
             result = step(update.microbatches, update.epoch)
             monitor.log_update(step.updates_done, update.epoch, result)
             assert not stop.agreed()
