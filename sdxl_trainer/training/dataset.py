@@ -119,6 +119,14 @@ class HexDigests(Sequence[str]):
         return self._values
 
 
+def _position(index, length: int) -> int:
+    """A sequence's index as a position in 0..length-1 (a negative one counts from the end), or IndexError."""
+    index = operator.index(index)
+    if not -length <= index < length:
+        raise IndexError(index)
+    return index % length
+
+
 class PartColumn(Sequence[str]):
     """A text column read from each item's manifest part when an item's value is asked for (the last few parts
     kept): the captions outside caption mode, which only validation and sample prompts read, a handful of
@@ -137,9 +145,7 @@ class PartColumn(Sequence[str]):
         return len(self._part)
 
     def __getitem__(self, index: int) -> str:  # type: ignore[override]
-        index = operator.index(index)
-        if not -len(self) <= index < len(self):
-            raise IndexError(index)
+        index = _position(index, len(self))
         key = (int(self._cache_index[index]), int(self._part[index]))
         values = self._recent.get(key)
         if values is None:
@@ -322,10 +328,7 @@ class FramedCaptions(Sequence[str]):
         return len(self._dataset)
 
     def __getitem__(self, index: int) -> str:  # type: ignore[override]
-        index = operator.index(index)
-        if not -len(self) <= index < len(self):
-            raise IndexError(index)
-        return self._dataset.caption(index % len(self))
+        return self._dataset.caption(_position(index, len(self)))
 
 
 def _same_hash_type(located: list[list[tuple]]) -> list[list[tuple]]:
