@@ -22,6 +22,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from warm_launch import WarmLauncher
 
+from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir  # noqa: E402 - as below
+
 from sdxl_trainer.distributed.world import free_port  # noqa: E402 - torch reads OMP_NUM_THREADS when it loads
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -146,13 +148,17 @@ def start_the_warm_launcher_early() -> None:
 
 
 # What the quick tier refuses: Python processes (scripts, ranks, servers), shells, and forks (multiprocessing).
-# torch.compile's own helpers (the C++ compiler, openssl, its compile workers) start processes too and are allowed.
+# torch.compile's own helpers start processes too and are allowed: the C++ compiler, openssl, its compile workers,
+# and, on an empty compile cache, a Python process that loads a test library from that cache (its CPU check).
 LAUNCHERS = ("python", "bash", "sh", "torchrun")
 
 
 def _is_launch(command: str) -> bool:
     program = Path(command.split(" ", 1)[0]).name
-    return command.startswith("os.") or (program.startswith(LAUNCHERS) and "torch._inductor" not in command)
+    compilers_own = "torch._inductor" in command or inductor_cache_dir() in command
+    return command.startswith("os.") or (program.startswith(LAUNCHERS) and not compilers_own)
+
+
 started_processes: list[str] = []  # what the current test started (the audit hook below), quick tier only
 
 
