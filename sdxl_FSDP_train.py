@@ -18,7 +18,7 @@ from sdxl_trainer.distributed.world import init_distributed, shutdown_distribute
 from sdxl_trainer.jobs.train_build import EXPECTED_ERRORS, build_run, hold_run_folder
 from sdxl_trainer.jobs.train_config import TrainConfig, memory_settings, speed_settings
 from sdxl_trainer.jobs.train_loop import run_loop
-from sdxl_trainer.outputs.monitor import ConsoleLog
+from sdxl_trainer.monitoring.console_log import ConsoleLog
 from sdxl_trainer.runtime.garbage_collection import exempt_live_objects_from_garbage_collection
 
 
@@ -26,12 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     # 1. Configuration. Every process reads the flags; only the first says what is wrong with them.
     config = parse_config(TrainConfig, argv, description=__doc__, quiet=os.environ.get("RANK", "0") != "0")
     if config.estimate_memory:
-        from sdxl_trainer.tools.memory_estimate import print_memory_estimate  # the full training stack on fake tensors: only here
+        from sdxl_trainer.estimates.memory_estimate import print_memory_estimate
 
         print_memory_estimate(memory_settings(config))
         return 0
     if config.estimate_speed:
-        from sdxl_trainer.tools.speed_estimate import print_speed_estimate
+        from sdxl_trainer.estimates.speed_estimate import print_speed_estimate
 
         print_speed_estimate(speed_settings(config))
         return 0

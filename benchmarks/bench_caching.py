@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from sdxl_trainer.config import parse_config  # noqa: E402
 from sdxl_trainer.jobs.cache_config import CacheConfig  # noqa: E402
-from sdxl_trainer.jobs.cache_job import run_caching  # noqa: E402
+from sdxl_trainer.jobs.cache_job import run_caching
 from sdxl_trainer.models.encoders import load_encoders  # noqa: E402
 from sdxl_trainer.models.sdxl import build_full_size_vae  # noqa: E402
 from sdxl_trainer.models.tiny import save_tiny_pipeline

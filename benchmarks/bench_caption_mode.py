@@ -72,8 +72,9 @@ def timed(updates_per_round: int, rounds: int) -> None:
     from sdxl_trainer.models.tiny import save_tiny_pipeline
     from sdxl_trainer.optimizers.build import build_optimizer
     from sdxl_trainer.training.captions import CaptionVariation, StepCaptionEncoder
+    from sdxl_trainer.training.loss import build_noise_scheduler
     from sdxl_trainer.training.lr_schedule import LearningRateSchedule
-    from sdxl_trainer.training.objective import NoiseSettings, build_noise_scheduler
+    from sdxl_trainer.training.noise_settings import NoiseSettings
     from sdxl_trainer.training.step import TrainStep
     from sdxl_trainer.training.trained_models import TrainedModels
 

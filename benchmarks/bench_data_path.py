@@ -44,10 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]  # tests/ for the synthetic manifest
 
 from sdxl_trainer.training.epochs import EpochPlanner, bucket_counts, small_buckets
-from sdxl_trainer.training.stream import (
-    DataPosition,  # noqa: E402
-    DataStream,  # noqa: E402
-)
+from sdxl_trainer.training.stream import DataPosition, DataStream
 
 NUM_BUCKETS = 40
 SEED = 1234
@@ -147,7 +144,7 @@ def run_dataset_case(args: argparse.Namespace) -> dict:
     from sdxl_trainer.config import parse_config
     from sdxl_trainer.evaluation.sample_prompts import choose_sample_prompts
     from sdxl_trainer.jobs.train_config import TrainConfig
-    from sdxl_trainer.training.stream import load_training_data
+    from sdxl_trainer.training.training_data import load_training_data
 
     imports = process_memory(os.getpid())
     config = parse_config(TrainConfig, [

@@ -29,7 +29,8 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 from s3_server import make_bucket, s3_server  # noqa: E402
 
 from sdxl_trainer.cache.format import SHARD_DIR, TENSOR_KEYS, CachedItem, CacheSettings, write_cache_info  # noqa: E402
-from sdxl_trainer.cache.storage import RemoteTensors, open_store  # noqa: E402
+from sdxl_trainer.cache.s3_store import RemoteTensors
+from sdxl_trainer.cache.stores import open_store
 from sdxl_trainer.cache.writer import ShardWriter, write_empty_prompt
 from sdxl_trainer.training.dataset import CachedDataset, collate  # noqa: E402
 

@@ -51,12 +51,15 @@ def worker(pipeline_dir: Path, cache_dir: Path, output_dir: Path, updates_per_ro
     from sdxl_trainer.cache.reader import read_empty_prompt
     from sdxl_trainer.distributed.fsdp import prepare_unet, shard_unet
     from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
+    from sdxl_trainer.monitoring.memory_peaks import gather_floats, peak_memory_gib
+    from sdxl_trainer.monitoring.metrics_writer import MetricsWriter
+    from sdxl_trainer.monitoring.throughput import Throughput
     from sdxl_trainer.optimizers.build import build_optimizer
-    from sdxl_trainer.outputs.monitor import MetricsWriter, Throughput, gather_floats, peak_memory_gib
     from sdxl_trainer.training.dataset import CachedDataset, collate
     from sdxl_trainer.training.epochs import EpochPlanner, rank_slice
+    from sdxl_trainer.training.loss import build_noise_scheduler
     from sdxl_trainer.training.lr_schedule import LearningRateSchedule
-    from sdxl_trainer.training.objective import NoiseSettings, build_noise_scheduler
+    from sdxl_trainer.training.noise_settings import NoiseSettings
     from sdxl_trainer.training.step import TrainStep
 
     world = init_distributed()

@@ -34,8 +34,10 @@ import torch  # noqa: E402
 
 from sdxl_trainer.config import parse_config  # noqa: E402
 from sdxl_trainer.distributed.world import use_expandable_segments, use_rank_own_compile_cache  # noqa: E402
+from sdxl_trainer.estimates.fake_run import EstimateSettings
+from sdxl_trainer.estimates.measured_memory import measure_memory
+from sdxl_trainer.estimates.memory_estimate import GIB, estimate_memory
 from sdxl_trainer.jobs.train_config import TrainConfig, memory_settings  # noqa: E402
-from sdxl_trainer.tools.memory_estimate import GIB, EstimateSettings, estimate_memory, measure_memory  # noqa: E402
 
 CONFIGS = sorted((REPO_ROOT / "configs").glob("*.toml"))
 LARGE_CARD_GIB = 40  # --gradient_reduction auto: cards from this size reduce once per update

@@ -89,10 +89,10 @@ from sdxl_trainer.distributed.world import World, init_distributed, shutdown_dis
 from sdxl_trainer.jobs.train_config import WEIGHTS_DTYPES, resolve_compute_dtype  # noqa: E402
 from sdxl_trainer.models.sdxl import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, build_full_size_unet  # noqa: E402
 from sdxl_trainer.models.tiny import TINY_UNET_CONFIG
+from sdxl_trainer.monitoring.memory_peaks import gather_floats, peak_memory_gib
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer  # noqa: E402
-from sdxl_trainer.outputs.monitor import gather_floats, peak_memory_gib  # noqa: E402
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule  # noqa: E402
-from sdxl_trainer.training.objective import NoiseSettings  # noqa: E402
+from sdxl_trainer.training.noise_settings import NoiseSettings
 from sdxl_trainer.training.step import TrainStep  # noqa: E402
 
 SEED = 0

@@ -5,7 +5,7 @@ the command-line parser is generated from the dataclass, so flags and config key
 Unknown keys in the TOML file are errors, as are required fields left unset.
 
 A script's config is composed of sections: dataclasses defined beside the component that uses their options
-(the trainer's ObjectiveOptions in training/objective.py, ...), each checking its own options (`problems()`),
+(the trainer's ObjectiveOptions in training/objective_options.py, ...), each checking its own options (`problems()`),
 inherited by the script's config class. Flags and TOML keys stay flat (--noise_offset, noise_offset = 0.05);
 --help lists them by section. A field whose type is a list of dataclass records (the trainer's datasets) is
 read from a TOML array of tables ([[datasets]]) and has no flag of its own.

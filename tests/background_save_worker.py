@@ -18,8 +18,10 @@ from safetensors.torch import save_file
 from train_step_worker import full_weights, rank_batch
 
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
-from sdxl_trainer.state.checkpoint import JsonIndexWriter, find_latest_checkpoint, load_training_state
 from sdxl_trainer.state.checkpointer import Checkpointer, CheckpointOptions, RunFacts
+from sdxl_trainer.state.checkpoints_folder import find_latest_checkpoint
+from sdxl_trainer.state.dcp_json_index import JsonIndexWriter
+from sdxl_trainer.state.load import load_training_state
 from sdxl_trainer.training.stream import DataPosition
 
 UPDATES = 4

@@ -16,8 +16,8 @@ from unet_batches import make_train_step
 
 from sdxl_trainer.distributed.fsdp import shard_unet
 from sdxl_trainer.distributed.world import device_mesh, init_distributed, shutdown_distributed
+from sdxl_trainer.estimates.collective_count import CollectiveBytes
 from sdxl_trainer.optimizers.build import build_optimizer
-from sdxl_trainer.tools.speed_estimate import CollectiveBytes
 
 LAYOUTS = {  # name: (reshard_after_forward, reduce_every_microbatch)
     "full_shard_reduce_every_microbatch": (True, True),

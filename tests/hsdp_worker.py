@@ -21,7 +21,7 @@ from unet_batches import clipping_against_torch, make_train_step, save_training_
 from sdxl_trainer.distributed.fsdp import local_parameter_bytes, shard_unet
 from sdxl_trainer.distributed.world import device_mesh, init_distributed, shutdown_distributed
 from sdxl_trainer.optimizers.build import build_optimizer
-from sdxl_trainer.state.checkpoint import load_training_state
+from sdxl_trainer.state.load import load_training_state
 
 GROUPS = 2
 OPTIMIZER_NAMES = ("adamw", "adamw8bit")

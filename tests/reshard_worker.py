@@ -28,7 +28,8 @@ from sdxl_trainer.distributed.fsdp import full_state_dict_on_rank0, prepare_unet
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 from sdxl_trainer.evaluation.handoff import PipelineHandoff
 from sdxl_trainer.optimizers.build import build_optimizer
-from sdxl_trainer.state.checkpoint import JsonIndexWriter, load_training_state
+from sdxl_trainer.state.dcp_json_index import JsonIndexWriter
+from sdxl_trainer.state.load import load_training_state
 from sdxl_trainer.training.ema import ShardedEMA
 
 

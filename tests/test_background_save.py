@@ -8,7 +8,8 @@ import torch
 from conftest import REPO_ROOT, run_processes
 from safetensors.torch import load_file
 
-from sdxl_trainer.state.checkpoint import TRAINER_STATE_FILE, checkpoint_name, find_latest_checkpoint
+from sdxl_trainer.state.checkpoint_layout import TRAINER_STATE_FILE
+from sdxl_trainer.state.checkpoints_folder import checkpoint_name, find_latest_checkpoint
 
 WORKER = REPO_ROOT / "tests" / "background_save_worker.py"
 

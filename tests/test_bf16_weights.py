@@ -103,7 +103,7 @@ def test_bf16_weights_train_the_tiny_unet_as_fp32_weights_do(world, tiny_pipelin
 def test_bf16_weights_resume_exactly(world, tiny_pipeline_dir, tmp_path, optimizer_name, layout):
     """"4 updates straight" equals "3 updates, save, restore, 1 update" bit for bit: the rounding of the
     resumed update is keyed by the restored step counts. FSDP2's DTensor shards and the plain module."""
-    from sdxl_trainer.state.checkpoint import load_training_state
+    from sdxl_trainer.state.load import load_training_state
 
     def fresh():
         unet = UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet", dtype=torch.bfloat16)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sdxl_trainer.cache import writer as cache_writer
+from sdxl_trainer.cache.errors import CacheError
 from sdxl_trainer.cache.format import (
     CACHE_FORMAT_VERSION,
     CACHE_INFO_FILE,
@@ -27,8 +28,8 @@ from sdxl_trainer.cache.format import (
     write_cache_info,
 )
 from sdxl_trainer.cache.reader import CacheReader, load_manifest, read_empty_prompt
-from sdxl_trainer.cache.storage import CacheError, sha256_file
 from sdxl_trainer.cache.writer import ShardWriter, write_empty_prompt
+from sdxl_trainer.runtime.hashing import sha256_file
 
 # --- helpers ----------------------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from synthetic_manifest import write_manifest_cache
 from test_cache import SETTINGS, make_item
 
 from sdxl_trainer.cache import writer as cache_writer
+from sdxl_trainer.cache.errors import CacheError
 from sdxl_trainer.cache.format import (
     CACHE_INFO_FILE,
     DAMAGED_DIR,
@@ -28,8 +29,9 @@ from sdxl_trainer.cache.format import (
     read_cache_info,
     write_cache_info,
 )
+from sdxl_trainer.cache.local_store import LocalStore
 from sdxl_trainer.cache.reader import CacheReader, load_manifest, read_empty_prompt, read_manifest_parts
-from sdxl_trainer.cache.storage import CacheError, LocalStore, RemoteStore
+from sdxl_trainer.cache.s3_store import RemoteStore
 from sdxl_trainer.cache.verify import shard_problem, verify_cache
 from sdxl_trainer.cache.writer import ShardWriter, quarantine, write_empty_prompt
 
@@ -342,7 +344,7 @@ def test_training_on_an_empty_cache_says_so_and_how_to_fill_it(tmp_path):
     cache and how to fill it (it used to advise lowering the batch size, after the model had loaded)."""
     from sdxl_trainer.config import parse_config
     from sdxl_trainer.jobs.train_config import TrainConfig
-    from sdxl_trainer.training.stream import load_training_data
+    from sdxl_trainer.training.training_data import load_training_data
 
     empty = tmp_path / "empty"
     write_cache_info(empty, SETTINGS)

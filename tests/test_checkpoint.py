@@ -18,15 +18,9 @@ from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, process_data_dir, run_p
 from safetensors.torch import load_file
 from test_resume_schedules import SCHEDULE_FLAGS, trainer_schedule
 
-from sdxl_trainer.state.checkpoint import (
-    METADATA_FILE,
-    TRAINER_STATE_FILE,
-    checkpoint_name,
-    complete_checkpoints,
-    find_latest_checkpoint,
-    read_trainer_state,
-    remove_old_checkpoints,
-)
+from sdxl_trainer.state.checkpoint_layout import METADATA_FILE, TRAINER_STATE_FILE
+from sdxl_trainer.state.checkpoints_folder import checkpoint_name, complete_checkpoints, find_latest_checkpoint, remove_old_checkpoints
+from sdxl_trainer.state.trainer_state import read_trainer_state
 from sdxl_trainer.training.epochs import EpochPlanner
 
 TRAINER = REPO_ROOT / "sdxl_FSDP_train.py"

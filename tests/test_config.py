@@ -402,7 +402,7 @@ def test_a_run_without_a_seed_records_the_one_it_drew(tmp_path, sample_cache_dir
     """The drawn seed reaches config.json (to repeat the run) and the checkpoint."""
     from conftest import REPO_ROOT, run_processes, trainer_flags
 
-    from sdxl_trainer.state.checkpoint import read_trainer_state
+    from sdxl_trainer.state.trainer_state import read_trainer_state
 
     flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "run", "--optimizer", "adamw", "--no-validation_loss",
                           "--max_train_updates", "1")

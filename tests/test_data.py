@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch._utils import ExceptionWrapper
 
+from sdxl_trainer.cache.errors import StorageError
 from sdxl_trainer.cache.format import CachedItem, CacheSettings, write_cache_info
-from sdxl_trainer.cache.storage import StorageError
 from sdxl_trainer.cache.writer import ShardWriter
 from sdxl_trainer.training.dataset import CachedDataset, collate
 from sdxl_trainer.training.epochs import EpochPlanner, rank_slice, small_buckets
@@ -464,7 +464,8 @@ def test_repeats_leave_held_out_items_out_and_one_is_the_plain_plan():
 
 def test_copies_of_an_item_get_their_own_noise_and_caption():
     from sdxl_trainer.training.captions import CaptionVariation, StepCaptionEncoder
-    from sdxl_trainer.training.objective import NoiseSettings, draw_sample_randomness
+    from sdxl_trainer.training.noise_settings import NoiseSettings
+    from sdxl_trainer.training.sample_draws import draw_sample_randomness
 
     latents = torch.zeros(2, 4, 8, 8)
     copies = draw_sample_randomness(latents, torch.tensor([3, 3 + 10]), 5, 0, NoiseSettings(0.1))
@@ -525,9 +526,9 @@ def test_the_dataset_holds_no_python_object_per_item_and_reads_each_items_text_b
     parts: no more Python objects; every item's text still reads back as its manifest row has it."""
     from synthetic_manifest import write_manifest_cache
 
+    from sdxl_trainer.cache.errors import CacheError
     from sdxl_trainer.cache.format import MANIFEST_DIR
     from sdxl_trainer.cache.reader import load_manifest
-    from sdxl_trainer.cache.storage import CacheError
 
     small = CachedDataset([write_manifest_cache(tmp_path / "small", 2_000, rows_per_part=1_000, caption_length=60)])
     large = CachedDataset([write_manifest_cache(tmp_path / "large", 20_000, rows_per_part=10_000, caption_length=60)])

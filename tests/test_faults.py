@@ -32,17 +32,10 @@ from conftest import (
 )
 
 from sdxl_trainer.config import parse_config
-from sdxl_trainer.state.checkpoint import (
-    CHECKSUMS_FILE,
-    METADATA_FILE,
-    TRAINER_STATE_FILE,
-    CheckpointError,
-    JsonIndexReader,
-    checkpoint_name,
-    checkpoint_problem,
-    complete_checkpoints,
-    find_latest_checkpoint,
-)
+from sdxl_trainer.state.checkpoint_layout import CHECKSUMS_FILE, METADATA_FILE, TRAINER_STATE_FILE, CheckpointError
+from sdxl_trainer.state.checkpoints_folder import checkpoint_name, complete_checkpoints, find_latest_checkpoint
+from sdxl_trainer.state.dcp_json_index import JsonIndexReader
+from sdxl_trainer.state.verify import checkpoint_problem
 
 TRAINER = REPO_ROOT / "sdxl_FSDP_train.py"
 QUICK = ("--optimizer", "adamw", "--no-validation_loss", "--num_train_epochs", "1")
@@ -275,7 +268,7 @@ def test_latest_with_every_checkpoint_damaged_refuses_to_start_naming_each_and_t
 def test_damaged_checkpoints_never_count_toward_the_limit_nor_are_deleted_by_it(tmp_path, saved_run):
     """The limit keeps the newest intact-looking checkpoints of this run: damaged 10 and 12 once outranked every
     new save, which was deleted right after it was written."""
-    from sdxl_trainer.state.checkpoint import remove_old_checkpoints
+    from sdxl_trainer.state.checkpoints_folder import remove_old_checkpoints
 
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()

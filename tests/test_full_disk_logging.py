@@ -26,7 +26,7 @@ def run_on_a_small_disk(script: str, tmp_path: Path) -> tuple[subprocess.Complet
 WRITER_ON_A_DISK_THAT_FILLS = """
 import sys, time
 from pathlib import Path
-from sdxl_trainer.outputs.monitor import MetricsWriter
+from sdxl_trainer.monitoring.metrics_writer import MetricsWriter
 
 disk = Path(sys.argv[1])
 writer = MetricsWriter(disk / "run" / "tensorboard", True, retry_after_seconds=0.5)
@@ -63,7 +63,7 @@ def test_a_full_disk_costs_the_scalars_written_meanwhile_and_one_warning_not_the
 CONSOLE_ON_A_DISK_THAT_FILLS = """
 import sys
 from pathlib import Path
-from sdxl_trainer.outputs.monitor import ConsoleLog
+from sdxl_trainer.monitoring.console_log import ConsoleLog
 
 disk = Path(sys.argv[1])
 with ConsoleLog(disk / "run" / "train.log", True):

@@ -27,18 +27,22 @@ from unet_batches import make_train_step
 
 from sdxl_trainer.distributed.fsdp import prepare_unet
 from sdxl_trainer.distributed.stop_request import StopRequest
+from sdxl_trainer.monitoring.metrics_writer import MetricsWriter
+from sdxl_trainer.monitoring.monitor import TrainingMonitor
 from sdxl_trainer.optimizers.build import build_optimizer
-from sdxl_trainer.outputs.monitor import MetricsWriter, TrainingMonitor
+from sdxl_trainer.training.data_options import DataSettings
 from sdxl_trainer.training.ema import ShardedEMA
 from sdxl_trainer.training.holdout import SplitSettings
-from sdxl_trainer.training.objective import NoiseSettings, SampleDraws
-from sdxl_trainer.training.stream import DataPosition, DataSettings, load_training_data
+from sdxl_trainer.training.noise_settings import NoiseSettings
+from sdxl_trainer.training.sample_draws import SampleDraws
+from sdxl_trainer.training.stream import DataPosition
+from sdxl_trainer.training.training_data import load_training_data
 
 HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero"}
 # Where a read is allowed: (file, function) of the code that reads.
 THE_LOGS_READ = ("step.py", "read_together")  # the figures of the updates since the last log, one transfer
 # Allocator peaks gathered, and the stop flag all-reduced, over gloo groups: CPU tensors, no GPU.
-HOST_SIDE = {("monitor.py", "gather_floats"), ("stop_request.py", "agreed")}
+HOST_SIDE = {("memory_peaks.py", "gather_floats"), ("stop_request.py", "agreed")}
 
 
 @contextlib.contextmanager

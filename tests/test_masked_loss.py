@@ -25,7 +25,9 @@ from sdxl_trainer.preparation.images import resize_and_crop, to_latent_mask
 from sdxl_trainer.preparation.items import SkippedItem, mask_image, read_mask_file
 from sdxl_trainer.preparation.scan import SourcePair
 from sdxl_trainer.training.dataset import CachedDataset, choose_views, collate, flip_draws
-from sdxl_trainer.training.objective import NoiseSettings, draw_sample_randomness, sample_losses, training_loss
+from sdxl_trainer.training.loss import sample_losses, training_loss
+from sdxl_trainer.training.noise_settings import NoiseSettings
+from sdxl_trainer.training.sample_draws import draw_sample_randomness
 
 CACHE_FLAGS = (*SAMPLE_RESOLUTION_FLAGS, "--flip_aug")
 

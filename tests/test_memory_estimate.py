@@ -1,4 +1,4 @@
-"""The memory estimate (sdxl_trainer/memory_estimate.py) where the truth is known: on the tiny UNet, the
+"""The memory estimate (sdxl_trainer/estimates/memory_estimate.py) where the truth is known: on the tiny UNet, the
 fake-tensor run against the same trackers over real tensors of the same run, and the sharded state
 against arithmetic. The full-size figures are README's hardware table (--estimate_memory)."""
 
@@ -14,7 +14,8 @@ from conftest import REPO_ROOT
 from diffusers import UNet2DConditionModel
 
 from sdxl_trainer.models.tiny import TINY_UNET_CONFIG
-from sdxl_trainer.tools.memory_estimate import GIB, UNTRACKED_GIB, UNTRACKED_SHARE_SHARDED, EstimateSettings, MemoryEstimate, estimate_memory, needed_gib
+from sdxl_trainer.estimates.fake_run import EstimateSettings
+from sdxl_trainer.estimates.memory_estimate import estimate_memory, GIB, MemoryEstimate, needed_gib, UNTRACKED_GIB, UNTRACKED_SHARE_SHARDED
 
 
 def settings(world_size: int, optimizer: str, **changes) -> EstimateSettings:

@@ -17,9 +17,12 @@ from s3_server import CREDENTIALS, SilentServer, make_bucket, s3_server
 from safetensors.torch import load_file
 from test_tar_sources import cache_tars, pack, sample_members
 
+from sdxl_trainer.cache.errors import CacheError
 from sdxl_trainer.cache.format import CACHE_INFO_FILE, EMPTY_PROMPT_FILE, SHARD_DIR, read_cache_info
+from sdxl_trainer.cache.object_lease import ObjectLease
 from sdxl_trainer.cache.reader import CacheReader, load_manifest
-from sdxl_trainer.cache.storage import READ_TIMEOUT_VARIABLE, REQUEST_ATTEMPTS, S3FS_TRIES, CacheError, ObjectLease, open_store
+from sdxl_trainer.cache.s3_requests import READ_TIMEOUT_VARIABLE, REQUEST_ATTEMPTS, S3FS_TRIES
+from sdxl_trainer.cache.stores import open_store
 from sdxl_trainer.cache.writer import WorkerLock
 
 pytestmark = pytest.mark.multiprocess

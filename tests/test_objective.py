@@ -14,16 +14,10 @@ import pytest
 import torch
 
 from sdxl_trainer.config import parse_config
-from sdxl_trainer.training.objective import (
-    NoiseSettings,
-    build_noise_scheduler,
-    draw_sample_randomness,
-    huber_thresholds,
-    sample_generator,
-    sample_losses,
-    timestep_weights,
-    training_loss,
-)
+from sdxl_trainer.training.loss import build_noise_scheduler, huber_thresholds, sample_losses, training_loss
+from sdxl_trainer.training.noise_settings import NoiseSettings
+from sdxl_trainer.training.sample_draws import draw_sample_randomness, sample_generator
+from sdxl_trainer.training.timesteps import timestep_weights
 
 
 def chi_square(counts: np.ndarray, probabilities: np.ndarray) -> tuple[float, int]:

@@ -24,10 +24,11 @@ from test_upscale import save_weights, tiny_rrdbnet
 
 from sdxl_trainer.cache import writer as cache_writer
 from sdxl_trainer.cache.buckets import Bucket, nearest_aspect_bucket
+from sdxl_trainer.cache.errors import CacheError
 from sdxl_trainer.cache.format import CACHE_INFO_FILE, EMPTY_PROMPT_FILE, MANIFEST_DIR, SHARD_DIR
 from sdxl_trainer.cache.reader import CacheReader, load_manifest
-from sdxl_trainer.cache.storage import CacheError, sha256_file
 from sdxl_trainer.preparation.scan import worker_of
+from sdxl_trainer.runtime.hashing import sha256_file
 
 RESOLUTION_FLAGS = ["--min_resolution", "256", "--max_resolution", "320"]
 

@@ -54,7 +54,7 @@ def test_tensorboard_gets_the_header_over_each_new_row(tmp_path):
     file with the square of the rows)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from sdxl_trainer.outputs.monitor import MetricsWriter
+    from sdxl_trainer.monitoring.metrics_writer import MetricsWriter
 
     path = tmp_path / "grid.png"
     writer = MetricsWriter(tmp_path / "tb", enabled=True)

@@ -1,4 +1,4 @@
-"""The speed estimate (sdxl_trainer/tools/speed_estimate.py): the bytes it says FSDP2's collectives move, against
+"""The speed estimate (sdxl_trainer/estimates/speed_estimate.py): the bytes it says FSDP2's collectives move, against
 what the real collectives moved (2 and 4 gloo processes on the tiny UNet, full sharding and HSDP; the full-size
 UNet over the fake process group of --estimate_memory), its overlap of compute and communication on made-up
 units whose answer is worked out by hand, and the figures README's hardware table gives for the shipped configs."""
@@ -15,9 +15,18 @@ from conftest import REPO_ROOT, run_processes
 from diffusers import UNet2DConditionModel
 
 from sdxl_trainer.config import parse_config
+from sdxl_trainer.estimates.speed_estimate import (
+    LINKS,
+    SpeedSettings,
+    Unit,
+    _Timeline,
+    collective_bytes,
+    estimate_speed,
+    sdxl_units,
+    units_of,
+)
 from sdxl_trainer.jobs.train_config import TrainConfig, speed_settings
 from sdxl_trainer.models.tiny import TINY_UNET_CONFIG
-from sdxl_trainer.tools.speed_estimate import LINKS, SpeedSettings, Unit, _Timeline, collective_bytes, estimate_speed, sdxl_units, units_of
 
 SHIPPED_CONFIGS = ("1x24gb_bf16.toml", "2x24gb_consumer.toml", "8x80gb_datacenter.toml", "multinode_4x8x80gb.toml")
 
@@ -58,7 +67,8 @@ def test_the_estimate_counts_the_bytes_the_real_collectives_move(tmp_path, tiny_
 def test_the_full_size_count_matches_the_collectives_of_a_fake_8_gpu_update():
     """The memory estimate's fake 8-GPU update of the full-size UNet (bf16 gathers, 2 microbatches reduced on
     each): 78 units, each gathered twice per microbatch, 20.5 GB gathered and as much reduce-scattered (fp32)."""
-    from sdxl_trainer.tools.memory_estimate import EstimateSettings, count_collectives
+    from sdxl_trainer.estimates.collective_count import count_collectives
+    from sdxl_trainer.estimates.fake_run import EstimateSettings
 
     counted = count_collectives(EstimateSettings(
         world_size=8, train_batch_size=1, gradient_accumulation_steps=2, resolution=512, compute_dtype=torch.bfloat16, optimizer="adamw8bit",

@@ -15,10 +15,10 @@ from test_process_data_dir import RESOLUTION_FLAGS, make_dataset
 
 from sdxl_trainer.cache.format import SHARD_DIR
 from sdxl_trainer.cache.reader import CacheReader, load_manifest
-from sdxl_trainer.cache.storage import sha256_file
 from sdxl_trainer.jobs import cache_job
 from sdxl_trainer.preparation.folders import scan_images
 from sdxl_trainer.preparation.tar_sources import json_caption, scan_tar_shards, split_key
+from sdxl_trainer.runtime.hashing import sha256_file
 
 
 def pack(tar_path: Path, members: list[tuple[str, bytes | Path]]) -> Path:

@@ -19,7 +19,8 @@ from unet_batches import trainer_state_for
 from sdxl_trainer.cache.reader import load_manifest
 from sdxl_trainer.config import parse_config
 from sdxl_trainer.models.single_file import hf_clip_names
-from sdxl_trainer.state.checkpoint import METADATA_FILE, CheckpointError, TrainerState
+from sdxl_trainer.state.checkpoint_layout import METADATA_FILE, CheckpointError
+from sdxl_trainer.state.trainer_state import TrainerState
 from sdxl_trainer.training.lr_schedule import LR_SCALE, set_learning_rate
 
 TEXT_ENCODER_FILES = {name: Path(name) / "model.safetensors" for name in ("text_encoder", "text_encoder_2")}

@@ -23,7 +23,9 @@ from sdxl_trainer.models.sdxl import build_full_size_unet
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer
 from sdxl_trainer.training.dataset import CachedDataset, collate
 from sdxl_trainer.training.ema import ShardedEMA
-from sdxl_trainer.training.objective import NoiseSettings, build_noise_scheduler, draw_sample_randomness, min_snr_weights, signal_to_noise, training_loss
+from sdxl_trainer.training.loss import build_noise_scheduler, min_snr_weights, signal_to_noise, training_loss
+from sdxl_trainer.training.noise_settings import NoiseSettings
+from sdxl_trainer.training.sample_draws import draw_sample_randomness
 
 
 def sharded_unet(pipeline_dir, world, compile_blocks: bool = False, param_dtype: torch.dtype | None = None, cpu_offload: bool = False):
@@ -518,7 +520,7 @@ def test_a_plain_unet_resumes_exactly(world, tiny_pipeline_dir, tmp_path, optimi
     1 update", bit for bit, for every optimizer (torchao's 8-bit state included)."""
     from unet_batches import save_training_state, saved_state_of
 
-    from sdxl_trainer.state.checkpoint import load_training_state
+    from sdxl_trainer.state.load import load_training_state
 
     def fresh():
         unet = unet_in_layout("plain", tiny_pipeline_dir, world)

@@ -21,7 +21,7 @@ from unet_batches import clipping_against_torch, make_train_step, save_training_
 from sdxl_trainer.distributed.fsdp import local_parameter_bytes, shard_unet
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer, local_optimizer_state_bytes
-from sdxl_trainer.state.checkpoint import load_training_state
+from sdxl_trainer.state.load import load_training_state
 from sdxl_trainer.training.ema import ShardedEMA
 
 LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4}

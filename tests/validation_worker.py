@@ -21,7 +21,7 @@ from sdxl_trainer.evaluation.sampling import GenerationSettings, gather_images, 
 from sdxl_trainer.evaluation.validation import ImageValidator, validation_loss
 from sdxl_trainer.training.dataset import CachedDataset
 from sdxl_trainer.training.holdout import SplitSettings, choose_holdout, dataset_item_keys
-from sdxl_trainer.training.objective import build_noise_scheduler
+from sdxl_trainer.training.loss import build_noise_scheduler
 
 
 def build_sampling_pipeline(pipeline_dir: str, unet: torch.nn.Module, device: torch.device, vae: AutoencoderKL | None = None) -> StableDiffusionXLPipeline:

@@ -9,11 +9,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from sdxl_trainer.cache.buckets import BUCKET_TABLE_VERSION
+from sdxl_trainer.cache.errors import CacheError
 from sdxl_trainer.cache.format import CacheLocation, CacheSettings, cache_vae, read_cache_info, settings_differences
 from sdxl_trainer.cache.reader import read_empty_prompt
-from sdxl_trainer.cache.storage import (
-    CacheError,
-)
 from sdxl_trainer.models.encoders import TEXT_MAX_LENGTH, TOKENS_PER_CHUNK, model_fingerprint
 from sdxl_trainer.models.single_file import is_single_file, model_location_problem
 

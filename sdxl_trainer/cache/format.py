@@ -29,17 +29,15 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from sdxl_trainer.cache.storage import (
-    CacheError,
-    LocalStore,
-    RemoteStore,
-    open_store,
-)
+from sdxl_trainer.cache.errors import CacheError
+from sdxl_trainer.cache.local_store import LocalStore
+from sdxl_trainer.cache.s3_store import RemoteStore
+from sdxl_trainer.cache.stores import open_store
 
 Store = LocalStore | RemoteStore
 
 
-CacheLocation = str | Path | Store  # a folder, or an s3:// URL (storage.py)
+CacheLocation = str | Path | Store  # a folder, or an s3:// URL (stores.py)
 
 
 CACHE_FORMAT_VERSION = 1

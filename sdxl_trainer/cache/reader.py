@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load
 
+from sdxl_trainer.cache.errors import CacheError, StorageError
 from sdxl_trainer.cache.format import (
     CACHE_INFO_FILE,
     EMPTY_PROMPT_FILE,
@@ -30,14 +31,9 @@ from sdxl_trainer.cache.format import (
     repair_advice,
     sha256_bytes,
 )
-from sdxl_trainer.cache.storage import (
-    REMOTE_READ_THREADS,
-    CacheError,
-    LocalTensors,
-    RemoteTensors,
-    StorageError,
-    open_store,
-)
+from sdxl_trainer.cache.local_store import LocalTensors
+from sdxl_trainer.cache.s3_store import REMOTE_READ_THREADS, RemoteTensors
+from sdxl_trainer.cache.stores import open_store
 
 
 def size_problem(size: int | None, recorded: int) -> str | None:

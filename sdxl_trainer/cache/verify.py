@@ -7,6 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from sdxl_trainer.cache.buckets import LATENT_DOWNSCALE
+from sdxl_trainer.cache.errors import StorageError
 from sdxl_trainer.cache.format import (
     EMPTY_PROMPT_FILE,
     FLIPPED_KEY,
@@ -21,10 +22,7 @@ from sdxl_trainer.cache.format import (
     read_cache_info,
 )
 from sdxl_trainer.cache.reader import empty_prompt_problem, read_manifest_parts, size_problem
-from sdxl_trainer.cache.storage import (
-    StorageError,
-    open_store,
-)
+from sdxl_trainer.cache.stores import open_store
 
 
 def shard_problem(cache_dir: CacheLocation, part: ManifestPart, full_checksum: bool = True) -> str | None:

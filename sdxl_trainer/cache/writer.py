@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import save_file
 
+from sdxl_trainer.cache.errors import CacheError
 from sdxl_trainer.cache.format import (
     DAMAGED_DIR,
     EMPTY_PROMPT_FILE,
@@ -27,13 +28,10 @@ from sdxl_trainer.cache.format import (
     CachedItem,
     CacheLocation,
 )
-from sdxl_trainer.cache.storage import (
-    CacheError,
-    ObjectLease,
-    open_store,
-    sha256_file,
-)
+from sdxl_trainer.cache.object_lease import ObjectLease
+from sdxl_trainer.cache.stores import open_store
 from sdxl_trainer.runtime.files import LockHeld, ProcessLock, make_shareable
+from sdxl_trainer.runtime.hashing import sha256_file
 
 
 def write_empty_prompt(cache_dir: CacheLocation, prompt_embeds: torch.Tensor, pooled_prompt_embeds: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.config import option
 from sdxl_trainer.distributed.world import World
+from sdxl_trainer.distributed.local_shard import local_shard
 
 
 @dataclass(kw_only=True)
@@ -252,6 +253,6 @@ def local_parameter_bytes(model: nn.Module) -> int:
     """Bytes of parameters this rank actually stores (its shards)."""
     total = 0
     for parameter in model.parameters():
-        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        local = local_shard(parameter)
         total += local.numel() * local.element_size()
     return total

@@ -133,6 +133,18 @@ def all_gather_text(text: str, device: torch.device, group: dist.ProcessGroup | 
     return [bytes(chunk[:size].cpu().tolist()).decode() for chunk, size in zip(gathered, sizes)]
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a small tensor for a collective over `group` must live: the GPU under nccl, the CPU under gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def all_ranks_succeeded(succeeded: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Collective over `group`: True on every rank when every rank passed True."""
+    flag = torch.tensor([1 if succeeded else 0], dtype=torch.int32, device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()

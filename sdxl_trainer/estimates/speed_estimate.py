@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -190,29 +189,6 @@ def collective_bytes(units: list[Unit] | tuple[Unit, ...], settings: SpeedSettin
         "reduce_scatter": gathered * 4 * reductions,
         "all_reduce": (sum(unit.padded_values(shards) for unit in units) * 4 * reductions) if settings.replicate_groups > 1 else 0,
     }
-
-
-class CollectiveBytes(TorchDispatchMode):
-    """Counts, by kind, the bytes of the collectives that run under it (c10d's all-gather, reduce-scatter and
-    all-reduce, as FSDP2 and the trainer call them), in forward and backward: a public dispatch mode, no patch.
-    `least_bytes` leaves out the small ones (a loss or a norm all-reduced)."""
-
-    def __init__(self, least_bytes: int = 64):
-        super().__init__()
-        self.least_bytes = least_bytes
-        self.kinds = {torch.ops.c10d._allgather_base_: "all_gather", torch.ops.c10d._reduce_scatter_base_: "reduce_scatter", torch.ops.c10d.allreduce_: "all_reduce"}
-        self.bytes = dict.fromkeys(self.kinds.values(), 0)
-        self.calls = dict.fromkeys(self.kinds.values(), 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = self.kinds.get(func.overloadpacket)
-        if kind is not None:
-            tensor = {"all_gather": lambda: args[0], "reduce_scatter": lambda: args[1], "all_reduce": lambda: args[0][0]}[kind]()
-            size = tensor.numel() * tensor.element_size()
-            if size >= self.least_bytes:
-                self.bytes[kind] += size
-                self.calls[kind] += 1
-        return func(*args, **(kwargs or {}))
 
 
 # ---- time ----------------------------------------------------------------------------------------------

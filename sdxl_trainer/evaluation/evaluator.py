@@ -32,7 +32,7 @@ from sdxl_trainer.evaluation.sample_prompts import DEFAULT_SAMPLE_PROMPTS, Sampl
 from sdxl_trainer.evaluation.sampling import GenerationSettings, ImageRequest, gather_images, generate, rank_share
 from sdxl_trainer.evaluation.validation import ImageValidator, validation_loss
 from sdxl_trainer.models.encoders import CaptionEmbeddings, encode_prompts
-from sdxl_trainer.outputs.monitor import MetricsWriter
+from sdxl_trainer.monitoring.metrics_writer import MetricsWriter
 from sdxl_trainer.training.captions import StepCaptionEncoder
 from sdxl_trainer.training.dataset import CachedDataset
 from sdxl_trainer.training.ema import ShardedEMA

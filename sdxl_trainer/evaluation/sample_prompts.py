@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdxl_trainer.training.objective import sample_seed
+from sdxl_trainer.training.sample_draws import sample_seed
 
 DEFAULT_SAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "sample_prompts.txt"  # at the repository root
 SAMPLE_KEY = 1_000_003  # stands in for the epoch in sample_seed(seed, key, prompt position)

@@ -37,7 +37,9 @@ from sdxl_trainer.evaluation.sampling import GenerationSettings, ImageRequest, d
 from sdxl_trainer.models.encoders import CaptionEmbeddings
 from sdxl_trainer.preparation.images import UnreadableImage, decode_image, resize_and_crop
 from sdxl_trainer.training.dataset import CachedDataset, collate
-from sdxl_trainer.training.objective import NoiseSettings, sample_seed, training_loss
+from sdxl_trainer.training.loss import training_loss
+from sdxl_trainer.training.noise_settings import NoiseSettings
+from sdxl_trainer.training.sample_draws import sample_seed
 
 if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
     from diffusers import DDPMScheduler, StableDiffusionXLPipeline

@@ -12,18 +12,13 @@ from typing import ClassVar, Literal
 import torch
 
 from sdxl_trainer.cache.buckets import ResolutionOptions, categories
-from sdxl_trainer.cache.storage import StorageError, is_remote
+from sdxl_trainer.cache.errors import StorageError
+from sdxl_trainer.cache.stores import is_remote
 from sdxl_trainer.config import option
 from sdxl_trainer.models.encoders import chunks_for
 from sdxl_trainer.models.options import ModelOptions
 from sdxl_trainer.models.single_file import SDXL_CONFIG_SOURCE
-from sdxl_trainer.preparation.tables import (
-    TABLE_SUFFIXES,
-    TableFilters,
-    parse_column_names,
-    read_tag_replacements,
-    read_text_replacements,
-)
+from sdxl_trainer.preparation.tables import TABLE_SUFFIXES, TableFilters, parse_column_names, read_tag_replacements, read_text_replacements
 from sdxl_trainer.preparation.tar_sources import TAR_SUFFIX, find_tars
 from sdxl_trainer.preparation.upscale import weights_problems
 

@@ -6,49 +6,36 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import Counter, defaultdict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 from PIL import Image
 from safetensors import SafetensorError
 from tqdm import tqdm
 
 from sdxl_trainer.cache.buckets import BUCKET_TABLE_VERSION
-from sdxl_trainer.cache.format import (
-    CACHE_INFO_FILE,
-    EMPTY_PROMPT_FILE,
-    LOG_DIR,
-    SHARD_DIR,
-    CachedItem,
-    CacheSettings,
-    captions_in,
-    part_files,
-    write_cache_info,
-)
-from sdxl_trainer.cache.reader import merge_parts, read_manifest_parts
-from sdxl_trainer.cache.storage import CacheError, LeaseLost, StorageError, is_remote, open_store, sha256_file
-from sdxl_trainer.cache.verify import shard_problem, verify_cache
-from sdxl_trainer.cache.writer import ShardWriter, WorkerLock, quarantine, write_empty_prompt
+from sdxl_trainer.cache.errors import CacheError, StorageError
+from sdxl_trainer.cache.format import LOG_DIR, CacheSettings, captions_in, write_cache_info
+from sdxl_trainer.cache.object_lease import LeaseLost
+from sdxl_trainer.cache.stores import is_remote, open_store
+from sdxl_trainer.cache.writer import ShardWriter, WorkerLock, write_empty_prompt
 from sdxl_trainer.jobs.cache_config import CacheConfig, resolve_device, resolve_dtype
-from sdxl_trainer.models.encoders import TEXT_MAX_LENGTH, TOKENS_PER_CHUNK, Encoders, chunks_for, load_encoders, model_fingerprint
+from sdxl_trainer.jobs.cache_encoding import encode_chunk, truncation_advice
+from sdxl_trainer.jobs.cache_modes import dry_run, nothing_to_cache, run_verify
+from sdxl_trainer.jobs.cache_resume import valid_cached_items
+from sdxl_trainer.models.encoders import TEXT_MAX_LENGTH, chunks_for, load_encoders, model_fingerprint
 from sdxl_trainer.preparation.folders import scan_images
-from sdxl_trainer.preparation.images import IMAGE_EXTENSIONS, UnreadableImage, upright_size
-from sdxl_trainer.preparation.items import PreparedItem, SkippedItem, choose_bucket, prepare_item, read_caption, read_mask_file, read_source
+from sdxl_trainer.preparation.items import PreparedItem, SkippedItem, prepare_item, read_mask_file, read_source
 from sdxl_trainer.preparation.scan import ScanProblem, SourcePair, worker_of
-from sdxl_trainer.preparation.tables import (
-    TableError,
-    parse_column_names,
-    scan_table,
-)
+from sdxl_trainer.preparation.tables import TableError, parse_column_names, scan_table
 from sdxl_trainer.preparation.tar_sources import scan_tar_shards
 from sdxl_trainer.preparation.upscale import Upscaler, load_upscaler
+from sdxl_trainer.runtime.bounded_map import bounded_map
 from sdxl_trainer.runtime.files import write_error_reason
 from sdxl_trainer.runtime.garbage_collection import exempt_live_objects_from_garbage_collection
+from sdxl_trainer.runtime.hashing import sha256_file
 from sdxl_trainer.runtime.quiet_libraries import hide_library_progress_bars
 
 
@@ -117,155 +104,6 @@ class UpscaleSamples:
             raise WriteFailed(error) from error
 
 
-def truncation_advice(max_token_length: int) -> str:
-    longer = [length for length in (150, 225) if length > max_token_length]
-    return f"raise --max_token_length ({' or '.join(map(str, longer))}) or shorten the caption" if longer else "shorten the caption"
-
-
-def encode_chunk(
-    encoders: Encoders, prepared: list[PreparedItem], batch_size: int, caption_chunks: int, settings: CacheSettings
-) -> tuple[list[CachedItem], dict[str, int]]:
-    """Encode images grouped by bucket (one VAE call needs one size), with --flip_aug their mirrors too, and each
-    item's first caption (framed by the cache's caption prefix and suffix), in batches. Also returns the items
-    whose caption was cut (relative path -> its token count)."""
-    by_bucket: dict[tuple[int, int], list[PreparedItem]] = defaultdict(list)
-    for item in prepared:
-        by_bucket[(item.plan.bucket.width, item.plan.bucket.height)].append(item)
-    cached = []
-    truncated = {}
-    for items in by_bucket.values():
-        for start in range(0, len(items), batch_size):
-            batch = items[start : start + batch_size]
-            pixels = torch.stack([item.pixels for item in batch])
-            latents = encoders.encode_images(pixels)
-            flipped = encoders.encode_images(torch.flip(pixels, dims=[-1])) if settings.flip_aug else None
-            captions = encoders.encode_captions([settings.framed(captions_in(item.caption)[0]) for item in batch], caption_chunks)
-            for index, item in enumerate(batch):
-                cached.append(
-                    CachedItem(
-                        latents[index], captions.prompt_embeds[index], captions.pooled_prompt_embeds[index], item.manifest_row(),
-                        None if flipped is None else flipped[index], item.loss_mask,
-                    )
-                )
-                if captions.token_counts[index] > caption_chunks * TOKENS_PER_CHUNK:
-                    truncated[item.source.relative_path] = captions.token_counts[index]
-    return cached, truncated
-
-
-def bounded_map(pool: ThreadPoolExecutor, function: Callable, items: Iterable, window: int) -> Iterator:
-    """pool.map in order, with at most `window` items in flight: decoded images wait in memory only
-    as long as the encoders need, however many millions of items there are."""
-    pending: deque[Future] = deque()
-    try:
-        for item in items:
-            pending.append(pool.submit(function, item))
-            if len(pending) >= window:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    finally:
-        for future in pending:
-            future.cancel()
-
-
-def dry_run(config: CacheConfig, sources: list[SourcePair], scan_problems: list[ScanProblem], worker_name: str) -> int:
-    """Bucket histogram and counts from image headers and captions only (from a metadata table's width and
-    height where it gives them, without opening the image)."""
-
-    def plan(source: SourcePair):
-        try:
-            if source.table_size is not None:
-                read_caption(source)
-                width, height = source.table_size
-            else:
-                data, _, _ = read_source(source)
-                try:
-                    width, height = upright_size(data)
-                except UnreadableImage as error:
-                    raise SkippedItem(source, str(error), "unreadable image") from error
-            crop, upscale_bucket = choose_bucket(source, width, height, config.min_resolution, config.max_resolution, config.upscale_to_resolution)
-            return upscale_bucket or crop.bucket, upscale_bucket is not None
-        except SkippedItem as skipped:
-            return skipped
-
-    histogram: Counter[str] = Counter()
-    skipped: Counter[str] = Counter(problem.category for problem in scan_problems)
-    print_scan_problems(scan_problems, worker_name)
-    upscaled = 0
-    with ThreadPoolExecutor(config.num_io_threads) as pool:
-        for result in tqdm(bounded_map(pool, plan, sources, 4 * config.num_io_threads), total=len(sources), desc=f"scanning [{worker_name}]", unit="img"):
-            if isinstance(result, SkippedItem):
-                skipped[result.category] += 1
-            else:
-                histogram[str(result[0])] += 1
-                upscaled += result[1]
-    print(f"[{worker_name}] dry run over {len(sources)} images in {config.data_dir}: nothing was loaded or written.")
-    print(f"{'bucket':>11}  items")
-    for bucket, count in sorted(histogram.items(), key=lambda entry: tuple(int(side) for side in entry[0].split("x"))):
-        print(f"{bucket:>11}  {count}")
-    print(f"would cache {sum(histogram.values())} (upscaled: {upscaled}); would skip {sum(skipped.values())}"
-          + (f" ({', '.join(f'{key}: {value}' for key, value in sorted(skipped.items()))})" if skipped else ""))
-    return 0
-
-
-def run_verify(cache_dir: str) -> int:
-    try:
-        checked, problems, notes = verify_cache(cache_dir)
-    except CacheError as error:
-        print(f"cannot verify: {error}")
-        return 1
-    for name, note in sorted(notes.items()):
-        print(f"NOTE {name}: {note}")
-    for name, found in sorted(problems.items()):
-        for problem in found:
-            print(f"DAMAGED {name}: {problem}")
-    if problems:
-        repair = (
-            "Delete the damaged shards listed (a re-run checks a bucket's shards by size only), then re-run the cache command with the same "
-            "flags: their items are re-encoded." if is_remote(cache_dir) else
-            "Re-run the cache command with the same flags: damaged shards are moved to damaged/ and their items re-encoded."
-        )
-        print(f"{len(problems)} damaged or missing file(s) in {cache_dir}; {checked} items in intact shards. {repair}")
-        return 1
-    print(
-        f"cache OK: {checked} items, every shard matches its checksum and every row its shard, and {CACHE_INFO_FILE} and "
-        f"{EMPTY_PROMPT_FILE} {'read' if notes else 'match theirs'} ({cache_dir})"
-    )
-    return 0
-
-
-def valid_cached_items(cache_dir: str, my_paths: set[str], num_threads: int, worker_name: str) -> dict[str, tuple[str, str, str | None]]:
-    """image_path -> (image SHA-256, caption, mask file SHA-256) of this worker's items in intact shards.
-
-    Shards holding any of this worker's items are checked against their checksums (each worker reads its
-    own part of the cache once) in a folder, and against their sizes in object storage (an object is never
-    half-written, and reading a bucket's share back would download it on every run; --verify reads it all);
-    damaged ones and unreadable manifest parts are moved to damaged/, so their items are re-encoded below."""
-    store = open_store(cache_dir)  # one connection pool for the checks below when the cache is in object storage
-    checksums = not store.remote
-    parts, damaged_parts = read_manifest_parts(store)
-    for name, reason in damaged_parts.items():
-        print(f"[{worker_name}] repair: {name} is {reason}; its items will be re-encoded")
-        quarantine(store, name)
-    wanted = pa.array(sorted(my_paths), pa.string())
-    mine = [(part, table) for part, table in parts if pc.any(pc.is_in(table.column("image_path"), value_set=wanted)).as_py()]
-    started = time.perf_counter()
-    with ThreadPoolExecutor(num_threads) as pool:
-        problems = list(pool.map(lambda entry: shard_problem(store, entry[0], full_checksum=checksums), mine))
-    intact = []
-    for (part, table), problem in zip(mine, problems):
-        if problem is None:
-            intact.append((part, table))
-        else:
-            print(f"[{worker_name}] repair: {SHARD_DIR}/{part.shard} is damaged ({problem}); its {part.num_rows} items will be re-encoded")
-            quarantine(store, *part_files(part))
-    if mine:
-        print(f"[{worker_name}] checked {len(mine)} shards against their {'checksums' if checksums else 'sizes'} in {time.perf_counter() - started:.1f} s")
-    manifest = merge_parts(intact)
-    identity = zip(*(manifest.column(name).to_pylist() for name in ("image_sha256", "caption", "mask_sha256")))
-    return dict(zip(manifest.column("image_path").to_pylist(), identity))
-
-
 class WriteFailed(Exception):
     """Writing into the cache failed (full disk, permissions, ...); what was committed before stays valid."""
 
@@ -315,33 +153,6 @@ def run_caching(config: CacheConfig) -> int:
         return 1
     finally:
         lock.release()
-
-
-def print_scan_problems(scan_problems: list[ScanProblem], worker_name: str) -> None:
-    for problem in scan_problems:
-        print(f"[{worker_name}] skipping {problem.relative_path}: {problem.reason}")
-
-
-def nothing_to_cache(config: CacheConfig, found: int, scan_problems: list[ScanProblem], worker_name: str) -> int:
-    """No item falls to this worker: said before any model loads (seconds, not the minute loading takes), and
-    nothing is written. `found`: the usable items the scan found (a folder's all, tars' and tables' this worker's).
-    An empty share of a larger dataset is done (0); no usable item at all is refused (2)."""
-    print_scan_problems(scan_problems, worker_name)
-    listed = f" ({len(scan_problems)} skipped, listed above)" if scan_problems else ""
-    if found:
-        print(f"[{worker_name}] nothing to cache: none of the {found} images in {config.data_dir} falls to this worker (--num_shards {config.num_shards})")
-        return 0
-    if config.num_shards > 1 and (config.tar_shards or config.metadata_table):  # the scan saw this worker's share only
-        print(f"[{worker_name}] nothing to cache: no usable item falls to this worker (--num_shards {config.num_shards}){listed}")
-        return 0
-    if config.tar_shards:
-        source = f"the tars in --data_dir {config.data_dir} hold no usable samples (an image member with a .txt or .json caption member of its key)"
-    elif config.metadata_table:
-        source = f"--metadata_table {config.metadata_table} lists no usable images (after its filters)"
-    else:
-        source = f"--data_dir {config.data_dir} holds no images ({', '.join(IMAGE_EXTENSIONS)}; searched recursively, hidden names skipped)"
-    print(f"[{worker_name}] refused: {source}{listed}: nothing was loaded or written.")
-    return 2
 
 
 def stopped_message(worker_name: str, cache_dir: str, error: BaseException, committed: int) -> str:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from sdxl_trainer.cache.compatibility import CacheCheck
-from sdxl_trainer.cache.storage import CacheError
+from sdxl_trainer.cache.errors import CacheError
 from sdxl_trainer.config import config_to_dict, write_resolved_config
 from sdxl_trainer.distributed.fsdp import prepare_text_encoder, prepare_unet, uses_sharding
 from sdxl_trainer.distributed.stop_request import StopRequest
@@ -38,19 +38,24 @@ from sdxl_trainer.models.encoders import load_text_encoders
 from sdxl_trainer.models.single_file import config_source, load_unet
 from sdxl_trainer.optimizers.build import build_optimizer
 from sdxl_trainer.outputs.export import Exporter, ExportError
-from sdxl_trainer.outputs.monitor import WANDB_ID_FILE, MetricsWriter, TrainingMonitor, WandbSettings
+from sdxl_trainer.monitoring.metrics_writer import MetricsWriter, WANDB_ID_FILE, WandbSettings
+from sdxl_trainer.monitoring.monitor import TrainingMonitor
 from sdxl_trainer.runtime.garbage_collection import exempt_live_objects_from_garbage_collection
 from sdxl_trainer.runtime.quiet_libraries import hide_library_progress_bars
-from sdxl_trainer.state.checkpoint import CheckpointError, TrainerState, load_training_state, read_trainer_state
+from sdxl_trainer.state.checkpoint_layout import CheckpointError
+from sdxl_trainer.state.load import load_training_state
+from sdxl_trainer.state.trainer_state import read_trainer_state, TrainerState
 from sdxl_trainer.state.checkpointer import Checkpointer, find_resume_checkpoint, no_checkpoint_reason, prepare_checkpoints_dir, resume_problems
 from sdxl_trainer.state.run_folder import RunFolderBusy, RunFolderLock, continues_run, earlier_exports, earlier_run_problems, start_over
 from sdxl_trainer.training.captions import StepCaptionEncoder
 from sdxl_trainer.training.dataset import CachedDataset
 from sdxl_trainer.training.ema import ShardedEMA
 from sdxl_trainer.training.holdout import HoldoutError
-from sdxl_trainer.training.objective import SampleDraws, build_noise_scheduler
+from sdxl_trainer.training.loss import build_noise_scheduler
+from sdxl_trainer.training.sample_draws import SampleDraws
 from sdxl_trainer.training.step import TrainStep
-from sdxl_trainer.training.stream import DataPosition, DataStream, TrainingData, load_training_data
+from sdxl_trainer.training.stream import DataPosition, DataStream
+from sdxl_trainer.training.training_data import load_training_data, TrainingData
 from sdxl_trainer.training.trained_models import TrainedModels
 
 
@@ -209,7 +214,8 @@ def build_run(config: TrainConfig, world: World) -> Run:
         run_dir / "checkpoints", config, models.checkpointed, optimizer, ema, train_step, config.run_facts(world.world_size), seed, report=monitor.say,
         last_saved_update=first_update if saved else None,
     )
-    exporter = Exporter(config.export_settings(caches.vae_name_or_path), world, models, ema, run_dir)
+    exporter = Exporter(config.export_settings(caches.vae_name_or_path), world, lambda: models.exported_weights_on_rank0(ema, world.is_main),
+                        ema is not None, run_dir)
     return Run(
         config=config, world=world, log_dir=log_dir, models=models, ema=ema, stream=stream, train_step=train_step, first_update=first_update,
         total_updates=total_updates, resumed=saved is not None, monitor=monitor, evaluator=evaluator, checkpointer=checkpointer, exporter=exporter,

@@ -14,28 +14,28 @@ import torch
 
 from sdxl_trainer.cache.buckets import ResolutionOptions
 from sdxl_trainer.cache.compatibility import CacheCheck, CacheRequirements, check_caches
-from sdxl_trainer.cache.storage import is_remote
+from sdxl_trainer.cache.stores import is_remote
 from sdxl_trainer.config import option
 from sdxl_trainer.distributed.fsdp import ComputeOptions, uses_sharding
 from sdxl_trainer.evaluation.evaluator import EvaluationOptions, EvaluationSettings, Schedule
 from sdxl_trainer.evaluation.metrics import MetricWeights
 from sdxl_trainer.evaluation.sampling import GenerationSettings
 from sdxl_trainer.models.options import ModelOptions
+from sdxl_trainer.monitoring.monitor import LoggingOptions
 from sdxl_trainer.optimizers.build import OptimizerOptions
 from sdxl_trainer.outputs.export import ExportOptions, ExportSettings
-from sdxl_trainer.outputs.monitor import LoggingOptions
 from sdxl_trainer.state.checkpointer import CheckpointOptions, RunFacts
 from sdxl_trainer.training.captions import CaptionOptions, CaptionVariation
+from sdxl_trainer.training.data_options import DataOptions, DataSettings
 from sdxl_trainer.training.ema import EMAOptions
 from sdxl_trainer.training.holdout import SplitSettings
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule, ScheduleOptions
-from sdxl_trainer.training.objective import ObjectiveOptions
+from sdxl_trainer.training.objective_options import ObjectiveOptions
 from sdxl_trainer.training.step import StepOptions
-from sdxl_trainer.training.stream import DataOptions, DataSettings
 
 if TYPE_CHECKING:
-    from sdxl_trainer.tools.memory_estimate import EstimateSettings  # imported when used: torch's memory trackers
-    from sdxl_trainer.tools.speed_estimate import SpeedSettings
+    from sdxl_trainer.estimates.fake_run import EstimateSettings
+    from sdxl_trainer.estimates.speed_estimate import SpeedSettings
 
 
 @dataclass(kw_only=True)
@@ -85,7 +85,7 @@ class TrainConfig(
     EMAOptions, ComputeOptions, EvaluationOptions, CheckpointOptions, ExportOptions, LoggingOptions, EstimateOptions,
 ):
     """Every option of sdxl_FSDP_train.py. Each section is defined, and checks its own options, beside the component
-    that uses them (DataOptions in training/stream.py, ObjectiveOptions in training/objective.py, ...); this class
+    that uses them (DataOptions in training/data_options.py, ObjectiveOptions in training/objective_options.py, ...); this class
     adds the checks that span sections and says what each part of the run is built from."""
 
     # --help lists these first, a line each (the full reference by section follows).
@@ -294,7 +294,7 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
     """The per-GPU loads of this configuration that --estimate_memory judges, for config.estimate_gpus GPUs
     (0: this machine's). With --gradient_reduction auto and accumulation, cards under 40 GB reduce every
     microbatch and larger ones once per update (reduce_every_microbatch): both loads, every microbatch first."""
-    from sdxl_trainer.tools.memory_estimate import EstimateSettings  # torch's memory trackers: only here
+    from sdxl_trainer.estimates.fake_run import EstimateSettings
 
     machine_gpus = max(torch.cuda.device_count(), 1)
     gpus = config.estimate_gpus or machine_gpus
@@ -320,7 +320,7 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
 def speed_settings(config: TrainConfig) -> SpeedSettings:
     """What --estimate_speed judges: config.estimate_gpus GPUs of the kind --gpu (0: this machine's count), the
     batch, resolution and sharding options; --gradient_reduction auto resolved as on that GPU (reduce_every_microbatch)."""
-    from sdxl_trainer.tools.speed_estimate import GPUS, SpeedSettings
+    from sdxl_trainer.estimates.speed_estimate import GPUS, SpeedSettings
 
     gpus = config.estimate_gpus or max(torch.cuda.device_count(), 1)
     return SpeedSettings(

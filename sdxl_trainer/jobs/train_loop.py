@@ -7,7 +7,7 @@ import os
 import time
 
 from sdxl_trainer.jobs.train_build import Run
-from sdxl_trainer.state.checkpoint import CheckpointError
+from sdxl_trainer.state.checkpoint_layout import CheckpointError
 
 
 def run_loop(run: Run) -> None:

@@ -8,7 +8,8 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from sdxl_trainer.optimizers.shards import _entries_per_group, _Entry, _local, _row_shard_groups, _step_counts, _store_all, _sum_over_shards, fp32_zeros_like
+from sdxl_trainer.optimizers.shards import _entries_per_group, _Entry, _row_shard_groups, _step_counts, _store_all, _sum_over_shards, fp32_zeros_like
+from sdxl_trainer.distributed.local_shard import local_shard
 
 
 class Adafactor(torch.optim.Optimizer):
@@ -44,7 +45,7 @@ class Adafactor(torch.optim.Optimizer):
         if param.ndim < 2:
             state["exp_avg_sq"] = fp32_zeros_like(param)
             return state
-        local = _local(param)
+        local = local_shard(param)
         rows = torch.zeros(local.shape[0], dtype=torch.float32, device=local.device)
         columns = torch.zeros(local[:1].flatten(1).shape[1], dtype=torch.float32, device=local.device)
         if isinstance(param, DTensor):  # rows sharded as the weight's, columns whole on every rank (they are few)
@@ -60,8 +61,8 @@ class Adafactor(torch.optim.Optimizer):
         mean of a factored weight's row statistics over all its rows."""
         grad = entry.grad.float()
         if row_mean is None:
-            return grad * _local(entry.state["exp_avg_sq"]).rsqrt()
-        rows, columns = _local(entry.state["exp_avg_sq_row"]), _local(entry.state["exp_avg_sq_col"])
+            return grad * local_shard(entry.state["exp_avg_sq"]).rsqrt()
+        rows, columns = local_shard(entry.state["exp_avg_sq_row"]), local_shard(entry.state["exp_avg_sq_col"])
         return (grad.flatten(1) * (rows / row_mean).rsqrt()[:, None] * columns.rsqrt()[None, :]).view_as(grad)
 
     @torch.no_grad()
@@ -80,10 +81,10 @@ class Adafactor(torch.optim.Optimizer):
             for entry, weight_of_new in zip(entries, weights_of_new):
                 squared = entry.grad.float().square().add_(group["eps"])
                 if "exp_avg_sq" in entry.state:
-                    _local(entry.state["exp_avg_sq"]).lerp_(squared, weight_of_new)
+                    local_shard(entry.state["exp_avg_sq"]).lerp_(squared, weight_of_new)
                     continue
                 flat = squared.flatten(1)
-                rows = _local(entry.state["exp_avg_sq_row"])
+                rows = local_shard(entry.state["exp_avg_sq_row"])
                 rows.lerp_(flat.mean(1), weight_of_new)
                 sums += [flat.sum(0), rows.sum().reshape(1)]
             summed = iter(_sum_over_shards(torch.cat(sums), shard_group).split([part.numel() for part in sums])) if sums else iter(())
@@ -94,7 +95,7 @@ class Adafactor(torch.optim.Optimizer):
                 row_mean = None
                 if "exp_avg_sq_col" in entry.state:
                     row_count = entry.param.shape[0]
-                    _local(entry.state["exp_avg_sq_col"]).lerp_(next(summed) / row_count, weight_of_new)
+                    local_shard(entry.state["exp_avg_sq_col"]).lerp_(next(summed) / row_count, weight_of_new)
                     row_mean = next(summed) / row_count
                 row_means.append(row_mean)
                 squares.append(self._update(entry, row_mean).square().sum())

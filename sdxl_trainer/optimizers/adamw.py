@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch.optim.adamw import adamw
 
-from sdxl_trainer.optimizers.shards import StepsIfFinite, _entries_per_group, _local, fp32_zeros_like
+from sdxl_trainer.distributed.local_shard import local_shard
+from sdxl_trainer.optimizers.shards import StepsIfFinite, _entries_per_group, fp32_zeros_like
 
 
 class ShardAdamW(StepsIfFinite, torch.optim.AdamW):
@@ -30,7 +31,7 @@ class ShardAdamW(StepsIfFinite, torch.optim.AdamW):
             found_inf = None if finite is None else (~finite).to(entries[0].weights.device, torch.float32)
             adamw(
                 [entry.weights for entry in entries], [entry.grad for entry in entries],
-                [_local(entry.state["exp_avg"]) for entry in entries], [_local(entry.state["exp_avg_sq"]) for entry in entries],
+                [local_shard(entry.state["exp_avg"]) for entry in entries], [local_shard(entry.state["exp_avg_sq"]) for entry in entries],
                 [], [entry.state["step"] for entry in entries],
                 fused=True, found_inf=found_inf, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                 maximize=False,
@@ -39,4 +40,4 @@ class ShardAdamW(StepsIfFinite, torch.optim.AdamW):
     @staticmethod
     def _new_state(param: torch.Tensor) -> dict:
         # The step count as torch's fused AdamW keeps it: a float32 scalar on the parameters' device.
-        return {"step": torch.zeros((), dtype=torch.float32, device=_local(param).device), "exp_avg": fp32_zeros_like(param), "exp_avg_sq": fp32_zeros_like(param)}
+        return {"step": torch.zeros((), dtype=torch.float32, device=local_shard(param).device), "exp_avg": fp32_zeros_like(param), "exp_avg_sq": fp32_zeros_like(param)}

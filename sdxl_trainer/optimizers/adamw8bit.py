@@ -29,11 +29,11 @@ from collections import defaultdict
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.subclass_8bit import OptimState8bit
 
+from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import StepsIfFinite, fp32_zeros_like, runs_of_at_most
 from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key
 
@@ -99,12 +99,6 @@ def _step_8bit_moments(param, grad, avg_codes, avg_scale, sq_codes, sq_scale, si
 # Compiled once each with dynamic shapes: every chunk, whatever its length, runs the same kernel.
 _compiled_step_8bit_moments = torch.compile(_step_8bit_moments, dynamic=True, fullgraph=True)
 _compiled_adamw = torch.compile(_adamw, dynamic=True, fullgraph=True)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (its `_local_tensor`: to_local() costs 3 us of autograd bookkeeping a call,
-    5 ms an update over SDXL's tensors, for the same tensor under no_grad); a plain tensor as it is."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 # Flatten many tensors into one and write one back into many, each in one call (torch's C++ helpers that
@@ -174,7 +168,7 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
     def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
         # torchao gives an unquantised moment the weights' dtype; a bf16 moment would stall as bf16 weights do.
         buffer = super()._new_buffer(p, signed)
-        if isinstance(_local(buffer), OptimState8bit) or buffer.dtype == torch.float32:
+        if isinstance(local_shard(buffer), OptimState8bit) or buffer.dtype == torch.float32:
             return buffer
         return buffer.float()
 
@@ -200,7 +194,7 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
             return None
         kept = self._layouts.get(group_number)
         if (kept is not None and len(kept.params) == len(params) and all(map(operator.is_, kept.params, params))
-                and all(map(operator.is_, kept.weights, map(_local, params)))
+                and all(map(operator.is_, kept.weights, map(local_shard, params)))
                 and all(map(operator.is_, kept.moments, (self.state[param]["exp_avg"] for param in params)))):
             return kept
         for param in params:
@@ -211,11 +205,11 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
         kinds = defaultdict(list)
         for param, step in zip(params, torch.stack([self.state[param]["step"] for param in params]).tolist()):
             state = self.state[param]
-            weights, exp_avg, exp_avg_sq = _local(param), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            weights, exp_avg, exp_avg_sq = local_shard(param), local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
             if weights.numel() == 0:  # an uneven shard can leave a rank no values of this tensor
                 continue
             is_8bit = isinstance(exp_avg, OptimState8bit)
-            kinds[(step, is_8bit, weights.device, weights.dtype, _local(param.grad).dtype)].append((param, weights, exp_avg, exp_avg_sq))
+            kinds[(step, is_8bit, weights.device, weights.dtype, local_shard(param.grad).dtype)].append((param, weights, exp_avg, exp_avg_sq))
         batches = []
         for (step, is_8bit, _, _, _), shards in kinds.items():
             # One tensor holds the update counts of the batch's shards; each shard's state["step"] is its element
@@ -233,7 +227,7 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
                 else:
                     chunks.append(_Chunk(run_params, weights, (_share_one_buffer(exp_avgs), _share_one_buffer(exp_avg_sqs)), ()))
             batches.append(_Batch(step_counts, is_8bit, chunks))
-        layout = _Layout(params, tuple(map(_local, params)), tuple(self.state[param]["exp_avg"] for param in params), batches)
+        layout = _Layout(params, tuple(map(local_shard, params)), tuple(self.state[param]["exp_avg"] for param in params), batches)
         self._layouts[group_number] = layout
         return layout
 
@@ -243,12 +237,12 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
         beta1, beta2 = group["betas"]
         step_settings = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], batch.step_counts[0], finite)
         # torch.compile cannot trace under a dispatch mode (the memory estimate's fake tensors and trackers,
-        # memory_estimate.py): the same functions run eagerly there, their temporaries an upper bound.
+        # estimates/fake_run.py): the same functions run eagerly there, their temporaries an upper bound.
         eager = is_in_torch_dispatch_mode()
         step_8bit_moments = _step_8bit_moments if eager else _compiled_step_8bit_moments
         adamw = _adamw if eager else _compiled_adamw
         for chunk_number, chunk in enumerate(batch.chunks, start=first_chunk):
-            weights, grads = _flatten(chunk.weights), _flatten([_local(param.grad) for param in chunk.params])
+            weights, grads = _flatten(chunk.weights), _flatten([local_shard(param.grad) for param in chunk.params])
             kernel = step_8bit_moments if batch.is_8bit else adamw
             new_weights, *new_states = kernel(weights, grads, *chunk.states, *chunk.code_values, *step_settings)
             for state, values in zip(chunk.states, new_states):

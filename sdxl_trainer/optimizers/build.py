@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Iterable, Literal
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.config import option
+from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.adafactor import Adafactor
 from sdxl_trainer.optimizers.adamw import ShardAdamW
 from sdxl_trainer.optimizers.lion import Lion
@@ -91,7 +91,7 @@ def local_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                local = value.to_local() if isinstance(value, DTensor) else value
+                local = local_shard(value)
                 total += _stored_bytes(local)
     return total
 

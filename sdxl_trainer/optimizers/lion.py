@@ -7,7 +7,8 @@ from typing import Iterable
 
 import torch
 
-from sdxl_trainer.optimizers.shards import _entries_per_group, _local, _step_counts, _store_all, fp32_zeros_like, runs_of_at_most
+from sdxl_trainer.distributed.local_shard import local_shard
+from sdxl_trainer.optimizers.shards import _entries_per_group, _step_counts, _store_all, fp32_zeros_like, runs_of_at_most
 
 # Values per multi-tensor op: the step's temporaries are a few fp32 copies of the values it updates at once,
 # so it updates the parameters in runs of at most this many values (64 MB each in fp32), not all at once.
@@ -40,7 +41,7 @@ class Lion(torch.optim.Optimizer):
             steps = dict(zip((entry.index for entry in entries), _step_counts(entries)))
             for chunk in runs_of_at_most(entries, [entry.weights.numel() for entry in entries], CHUNK_VALUES):
                 grads = [entry.grad.float() for entry in chunk]
-                momenta = [_local(entry.state["exp_avg"]) for entry in chunk]
+                momenta = [local_shard(entry.state["exp_avg"]) for entry in chunk]
                 weights = torch._foreach_mul([entry.weights.float() for entry in chunk], 1 - group["lr"] * group["weight_decay"])
                 directions = torch._foreach_lerp(momenta, grads, 1 - beta1)
                 torch._foreach_sign_(directions)

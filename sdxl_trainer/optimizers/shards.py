@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 
 
@@ -18,10 +19,6 @@ class StepsIfFinite:
     leaves weights, moments and step counts exactly as they were where `finite` (a bool scalar on the
     training device) is False, so the host never waits to learn it. It goes through step() itself, so
     torch's optimizer step hooks still run."""
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _row_shard_groups(param: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
@@ -66,7 +63,7 @@ def _entries_per_group(optimizer: torch.optim.Optimizer, new_state) -> Iterable[
                 state = optimizer.state[param]
                 if not state:
                     state.update(new_state(param))
-                entries.append(_Entry(index, param, _local(param), _local(param.grad), state))
+                entries.append(_Entry(index, param, local_shard(param), local_shard(param.grad), state))
             index += 1
         if entries:
             yield group, entries
@@ -110,7 +107,7 @@ def _store_all(entries: list[_Entry], new_values: list[torch.Tensor], steps: lis
 def fp32_zeros_like(param: torch.Tensor) -> torch.Tensor:
     """fp32 zeros laid out as `param` (sharded alike), made from its local shard: DTensor's zeros_like would
     work out its sharding first, as each DTensor op does (see ShardAdamW). Every optimizer's new state."""
-    zeros = torch.zeros_like(_local(param), dtype=torch.float32)
+    zeros = torch.zeros_like(local_shard(param), dtype=torch.float32)
     if isinstance(param, DTensor):
         zeros = DTensor.from_local(zeros, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
     return zeros

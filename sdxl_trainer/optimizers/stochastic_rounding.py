@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from sdxl_trainer.distributed.local_shard import local_shard
+
 _LOW_32_BITS = 0xFFFFFFFF
 # bf16 is the upper half of an fp32's bits: these are the bits rounding discards.
 _DISCARDED_BITS = 16
@@ -68,6 +70,4 @@ def store_weights(weights: torch.Tensor, new_values: torch.Tensor, key: int) -> 
         return
     if weights.dtype != torch.bfloat16:
         raise TypeError(f"weights of dtype {weights.dtype}: stochastic rounding is for bf16 weights")
-    local_weights = weights.to_local() if hasattr(weights, "to_local") else weights
-    local_values = new_values.to_local() if hasattr(new_values, "to_local") else new_values
-    local_weights.copy_(round_to_bf16(local_values, key))
+    local_shard(weights).copy_(round_to_bf16(local_shard(new_values), key))

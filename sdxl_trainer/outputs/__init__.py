@@ -1,1 +1,1 @@
-"""What a run leaves for its users: the exported model, LoRA extraction, TensorBoard / W&B logging."""
+"""What a run leaves for its users: the exported model (diffusers / single file) and LoRA extraction."""

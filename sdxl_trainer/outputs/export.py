@@ -20,8 +20,6 @@ from sdxl_trainer.distributed.world import World, broadcast_text
 from sdxl_trainer.models.components import TEXT_ENCODER_NAMES, ComponentWeights, text_encoder_label
 from sdxl_trainer.models.single_file import SDXL_CONFIG_SOURCE, hf_clip_names, load_pipeline, save_single_file
 from sdxl_trainer.runtime.files import make_shareable, write_error_reason
-from sdxl_trainer.training.ema import ShardedEMA
-from sdxl_trainer.training.trained_models import TrainedModels
 
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -72,11 +70,13 @@ class ExportSettings:
 class Exporter:
     """Writes the trained model (EMA weights with an EMA) from a running job: after epochs and at its end."""
 
-    def __init__(self, settings: ExportSettings, world: World, models: TrainedModels, ema: ShardedEMA | None, run_dir: Path):
+    def __init__(self, settings: ExportSettings, world: World, gather_weights: Callable[[], ComponentWeights], ema_unet: bool, run_dir: Path):
+        """gather_weights: collective, the trained weights in rank 0's CPU memory (TrainedModels.exported_weights_on_rank0);
+        ema_unet: its UNet's are the EMA's."""
         self.settings = settings
         self.world = world
-        self.models = models
-        self.ema = ema
+        self.gather_weights = gather_weights
+        self.ema_unet = ema_unet
         self.run_dir = run_dir
 
     @property
@@ -89,7 +89,7 @@ class Exporter:
         --save_single_file). Raises ExportError on every rank if the export failed; nothing at pipeline_dir is
         replaced then."""
         settings = self.settings
-        weights = self.models.exported_weights_on_rank0(self.ema, self.world.is_main)
+        weights = self.gather_weights()
         failure = ""
         if self.world.is_main:
             started = time.perf_counter()
@@ -103,7 +103,7 @@ class Exporter:
                     single_file, settings.vae_name_or_path, model_title=title,
                 )
                 encoders = [text_encoder_label(name) for name in TEXT_ENCODER_NAMES if name in weights]
-                what = " and ".join(["EMA UNet" if self.ema is not None else "UNet", *encoders])
+                what = " and ".join(["EMA UNet" if self.ema_unet else "UNet", *encoders])
                 written = " and ".join(str(path) for path in (folder, single_file) if path is not None)
                 tqdm.write(f"Saved the trained model ({what}, {settings.save_precision}) to {written} in {time.perf_counter() - started:.1f} s.")
             except ExportError as error:

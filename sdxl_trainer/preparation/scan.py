@@ -8,7 +8,9 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdxl_trainer.cache.storage import LocalStore, RemoteStore, StorageError
+from sdxl_trainer.cache.errors import StorageError
+from sdxl_trainer.cache.local_store import LocalStore
+from sdxl_trainer.cache.s3_store import RemoteStore
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,10 @@ import tarfile
 from pathlib import Path
 from typing import BinaryIO
 
-from sdxl_trainer.cache.storage import LocalStore, RemoteStore, StorageError, open_store
+from sdxl_trainer.cache.errors import StorageError
+from sdxl_trainer.cache.local_store import LocalStore
+from sdxl_trainer.cache.s3_store import RemoteStore
+from sdxl_trainer.cache.stores import open_store
 from sdxl_trainer.preparation.images import IMAGE_EXTENSIONS
 from sdxl_trainer.preparation.scan import DataScan, ScanProblem, SourcePair, TarMember, normalized_caption
 from sdxl_trainer.preparation.tables import outside_its_root, row_caption

@@ -24,25 +24,17 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from sdxl_trainer.config import option
 from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
-from sdxl_trainer.state.checkpoint import (
-    ABANDONED_PREFIX,
-    CHECKPOINT_NAME,
-    CheckpointError,
-    HasState,
-    JsonIndexWriter,
-    StagedState,
-    Stateful,
-    TensorStager,
-    TrainerState,
-    Verification,
+from sdxl_trainer.state.checkpoint_layout import ABANDONED_PREFIX, CHECKPOINT_NAME, CheckpointError
+from sdxl_trainer.state.checkpoints_folder import (
     checkpoint_name,
     find_latest_checkpoint,
     remove_old_checkpoints,
     set_aside_later_checkpoints,
-    stage_training_state,
-    verify_checkpoint,
-    write_staged_state,
 )
+from sdxl_trainer.state.dcp_json_index import JsonIndexWriter
+from sdxl_trainer.state.save import HasState, StagedState, Stateful, TensorStager, stage_training_state, write_staged_state
+from sdxl_trainer.state.trainer_state import TrainerState
+from sdxl_trainer.state.verify import Verification, verify_checkpoint
 
 
 @dataclass(kw_only=True)

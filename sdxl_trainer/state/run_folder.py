@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from sdxl_trainer.runtime.files import LockHeld, ProcessLock
-from sdxl_trainer.state.checkpoint import ABANDONED_PREFIX, CHECKPOINT_NAME, complete_checkpoints
+from sdxl_trainer.state.checkpoint_layout import ABANDONED_PREFIX, CHECKPOINT_NAME
+from sdxl_trainer.state.checkpoints_folder import complete_checkpoints
 
 RUN_LOCK_FILE = "run.lock"
 OVERWRITTEN_PREFIX = "overwritten_"  # + the time: where --overwrite_run moves an earlier run's exports and logs

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from sdxl_trainer.cache.format import FLIPPED_KEY, LOSS_MASK_KEY, MANIFEST_SCHEMA, TENSOR_KEYS, CacheLocation, Store, captions_in, read_cache_info
 from sdxl_trainer.cache.reader import CacheReader, intact_parts, merge_parts, read_manifest_part
-from sdxl_trainer.cache.storage import open_store
+from sdxl_trainer.cache.stores import open_store
 from sdxl_trainer.config import option
 
 FLIP_STREAM = 13  # seed-sequence entry of the --flip_aug draws, apart from the noise and caption draws

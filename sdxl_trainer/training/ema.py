@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.config import option
 from sdxl_trainer.distributed.fsdp import parameter_names
+from sdxl_trainer.distributed.local_shard import local_shard
 
 
 @dataclass(kw_only=True)
@@ -35,10 +36,6 @@ class EMAOptions:
         return []
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _laid_out_like(parameter: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     """`shard` as a DTensor with the parameter's mesh, placements and global shape (plain tensors pass)."""
     if not isinstance(parameter, DTensor):
@@ -53,7 +50,7 @@ class ShardedEMA:
         self.names = parameter_names(model)  # as the state dict names them (no checkpoint-wrapper prefix)
         self.parameters = [parameter for _, parameter in model.named_parameters()]
         device = torch.device("cpu") if on_cpu else None
-        self.shadow = [_local(parameter).detach().to(device=device, dtype=torch.float32, copy=True) for parameter in self.parameters]
+        self.shadow = [local_shard(parameter).detach().to(device=device, dtype=torch.float32, copy=True) for parameter in self.parameters]
 
     def current_decay(self) -> float:
         """Warm-up: (1 + n) / (10 + n) caps the decay early on, so the average is not dominated by the
@@ -67,7 +64,7 @@ class ShardedEMA:
         skipped ones too, so the host never reads the verdict (with --ema_on_cpu the weights' copy to the host
         waits for the device anyway)."""
         weight_of_new = 1 - self.current_decay()
-        current = [_local(parameter).detach().to(shadow.device, torch.float32) for parameter, shadow in zip(self.parameters, self.shadow)]
+        current = [local_shard(parameter).detach().to(shadow.device, torch.float32) for parameter, shadow in zip(self.parameters, self.shadow)]
         if finite is None:
             torch._foreach_lerp_(self.shadow, current, weight_of_new)
         else:
@@ -83,7 +80,7 @@ class ShardedEMA:
 
     def load_state_dict(self, state: dict) -> None:
         for name, shadow in zip(self.names, self.shadow):
-            shadow.copy_(_local(state["weights"][name]))
+            shadow.copy_(local_shard(state["weights"][name]))
         self.updates = state["updates"]
 
     @contextlib.contextmanager
@@ -92,21 +89,21 @@ class ShardedEMA:
         exported); the trained weights come back afterwards, bit for bit. Not collective: each rank swaps
         its own shards. Costs one more copy of this rank's shards while it lasts."""
         with torch.no_grad():
-            trained = [_local(parameter).detach().to(shadow.device, copy=True) for parameter, shadow in zip(self.parameters, self.shadow)]
+            trained = [local_shard(parameter).detach().to(shadow.device, copy=True) for parameter, shadow in zip(self.parameters, self.shadow)]
             for parameter, shadow in zip(self.parameters, self.shadow):
-                _local(parameter).copy_(shadow)
+                local_shard(parameter).copy_(shadow)
         try:
             yield
         finally:
             with torch.no_grad():
                 for parameter, weights in zip(self.parameters, trained):
-                    _local(parameter).copy_(weights)
+                    local_shard(parameter).copy_(weights)
 
     def full_state_dict_on_rank0(self, is_main: bool) -> dict[str, torch.Tensor]:
         """The full EMA UNet in CPU memory of rank 0 ({} elsewhere), gathered one tensor at a time."""
         full = {}
         for name, parameter, shadow in zip(self.names, self.parameters, self.shadow):
-            gathered = _laid_out_like(parameter, shadow.to(_local(parameter).device))
+            gathered = _laid_out_like(parameter, shadow.to(local_shard(parameter).device))
             if isinstance(gathered, DTensor):
                 gathered = gathered.full_tensor()
             if is_main:

@@ -26,14 +26,18 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.config import option
+from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import StepsIfFinite
 from sdxl_trainer.training.captions import StepCaptionEncoder
 from sdxl_trainer.training.ema import ShardedEMA
+from sdxl_trainer.training.loss import training_loss
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule, set_learning_rate
-from sdxl_trainer.training.objective import NOISE_KEY, NoiseSettings, SampleDraws, training_loss
+from sdxl_trainer.training.noise_settings import NoiseSettings
+from sdxl_trainer.training.sample_draws import NOISE_KEY, SampleDraws
 
 if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
     from diffusers import DDPMScheduler
+
 
 @dataclass(kw_only=True)
 class StepOptions:
@@ -234,7 +238,7 @@ class TrainStep:
         return UpdateResult(figures, learning_rate)
 
 
-@torch.no_grad()  # DTensor.to_local is then a plain attribute read, not an autograd function per tensor
+@torch.no_grad()  # the shards are measured and scaled in place, outside autograd
 def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm) on each rank's local shards: the squared norms of a rank's
     shards are summed and all-reduced once over the ranks that hold different shards, and each shard is
@@ -248,7 +252,7 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> tor
     assert len(layouts) <= 1 and (not layouts or all(isinstance(grad, DTensor) for grad in grads)), f"gradients in several layouts: {layouts}"
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for grad in grads:
-        shard = grad.to_local() if isinstance(grad, DTensor) else grad
+        shard = local_shard(grad)
         by_dtype.setdefault(shard.dtype, []).append(shard)
     squares = torch.stack([norm.float() for shards in by_dtype.values() for norm in torch._foreach_norm(shards, 2.0)]).square().sum()
     for mesh, placements in layouts:

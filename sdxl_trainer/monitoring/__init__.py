@@ -1,0 +1,1 @@
+"""Watching a run: the training scalars (TensorBoard / W&B), train.log, throughput and peak memory."""
