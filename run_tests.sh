@@ -2,7 +2,7 @@
 # Create or update the virtual env, then run the test suite (offline, CPU only).
 #   bash run_tests.sh           every test (what CI runs)
 #   bash run_tests.sh --quick   the quick tier, before a commit: no test that starts processes (marker multiprocess),
-#                               runs whole jobs (end_to_end) or takes long in-process (slow); see benchmarks/README.md
+#                               runs whole jobs (end_to_end) or takes long in-process (slow); see tests/README.md
 # Extra arguments go to pytest, e.g.: bash run_tests.sh -k buckets
 # The test files are shared among TEST_WORKERS pytest processes (default 2: on 2 cores the suite's work is
 # CPU-bound and takes 1.4x less time than on one; a worker and its warm launcher hold some 3 GB), the
@@ -20,6 +20,6 @@ bash create_venv.sh
 export HF_HUB_OFFLINE=1
 # The trainer's allocator settings (train.sh's) for every test process: the pytest workers, the ranks forked
 # from them and the scripts they start. 84 tests of training-heavy files took 9% less CPU with them, side by
-# side (benchmarks/README.md).
+# side (tests/README.md).
 source tools/allocator_settings.sh
 exec "$VENV_DIR/bin/python" -m pytest tests -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "${tier[@]}" "$@"

@@ -13,7 +13,7 @@ One process stands for rank 0 of --world_size ranks; every rank plans the same e
 rank's cost.
 
 The whole data path (--manifest_items): a cache whose manifest has that many items (parts of 256 rows, as
---items_per_shard writes them; tests/synthetic_manifest.py, captions of --caption_length characters) pointing
+--items_per_shard writes them; tests/support/synthetic_manifest.py, captions of --caption_length characters) pointing
 at a few small shards, opened as the trainer opens it: its flags (parse_config), load_training_data (the real
 CachedDataset, the validation split, the planner), the captions the sample prompts are drawn from, then
 --read_updates updates read through the DataLoader with --workers worker processes. Reported from /proc for
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]  # tests/ for the synthetic manifest
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests" / "support")]  # tests/support/ for the synthetic manifest
 
 from sdxl_trainer.training.epochs import EpochPlanner, bucket_counts, small_buckets
 from sdxl_trainer.training.stream import DataPosition, DataStream

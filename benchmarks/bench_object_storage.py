@@ -3,7 +3,7 @@ data path (CachedDataset + a DataLoader over random batches), side by side in on
 
 The cache is synthetic but SDXL-sized: per item 1024x1024 latents (4x128x128), 77x2048 prompt embeddings and
 pooled embeddings in fp16 (about 450 KB), --items_per_shard items per shard, written once to a folder and
-once to a bucket of moto's S3 server on localhost (tests/s3_server.py). moto is a Python server whose ranged
+once to a bucket of moto's S3 server on localhost (tests/support/s3_server.py). moto is a Python server whose ranged
 GET costs grow with the object's size (it reads the object to slice it), so the bucket's figures are its
 pace, not S3's or MinIO's: the last line, the same byte ranges fetched by s3fs alone in the same batches,
 is that ceiling, and the data path's figure is to be read against it. The folder is read warm (page cache).
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests" / "support")]
 
 from s3_server import make_bucket, s3_server  # noqa: E402
 

@@ -16,7 +16,7 @@
 #   Parts 3 and 4 also profile two updates of each path (OUTPUT_DIR/profile/: the busiest kernels, and in
 #   profiles.json the GPU's busy time against the wall time and the optimizer step's share).
 #   5. bf16, fp16 and bf16 weights against fp32 training over a few updates (gpu_numerics.py)
-#   6. host_waits: tests/test_host_waits.py on the GPU (the tiny model, 8-bit and fp32 AdamW), where CUDA's sync
+#   6. host_waits: tests/training/test_host_waits.py on the GPU (the tiny model, 8-bit and fp32 AdamW), where CUDA's sync
 #      debug mode refuses every wait for the device on the updates that do not log (about a minute)
 # Each part has its own time limit: one that fails or runs out of time is logged and the next one runs.
 #   PYTHON           the interpreter (default: venv/bin/python, else python3)
@@ -79,7 +79,7 @@ part 180 plain_reference $throughput --batch_size 4 --reference plain --profile 
 part 300 torchao_adamw8bit $throughput --batch_size 4 --reference none --optimizer torchao_adamw8bit --json "$parts/torchao_adamw8bit.json"
 part 200 compile_unet $throughput --batch_size 4 --reference none --compile --profile "$OUTPUT_DIR/profile" --json "$parts/compile_unet.json"
 part 75 numerics benchmarks/gpu_numerics.py --output "$parts/numerics.json"
-part 240 host_waits -m pytest tests/test_host_waits.py -q -p no:cacheprovider
+part 240 host_waits -m pytest tests/training/test_host_waits.py -q -p no:cacheprovider
 echo "Written: $log and $OUTPUT_DIR/gpu_check.json"
 rm -rf "$parts"
 if [ ${#failed_parts[@]} -gt 0 ]; then

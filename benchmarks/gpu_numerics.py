@@ -1,7 +1,7 @@
 """How far bf16 and fp16 training drift from fp32 on the full-size SDXL UNet over a few updates, on a GPU.
 
     venv/bin/python benchmarks/gpu_numerics.py --output benchmarks/results/DATE-GPU-numerics.json
-    # the CPU smoke test: the tiny UNet (tests/test_train_throughput.py)
+    # the CPU smoke test: the tiny UNet (tests/benchmarks/test_train_throughput.py)
     venv/bin/python benchmarks/gpu_numerics.py --model tiny --resolution 64 --updates 2
 
 Each precision trains the same random UNet (seeded) on the same synthetic batch with TrainStep, as

@@ -9,7 +9,7 @@ SDXL UNet (random weights, no download), next to a minimal reference loop run in
     torchrun --nproc_per_node 2 benchmarks/train_throughput.py --sweep --output benchmarks/results/DATE-GPU-2proc.md
     # where the time of one configuration goes: operator tables and busy/wall figures (torch.profiler)
     venv/bin/python benchmarks/train_throughput.py --batch_size 4 --profile benchmarks/results/DATE-GPU-profile
-    # the CPU smoke test (tests/test_train_throughput.py)
+    # the CPU smoke test (tests/benchmarks/test_train_throughput.py)
     venv/bin/python benchmarks/train_throughput.py --model tiny --resolution 64 --warmup_steps 1 --measured_steps 2
 
 Both paths train on one synthetic batch kept on the device: latents of resolution/8 per side, caption
@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]  # tests/ for the synthetic batches the unit tests use
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests" / "support")]  # tests/support/ for the synthetic batches the unit tests use
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -4,7 +4,7 @@ cannot drift from `--help`).
 
 Run: venv/bin/python tools/flag_reference.py [OUTPUT]   (default: print to stdout)
      venv/bin/python tools/flag_reference.py docs/flags.md
-tests/test_flag_reference.py checks that docs/flags.md is what this prints.
+tests/docs/test_flag_reference.py checks that docs/flags.md is what this prints.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def compile_repeated_blocks(unet: nn.Module) -> None:
     Dynamo again; on a GPU that runs on the autograd engine's device thread, whose thread count and per-thread
     Dynamo settings differ from the forward's, so every recomputation missed the forward's graphs and compiled
     anew until the recompile limit ran out, then ran eagerly what the forward ran compiled, and checkpointing
-    refused the different tensors (the crash on an H200, tests/test_compile.py). Parameter and state-dict names
+    refused the different tensors (the crash on an H200, tests/training/test_compile.py). Parameter and state-dict names
     keep the wrapper out (parameter_names; DCP and state_dict drop its prefix).
 
     Dynamo keeps at most `recompile_limit` graphs per forward function and runs every shape past that eagerly.

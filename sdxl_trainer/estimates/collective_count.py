@@ -38,7 +38,7 @@ class CollectiveBytes(TorchDispatchMode):
 def count_collectives(settings: EstimateSettings, unet_config: dict | None = None) -> CollectiveBytes:
     """What one rank's collectives move in estimate_memory's two updates, on fake tensors over the fake process
     group (its first update, the optimizer's alone, moves nothing): the speed estimate's byte count, checked at
-    full size by tests/test_speed_estimate.py."""
+    full size by tests/estimates/test_speed_estimate.py."""
     with fake_world(settings.world_size, torch.device("cpu")) as world, FakeTensorMode(allow_non_fake_inputs=True), tracing(TracingContext(FakeTensorMode())):
         run = build_estimate_run(settings, world, unet_config or SDXL_UNET_CONFIG, None)
         zero_gradients(run)

@@ -41,7 +41,7 @@ from torch import nn
 METRICS = ("fid", "kid", "is", "lpips", "hpsv2")
 NEEDS_REFERENCE = ("fid", "kid", "lpips")  # compared with the held-out real images
 
-# torch-fidelity's URL_INCEPTION_V3 and torchvision's AlexNet_Weights.IMAGENET1K_V1.url (tests/test_metrics.py
+# torch-fidelity's URL_INCEPTION_V3 and torchvision's AlexNet_Weights.IMAGENET1K_V1.url (tests/evaluation/test_metrics.py
 # checks both against the installed libraries).
 URL_INCEPTION_V3 = "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
 INCEPTION_FILE = URL_INCEPTION_V3.rsplit("/", 1)[1]  # weights-inception-2015-12-05-6726825d.pth

@@ -18,7 +18,7 @@ class Adafactor(torch.optim.Optimizer):
     scale_parameter=False, warmup_init=False). Second moments of a weight with 2 or more dims are factored
     over (dim 0, all other dims flattened), so a conv kernel keeps one row and one column statistic
     (transformers factors its last two dims, a 3x3 kernel's). A 2-dim and a 1-dim weight get transformers'
-    update to fp32 rounding (tests/test_optimizers.py).
+    update to fp32 rounding (tests/optimizers/test_optimizers.py).
 
     It steps each rank's local shards. FSDP2 splits dim 0, so the row statistics and the elementwise ops are
     local; what needs every row (the column means, the mean of the row statistics, the update's RMS) is

@@ -14,7 +14,7 @@ chunk's state lives in flat buffers that the shards' state tensors are views int
 written whole, with no per-tensor work.
 The arithmetic and the rounding to codes are torchao's, so both give the same weights and scales to fp32
 rounding; a value that rounding puts on the other side of a code boundary gets the neighbouring code
-(tests/test_adamw8bit.py allows 0.01% of the codes to differ).
+(tests/optimizers/test_adamw8bit.py allows 0.01% of the codes to differ).
 
 bf16 weights (--weights_dtype bf16): the step computes in fp32 as always and rounds the new weights
 stochastically (stochastic_rounding.py), where torchao rounds to nearest, which drops every update below

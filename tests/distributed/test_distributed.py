@@ -1,0 +1,91 @@
+"""The trainer on 2 CPU processes (gloo): each rank holds half the UNet; training with AdamW gives the same
+weights (within 1e-5; docs/design.md §1 says what holds for the other optimizers) and the same learning rate at every
+update as 1 process on the same data (same global batch, same seed);
+a run whose updates keep going NaN stops with state saved, and training never loads the VAE or the text
+encoders."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_each_rank_holds_half_of_the_unet(tmp_path, tiny_pipeline_dir):
+    run_processes(2, REPO_ROOT / "tests" / "support" / "fsdp_shard_worker.py", [str(tiny_pipeline_dir), str(tmp_path)])
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    full_bytes = reports[0]["full_bytes"]
+    assert all(report["all_dtensor"] and report["placements"] == ["(Shard(dim=0),)"] for report in reports)
+    shares = [report["local_bytes"] / full_bytes for report in reports]
+    # Dim-0 sharding pads odd-sized rows, so a rank may hold a little more than exactly half.
+    assert all(0.45 <= share <= 0.55 for share in shares), shares
+    assert abs(sum(report["local_bytes"] for report in reports) - full_bytes) / full_bytes < 0.02
+    print(f"per-rank parameter share: {shares}")
+
+
+def test_two_processes_train_like_one(runs_on_one_and_two_processes, tiny_pipeline_dir):
+    base = load_file(tiny_pipeline_dir / "unet" / "diffusion_pytorch_model.safetensors")
+    one, two = (load_file(run / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors") for run in runs_on_one_and_two_processes.values())
+    assert one.keys() == two.keys() == base.keys()
+    moved = max((one[key] - base[key]).abs().max().item() for key in base)
+    differs = max((one[key] - two[key]).abs().max().item() for key in base)
+    print(f"largest weight change from training: {moved:.3e}; largest 1-vs-2-process difference: {differs:.3e}")
+    assert moved > 1e-4  # training really changed the weights (several updates at lr 1e-4)
+    assert differs < 1e-5, f"1 and 2 processes diverged by {differs}"
+
+
+def test_learning_rate_depends_only_on_updates(runs_on_one_and_two_processes):
+    one, two = (scalars(run, "train/lr") for run in runs_on_one_and_two_processes.values())
+    assert one == two
+    total = len(one)
+    warmup = math.ceil(0.25 * total)
+    assert total >= 4 and warmup >= 2
+    # Linear warmup from 0 over the first `warmup` updates, the peak at update `warmup`, then cosine decay.
+    assert one[:warmup + 1] == pytest.approx([1e-4 * update / warmup for update in range(warmup + 1)], rel=1e-5)
+    assert all(later < earlier for earlier, later in zip(one[warmup:], one[warmup + 1:]))
+
+
+# (--log_every_n_updates, the update the run stops at, its skipped updates, train/skipped_updates as logged): the
+# skips are counted on the device and read when the scalars are written, so the stop waits for that read.
+STOP_AFTER_SKIPS = [(1, 3, 2, [0, 1, 2]), (2, 4, 3, [1, 3])]
+
+
+@pytest.mark.parametrize("log_every, stop_update, skipped, logged", STOP_AFTER_SKIPS, ids=["logging every update", "logging every 2nd update"])
+def test_updates_that_keep_failing_stop_the_run_after_saving_state(tmp_path, sample_cache_dir, tiny_pipeline_dir, log_every, stop_update, skipped, logged):
+    """A learning rate of 1e30 blows the weights up after one update. The copied pipeline has no VAE or
+    text-encoder weights at all (only their config files): training from a cache must not need them."""
+    unet_only = tmp_path / "unet_only"
+    shutil.copytree(tiny_pipeline_dir, unet_only)
+    for folder in ("vae", "text_encoder", "text_encoder_2"):
+        for weights in (unet_only / folder).glob("*.safetensors"):
+            weights.unlink()
+    result = run_processes(
+        2,
+        REPO_ROOT / "sdxl_FSDP_train.py",
+        [
+            "--cached_dataset_dirs", str(sample_cache_dir),
+            "--pretrained_model_name_or_path", str(unet_only),
+            *SAMPLE_RESOLUTION_FLAGS,
+            "--optimizer", "adamw", "--learning_rate", "1e30", "--learning_rate_scheduler", "constant",
+            "--mixed_precision", "fp32", "--no-save_samples", "--no-validation_image", "--dataloader_num_workers", "0", "--set_seed", "1",
+            "--max_consecutive_skipped_updates", "2", "--log_every_n_updates", str(log_every), "--no-save_diffusers",
+            "--output_dir", str(tmp_path), "--project_name", "run",
+        ],
+        expect_success=False,
+    )
+    assert result.returncode != 0
+    assert f"Stopped at update {stop_update}: the last {skipped} updates all had a NaN/inf loss or gradient" in result.stderr
+    assert all(f"Warning: update {update} skipped: loss nan" in result.stdout + result.stderr for update in range(2, stop_update + 1))
+    assert "Lower --learning_rate" in result.stderr
+    checkpoint = tmp_path / "run" / "checkpoints" / f"update_{stop_update:08d}"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert (state["update"], state["skipped_updates"], state["consecutive_skipped_updates"]) == (stop_update, skipped, skipped)
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
+    assert scalars(tmp_path / "run", "train/skipped_updates") == logged
+    assert not (tmp_path / "run" / "pipeline").exists()
