@@ -29,13 +29,12 @@ from collections import defaultdict
 from typing import NamedTuple
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.subclass_8bit import OptimState8bit
 
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import StepsIfFinite, fp32_zeros_like, runs_of_at_most
-from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key
+from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key, runs_compiled
 
 # Values per chunk: the kernel's temporaries are about 16 bytes per value (270 MB at this size) and a
 # larger chunk saves little host time, as SDXL's UNet makes about 150 chunks on one GPU. A larger shard is a
@@ -236,9 +235,9 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
         update, which keys their stochastic rounding."""
         beta1, beta2 = group["betas"]
         step_settings = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], batch.step_counts[0], finite)
-        # torch.compile cannot trace under a dispatch mode (the memory estimate's fake tensors and trackers,
-        # estimates/fake_run.py): the same functions run eagerly there, their temporaries an upper bound.
-        eager = is_in_torch_dispatch_mode()
+        # torch.compile cannot trace under the memory estimate's fake tensors and trackers (estimates/fake_run.py):
+        # the same functions run eagerly there, their temporaries an upper bound.
+        eager = not runs_compiled()
         step_8bit_moments = _step_8bit_moments if eager else _compiled_step_8bit_moments
         adamw = _adamw if eager else _compiled_adamw
         for chunk_number, chunk in enumerate(batch.chunks, start=first_chunk):

@@ -15,7 +15,7 @@ step count and the tensor or chunk it rounds (rounding_key).
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 
 from sdxl_trainer.distributed.local_shard import local_shard
 
@@ -54,11 +54,17 @@ def _round_to_bf16(values: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 _compiled_round_to_bf16 = torch.compile(_round_to_bf16, dynamic=True, fullgraph=True)
 
 
+def runs_compiled() -> bool:
+    """Whether torch.compile compiles here: not under a dispatch mode that sees every operator (the memory
+    estimate's fake tensors and trackers), where Dynamo would run the function eagerly anyway; a mode that
+    ignores compile internals (the host-work count) leaves compiled code compiled."""
+    return not any_torch_dispatch_mode_on_stack()
+
+
 def round_to_bf16(values: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
     """`values` rounded stochastically to bf16, the random bits fixed by `key` (rounding_key) and each
-    value's position. Compiled (one kernel for every length), eager under a dispatch mode (the memory
-    estimate's fake tensors cannot be compiled)."""
-    round_fn = _round_to_bf16 if is_in_torch_dispatch_mode() else _compiled_round_to_bf16
+    value's position. Compiled (one kernel for every length) where runs_compiled() says so, else eager."""
+    round_fn = _compiled_round_to_bf16 if runs_compiled() else _round_to_bf16
     return round_fn(values, torch.as_tensor(key, dtype=torch.int64, device=values.device))
 
 
