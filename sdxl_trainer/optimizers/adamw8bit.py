@@ -77,12 +77,16 @@ def _adamw_update(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_dec
     return param, exp_avg, exp_avg_sq
 
 
-# Each kernel returns its inputs unchanged where `finite` (the update's verdict, a bool scalar on the device) is
-# False: the selection is fused into the kernel, which reads and writes every value anyway. Unchanged bf16
-# weights come back as their exact fp32 values, which stochastic rounding leaves as they are.
+# Each kernel writes the chunk's new state into its state buffers in place (inside the kernel: no copies
+# launched after it) and returns the new weights, leaving everything unchanged where `finite` (the update's
+# verdict, a bool scalar on the device) is False: the selection is fused into the kernel, which reads and
+# writes every value anyway. Unchanged bf16 weights come back as their exact fp32 values, which stochastic
+# rounding leaves as they are.
 def _adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step, finite):
     new_param, new_avg, new_avg_sq = _adamw_update(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step)
-    return torch.where(finite, new_param, param.float()), torch.where(finite, new_avg, exp_avg), torch.where(finite, new_avg_sq, exp_avg_sq)
+    exp_avg.copy_(torch.where(finite, new_avg, exp_avg))
+    exp_avg_sq.copy_(torch.where(finite, new_avg_sq, exp_avg_sq))
+    return torch.where(finite, new_param, param.float())
 
 
 def _step_8bit_moments(param, grad, avg_codes, avg_scale, sq_codes, sq_scale, signed_values, unsigned_values, lr, beta1, beta2, weight_decay, eps, step,
@@ -91,8 +95,9 @@ def _step_8bit_moments(param, grad, avg_codes, avg_scale, sq_codes, sq_scale, si
     exp_avg_sq = _dequantize(sq_codes, sq_scale, unsigned_values)
     new_param, exp_avg, exp_avg_sq = _adamw_update(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step)
     new_states = (*_quantize(exp_avg, signed_values), *_quantize(exp_avg_sq, unsigned_values))
-    old_states = (avg_codes, avg_scale, sq_codes, sq_scale)
-    return (torch.where(finite, new_param, param.float()), *(torch.where(finite, new, old) for new, old in zip(new_states, old_states)))
+    for state, new in zip((avg_codes, avg_scale, sq_codes, sq_scale), new_states):
+        state.copy_(torch.where(finite, new, state))
+    return torch.where(finite, new_param, param.float())
 
 
 # Compiled once each with dynamic shapes: every chunk, whatever its length, runs the same kernel.
@@ -243,9 +248,7 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
         for chunk_number, chunk in enumerate(batch.chunks, start=first_chunk):
             weights, grads = _flatten(chunk.weights), _flatten([local_shard(param.grad) for param in chunk.params])
             kernel = step_8bit_moments if batch.is_8bit else adamw
-            new_weights, *new_states = kernel(weights, grads, *chunk.states, *chunk.code_values, *step_settings)
-            for state, values in zip(chunk.states, new_states):
-                state.copy_(values)
+            new_weights = kernel(weights, grads, *chunk.states, *chunk.code_values, *step_settings)
             if chunk.weights[0].dtype == torch.bfloat16:
                 new_weights = round_to_bf16(new_weights, rounding_key(batch.step_counts[0].long(), chunk_number))  # the key made on the device
             _write_back(chunk.weights, new_weights)
