@@ -86,7 +86,7 @@ from unet_batches import empty_prompt_for, synthetic_batch  # noqa: E402
 
 from sdxl_trainer.distributed.fsdp import compile_repeated_blocks, prepare_unet, shard_unet
 from sdxl_trainer.distributed.world import World, init_distributed, shutdown_distributed  # noqa: E402
-from sdxl_trainer.jobs.train_config import WEIGHTS_DTYPES, resolve_compute_dtype  # noqa: E402
+from sdxl_trainer.jobs.train_config import DTYPE_OF_NAME, resolve_compute_dtype  # noqa: E402
 from sdxl_trainer.models.sdxl import SDXL_SCHEDULER_CONFIG, SDXL_UNET_CONFIG, build_full_size_unet  # noqa: E402
 from sdxl_trainer.models.tiny import TINY_UNET_CONFIG
 from sdxl_trainer.monitoring.memory_peaks import gather_floats, peak_memory_gib
@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tensor by tensor (the trainer's adamw8bit keeps its state and steps many tensors per kernel), to compare with")
     parser.add_argument("--mixed_precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                         help="compute dtype, as the trainer's option: auto = bf16 on GPUs that support it, else fp16; fp32 on the CPU")
-    parser.add_argument("--weights_dtype", choices=tuple(WEIGHTS_DTYPES), default="fp32",
+    parser.add_argument("--weights_dtype", choices=tuple(DTYPE_OF_NAME), default="fp32",
                         help="the trainer's --weights_dtype: fp32 master weights, or bf16 weights and gradients with stochastic "
                         "rounding in the optimizer (compute is then bf16)")
     parser.add_argument("--cpu_offload", action="store_true",
@@ -211,7 +211,7 @@ def new_unet(args: argparse.Namespace, row: Row, device: torch.device | str) -> 
     with torch.device(device):
         unet = UNET_BUILDERS[args.model]()
     if args.weights_dtype != "fp32":  # cast, as the trainer loads fp32 weights in --weights_dtype: the same start in every dtype
-        unet.to(WEIGHTS_DTYPES[args.weights_dtype])
+        unet.to(DTYPE_OF_NAME[args.weights_dtype])
     if row.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     return unet.train()

@@ -51,6 +51,11 @@ class ComputeOptions:
         "within a group and replicated across groups, so weights are all-gathered over each machine's NVLink instead of the network. "
         "Each GPU then holds 1/(GPUs per group) of the weights and optimizer state instead of 1/(all GPUs); 1 = shard over every GPU",
     )
+    reduce_dtype: Literal["fp32", "bf16"] = option(
+        "fp32",
+        help="dtype FSDP2 reduce-scatters the gradients in (and HSDP all-reduces them): fp32, or bf16, half the bytes, for GPUs linked by "
+        "PCIe where the link is the bottleneck (the sum of a few shards' gradients loses little: docs/speed.md); unused where the UNet is not sharded",
+    )
     compile_unet: bool = option(False, help="torch.compile each transformer and ResNet block (regional): faster steps after a compile of minutes")
     allow_tf32: bool = option(True, help="TF32 matmuls and convolutions for fp32 work on Ampere and newer GPUs")
 
@@ -77,6 +82,7 @@ def prepare_unet(
     reshard_after_forward: bool = True,
     compile_blocks: bool = False,
     cpu_offload: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """The UNet ready to train in this world, in place: FSDP2-sharded (shard_unet) where uses_sharding says
     so, otherwise a plain module whose forward runs under torch.autocast in param_dtype (compute_under_autocast).
@@ -84,7 +90,7 @@ def prepare_unet(
     --weights_dtype bf16) and the same parameter names, so checkpoints move between the two (DCP reshards)
     and the export is the same."""
     if uses_sharding(world.world_size, cpu_offload):
-        return shard_unet(unet, world.mesh, param_dtype, reshard_after_forward, compile_blocks, cpu_offload)
+        return shard_unet(unet, world.mesh, param_dtype, reshard_after_forward, compile_blocks, cpu_offload, reduce_dtype)
     if compile_blocks:
         compile_repeated_blocks(unet)
     if param_dtype is not None:
@@ -173,6 +179,7 @@ def shard_unet(
     reshard_after_forward: bool = True,
     compile_blocks: bool = False,
     cpu_offload: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> FSDPModule:
     """Apply FSDP2 to the UNet in place; parameters keep their dtype (the sharded master copy: fp32, or bf16).
 
@@ -192,7 +199,7 @@ def shard_unet(
       FSDP), so a checkpoint-wrapped transformer block is sharded as its wrapper; other bucket shapes recompile
       with dynamic sizes.
     """
-    kwargs = _fsdp_settings(mesh, param_dtype, reshard_after_forward, cpu_offload)
+    kwargs = _fsdp_settings(mesh, param_dtype, reshard_after_forward, cpu_offload, reduce_dtype)
     from diffusers.models.attention import BasicTransformerBlock
 
     if compile_blocks:
@@ -204,15 +211,58 @@ def shard_unet(
             fully_shard(module, **kwargs)
     for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
         fully_shard(block, **kwargs)
-    fully_shard(unet, **kwargs)
+    # The root stays gathered from its forward to its backward, which begins with it (FSDP2's own choice for a
+    # root; an explicit True would make it reshard and gather again).
+    fully_shard(unet, **{**kwargs, "reshard_after_forward": False})
+    prefetch_in_order(unet)
     return unet  # type: ignore[return-value]
 
 
-def _fsdp_settings(mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool, cpu_offload: bool) -> dict:
+def reshard_units(model: nn.Module) -> None:
+    """Every FSDP2 unit of the model back to its shards (not collective). A unit kept gathered after its forward
+    (the root; every unit with --no-reshard_after_forward) is resharded by its backward, so after a forward
+    without one (validation) it would stay gathered, and its gathered copy would go stale once its shards
+    change (the EMA's weights swapped in or out, the next optimizer step): the next forward would use it."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def prefetch_in_order(model: nn.Module) -> None:
+    """Explicit prefetch chains over the model's FSDP2 units: in forward each unit's pre-forward starts the
+    next unit's all-gather, in backward the next one to run, so a gather never waits for the host to reach the
+    unit that needs it (FSDP2 issues one otherwise when the host gets there: a host that falls behind the GPU
+    leaves it waiting). The forward order is the units' order in modules() (pre-order: a block before the
+    transformer blocks inside it, as the UNet runs them); backward runs them in the reverse of the order their
+    forwards end (a block's transformer blocks end before it does)."""
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for unit, following in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([following])
+    ends = forward_end_order(model)
+    for unit, preceding in zip(ends[::-1], ends[-2::-1]):
+        unit.set_modules_to_backward_prefetch([preceding])
+
+
+def forward_end_order(model: nn.Module) -> list[nn.Module]:
+    """The model's FSDP2 units in the order their forwards end: each after the units inside it (post-order)."""
+    ordered: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if isinstance(module, FSDPModule):
+            ordered.append(module)
+
+    visit(model)
+    return ordered
+
+
+def _fsdp_settings(mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool, cpu_offload: bool,
+                   reduce_dtype: torch.dtype = torch.float32) -> dict:
     """fully_shard's arguments, the same for every trained module: compute in param_dtype, gradients reduced
-    in fp32, optionally FSDP2's CPU offload."""
+    in reduce_dtype (fp32, or bf16: --reduce_dtype), optionally FSDP2's CPU offload."""
     settings = dict(
-        mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32), reshard_after_forward=reshard_after_forward
+        mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype), reshard_after_forward=reshard_after_forward
     )
     if cpu_offload:
         settings["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
@@ -220,7 +270,7 @@ def _fsdp_settings(mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_af
 
 
 def prepare_text_encoder(encoder: nn.Module, world: World, param_dtype: torch.dtype | None, reshard_after_forward: bool = True,
-                         cpu_offload: bool = False) -> nn.Module:
+                         cpu_offload: bool = False, reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """A trained text encoder (--train_text_encoder) ready in this world, in place, by prepare_unet's rule:
     where uses_sharding says so, FSDP2 over its embeddings, each CLIP layer, then each remaining module with
     parameters of its own (final norm, projection), with the UNet's precision and offload settings;
@@ -234,7 +284,7 @@ def prepare_text_encoder(encoder: nn.Module, world: World, param_dtype: torch.dt
         return encoder
     from transformers.models.clip.modeling_clip import CLIPEncoderLayer, CLIPTextEmbeddings
 
-    settings = _fsdp_settings(world.mesh, param_dtype, reshard_after_forward, cpu_offload)
+    settings = _fsdp_settings(world.mesh, param_dtype, reshard_after_forward, cpu_offload, reduce_dtype)
     for part in [module for module in encoder.modules() if isinstance(module, (CLIPTextEmbeddings, CLIPEncoderLayer))]:
         fully_shard(part, **settings)
     for part in [module for module in encoder.modules() if any(not isinstance(weight, DTensor) for weight in module.parameters(recurse=False))]:

@@ -138,7 +138,7 @@ def estimate_memory(
             step_temporaries = max(by_category["optimizer state"] - state_bytes, 0)
             by_category["optimizer state"] -= step_temporaries
             by_category["temporaries"] += step_temporaries
-        ema_bytes = sum(shadow.numel() * shadow.element_size() for shadow in ema.shadow) if ema is not None else 0
+        ema_bytes = ema.bytes_held() if ema is not None else 0
         ema_on_host = settings.ema_on_cpu or settings.cpu_offload
         by_category["EMA"] = 0 if ema_on_host else ema_bytes  # made before tracking, alive throughout
         host_bytes = ema_bytes if ema_on_host else 0
