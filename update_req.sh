@@ -21,8 +21,8 @@ fi
 
 # A lock made from another requirements.txt would install versions nobody asked for; stop rather than fall back
 # to the ranges, so an edit to requirements.txt cannot reach users or CI without a new lock (committed with it).
-locked_from=$(sed -n 's/^# requirements.txt sha256: //p' "$REQUIREMENTS")
-if [ -n "$locked_from" ] && [ "$locked_from" != "$(sha256sum requirements.txt | cut -d' ' -f1)" ]; then
+locked_from=$(sed -n 's/^# requirements.txt sha256 (requirement lines): //p' "$REQUIREMENTS")
+if [ -n "$locked_from" ] && [ "$locked_from" != "$(bash tools/requirement_lines_hash.sh)" ]; then
     echo "$REQUIREMENTS was made from another requirements.txt: run 'bash tools/lock_requirements.sh' (or install the ranges: REQUIREMENTS=requirements.txt bash update_req.sh)." >&2
     exit 1
 fi

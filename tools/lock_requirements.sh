@@ -15,7 +15,7 @@ python="$scratch/venv/bin/python"
 {
     echo "# Exact versions of an install of requirements.txt; update_req.sh installs this file. Do not edit:"
     echo "# bash tools/lock_requirements.sh regenerates it."
-    echo "# requirements.txt sha256: $(sha256sum requirements.txt | cut -d' ' -f1)"
+    echo "# requirements.txt sha256 (requirement lines): $(bash tools/requirement_lines_hash.sh)"
     echo "# platform: $("$python" tools/python_platform.py)"
     echo "# resolved by: $("$python" -m pip --version | cut -d' ' -f1-2)"
     # --all keeps setuptools (torch and tensorboard require it); pip itself is upgraded by update_req.sh first.
