@@ -70,8 +70,8 @@ class ComputeOptions:
 
 def uses_sharding(world_size: int, cpu_offload: bool) -> bool:
     """FSDP2 only where it buys something: more than one process to shard over, or CPU offload (FSDP2's
-    policy). On one process it saves no memory, and its DTensor parameters and per-block copies made an
-    update of the tiny UNet on CPU 1.25x as long as a plain module's (benchmarks/bench_trainer.py)."""
+    policy). On one process it saves no memory, and its DTensor parameters and per-block copies make an
+    update slower than a plain module's (docs/design.md §1 has the measurement)."""
     return world_size > 1 or cpu_offload
 
 
