@@ -19,15 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.lib.processes import cpu_env, launch_command  # noqa: E402
+from benchmarks.lib.results import write_json  # noqa: E402
 
 UPDATES = 8
 LOG_EVERY = 3
@@ -110,14 +114,8 @@ def run_variant(name: str, pipeline: Path, cache: Path, work_dir: Path) -> list[
     processes, extra = VARIANTS[name]
     output = work_dir / f"{name}.json"
     output.unlink(missing_ok=True)
-    command = [str(REPO_ROOT / "benchmarks" / "count_host_work.py"), "--rank_program", str(output), "--",
-               *trainer_flags(pipeline, cache, work_dir / name, extra)]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    if processes == 1:
-        subprocess.run([sys.executable, *command], check=True, cwd=REPO_ROOT, env=env)
-    else:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), *command],
-                       check=True, cwd=REPO_ROOT, env=env)  # fmt: skip
+    args = ["--rank_program", str(output), "--", *trainer_flags(pipeline, cache, work_dir / name, extra)]
+    subprocess.run(launch_command(processes, REPO_ROOT / "benchmarks" / "count_host_work.py", args), check=True, cwd=REPO_ROOT, env=cpu_env())
     return json.loads(output.read_text())
 
 
@@ -147,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--work_dir", type=Path, default=Path("/tmp/sdxl_host_work"), help="the narrow pipeline, its cache and the runs (kept for reruns)")
-    parser.add_argument("--json", type=Path, help="write every counted update of every variant here")
+    parser.add_argument("--json", type=Path, help="write every counted update of every variant here, with the run's facts (date, machine, commit)")
     parser.add_argument("--rank_program", type=Path, help=argparse.SUPPRESS)  # one rank of a counted run (run_variant starts it)
     args, trainer_args = parser.parse_known_args(argv)
     if args.rank_program is not None:
@@ -159,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {name: run_variant(name, pipeline, cache, args.work_dir) for name in args.variants}
     print_table(results)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        write_json(args.json, {"variants": results}, torch.device("cpu"))
     return 0
 
 
