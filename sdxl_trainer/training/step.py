@@ -8,9 +8,11 @@ batches are spent and the schedule moves on, so the epoch plan, the schedule's l
 exactly those of a run without the fault (a retry would have to redraw data the plan has used). The
 trainer stops (after saving state) when too many updates in a row are skipped.
 
-The skip is decided on the device for the AdamW optimizers (StepsIfFinite): the host queues the next update
-without waiting for this one, and reads an update's figures (UpdateResult) only when it logs them. Lion,
-Adafactor and fp16's loss scaler decide on the host: one read per update.
+The skip is decided on the device for the AdamW optimizers (StepsIfFinite) without fp16: the host queues the
+next update without waiting for this one, and reads an update's figures (UpdateResult) only when it logs
+them. With Lion or Adafactor, and with fp16's loss scaler whatever the optimizer, the host reads the
+update's verdict (`bool(finite)` in __call__) after every update, a wait for its backward and clipping;
+with fp16, torch's scaler then reads its overflow flag once more before it steps.
 """
 
 from __future__ import annotations
