@@ -285,7 +285,8 @@ STATED: dict[str, list[str]] = {
     "README.md": [
         "predicted 1.60 img/s per GPU, 1.60 for the job", "predicted 1.56 img/s per GPU, 3.13 for the job", "x1.98 over one card",
         "predicted 9.06 img/s per GPU, 72.50 for the job", "predicted 8.36 img/s per GPU, 267.48 for the job",
-        "InfiniBand 400 Gb/s per GPU; x31.49", "(x1.86-x1.98 over one card)", "chipset x4 slot (x1.15)",  # --estimate_speed
+        "InfiniBand 400 Gb/s per GPU; x31.49", "(x1.86-x1.98 over one card)", "chipset x4 slot (x1.15)",
+        # --estimate_speed's predictions (tests/estimates/test_speed_estimate.py compares the table's with the estimator)
         "18.4 / 27.4 GiB (estimated)",  # --estimate_memory
         "on cards under 40 GB", "+10% and 2.5 GiB on one GPU, +35% and 2.5 GiB on several",  # the code's threshold and margin
     ],
