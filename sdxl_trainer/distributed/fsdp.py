@@ -28,7 +28,7 @@ class ComputeOptions:
     """Precision, memory and sharding"""
 
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
-        "auto", help="UNet compute precision over fp32 master weights (FSDP2's param dtype; torch.autocast on one process): auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, about 5x slower)"
+        "auto", help="UNet compute precision over fp32 master weights (FSDP2's param dtype; torch.autocast on one process): auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, several times slower)"
     )
     weights_dtype: Literal["fp32", "bf16"] = option(
         "fp32",
@@ -70,8 +70,8 @@ class ComputeOptions:
 
 def uses_sharding(world_size: int, cpu_offload: bool) -> bool:
     """FSDP2 only where it buys something: more than one process to shard over, or CPU offload (FSDP2's
-    policy). On one process it saves no memory, and its DTensor parameters and per-block copies make an
-    update slower than a plain module's (docs/design.md §1 has the measurement)."""
+    policy). On one process it saves no memory, and its DTensor parameters and per-block copies made an
+    update of the tiny UNet on CPU longer than a plain module's (docs/design.md §1)."""
     return world_size > 1 or cpu_offload
 
 

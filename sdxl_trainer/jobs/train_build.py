@@ -152,7 +152,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     evaluator, checkpointer and exporter, each by its owner."""
     run_dir = config.output_dir / config.project_name
     config, caches, resume_dir, saved = check_before_start(config, run_dir, world)
-    # Only now the model libraries load (diffusers, transformers: 5-10 s), which a refused start never waits for.
+    # Only now the model libraries load (diffusers, transformers: seconds of CPU), which a refused start never waits for.
     hide_library_progress_bars()
     log_dir = config.log_dir or run_dir / "tensorboard"
     if world.is_main:

@@ -97,7 +97,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def clip_bpe_vocabulary() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """CLIP's vocabulary and BPE merges, derived from the BPE file that open_clip ships (found without
-    importing open_clip, which pulls in timm and wandb: 13 s of every tiny pipeline and memory estimate)."""
+    importing open_clip, which pulls in timm and wandb: seconds of every tiny pipeline and memory estimate)."""
     open_clip = importlib.util.find_spec("open_clip")
     if open_clip is None:
         raise ModuleNotFoundError("CLIP's BPE vocabulary comes with open_clip_torch: pip install -r requirements.txt")

@@ -2,8 +2,8 @@
 
 torchao's AdamW8bit keeps Adam's two moments in 8 bits (dynamic-tree codes, one fp32 scale per 256
 values), steps DTensor shards and saves through DCP (docs/design.md §2), but its step runs one compiled
-call per parameter tensor: on these CPUs about 250 us of host work each, and SDXL's UNet has 1,680 tensors
-on every rank however many ranks share it. It also compiles one kernel per distinct shape, which made the
+call per parameter tensor, several times the host work per tensor of a multi-tensor step (measured on a
+CPU: docs/design.md §2), and SDXL's UNet has 1,680 tensors on every rank however many ranks share it. It also compiles one kernel per distinct shape, which made the
 quickstart's first update wait minutes.
 
 `AdamW8bit` keeps torchao's state objects and checkpoint layout as they are (a checkpoint written by either

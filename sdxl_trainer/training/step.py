@@ -261,11 +261,11 @@ class TrainStep:
 def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm) on each rank's local shards: the squared norms of a rank's
     shards are summed and all-reduced once over the ranks that hold different shards, and each shard is
-    scaled in place. Same norm and gradients as torch's (tests/test_train_step*.py, test_hsdp.py), where
-    torch's works out the sharding of every foreach op over the DTensors on the host: on 2 CPU processes
-    over SDXL's 1,680 tensors 53-57 ms per update against 24 ms, and 10-13 s on a process's first update
-    against 0.03 s (benchmarks/bench_optimizer_step.py --sdxl_tensor_count --sharded).
-    Returns the norm before clipping; with max_norm inf it only measures."""
+    scaled in place. Same norm and gradients as torch's (tests/training/test_train_step.py,
+    tests/distributed/test_hsdp.py), where torch's works out the sharding of every foreach op over the
+    DTensors on the host, which costs it more per update and most on a process's first update (what
+    bench_optimizer_step.py --sdxl_tensor_count --sharded showed: docs/training.md, "Batches, data order and
+    run length"). Returns the norm before clipping; with max_norm inf it only measures."""
     grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
     layouts = {(grad.device_mesh, grad.placements) for grad in grads if isinstance(grad, DTensor)}
     assert len(layouts) <= 1 and (not layouts or all(isinstance(grad, DTensor) for grad in grads)), f"gradients in several layouts: {layouts}"
