@@ -209,12 +209,13 @@ def shard_unet(
         block = module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
         if isinstance(block, BasicTransformerBlock) and id(module) not in inside_wrappers:
             fully_shard(module, **kwargs)
-    for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
+    stages = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]  # as the UNet's forward runs them
+    for block in stages:
         fully_shard(block, **kwargs)
     # The root stays gathered from its forward to its backward, which begins with it (FSDP2's own choice for a
     # root; an explicit True would make it reshard and gather again).
     fully_shard(unet, **{**kwargs, "reshard_after_forward": False})
-    prefetch_in_order(unet)
+    prefetch_in_order(unet, stages)
     return unet  # type: ignore[return-value]
 
 
@@ -228,33 +229,22 @@ def reshard_units(model: nn.Module) -> None:
             module.reshard()
 
 
-def prefetch_in_order(model: nn.Module) -> None:
-    """Explicit prefetch chains over the model's FSDP2 units: in forward each unit's pre-forward starts the
-    next unit's all-gather, in backward the next one to run, so a gather never waits for the host to reach the
-    unit that needs it (FSDP2 issues one otherwise when the host gets there: a host that falls behind the GPU
-    leaves it waiting). The forward order is the units' order in modules() (pre-order: a block before the
-    transformer blocks inside it, as the UNet runs them); backward runs them in the reverse of the order their
-    forwards end (a block's transformer blocks end before it does)."""
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    for unit, following in zip(units, units[1:]):
+def prefetch_in_order(root: FSDPModule, stages: list[nn.Module]) -> None:
+    """An explicit forward prefetch chain over the model's FSDP2 units: each unit's pre-forward starts the next
+    unit's all-gather, so a gather never waits for the host to reach the unit that needs it (FSDP2 issues it
+    only when the host gets there otherwise: a host that falls behind leaves the GPU waiting). `stages`: the
+    root's units in the order its forward runs them (the UNet registers its up blocks before its mid block but
+    runs them after), each running the units inside it in the order they were registered; a chain out of
+    order costs a gather, as a unit prefetched after it ran is gathered again.
+    Backward keeps FSDP2's own prefetch, which follows the order the forwards ended in and runs once per unit:
+    an explicit backward list runs at each of a unit's output gradients, and a down block's skip connections
+    reach it several times, so a prefetch after the unit's backward gathered it again (one transformer block
+    per down block per microbatch, counted in tests/estimates/test_speed_estimate.py)."""
+    forward: list[nn.Module] = [root]
+    for stage in stages:
+        forward += [stage, *(module for module in stage.modules() if isinstance(module, FSDPModule) and module is not stage)]
+    for unit, following in zip(forward, forward[1:]):
         unit.set_modules_to_forward_prefetch([following])
-    ends = forward_end_order(model)
-    for unit, preceding in zip(ends[::-1], ends[-2::-1]):
-        unit.set_modules_to_backward_prefetch([preceding])
-
-
-def forward_end_order(model: nn.Module) -> list[nn.Module]:
-    """The model's FSDP2 units in the order their forwards end: each after the units inside it (post-order)."""
-    ordered: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            visit(child)
-        if isinstance(module, FSDPModule):
-            ordered.append(module)
-
-    visit(model)
-    return ordered
 
 
 def _fsdp_settings(mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool, cpu_offload: bool,
