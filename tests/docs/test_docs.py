@@ -122,7 +122,7 @@ FIGURE = re.compile(
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 # How a figure in a unit may be written in a results file: the number times one of these (1 where not listed).
 SCALES = {"ms": (1, 1000), "us": (1, 1e6), "µs": (1, 1e6), "s": (1, 0.001), "seconds": (1, 0.001), "min": (1, 1 / 60),
-          "minutes": (1, 1 / 60), "%": (1, 100), "MiB": (1, 1024), "GiB": (1, 1 / 1024), "TFLOP/s": (1, 1e-12)}
+          "minutes": (1, 1 / 60), "%": (1, 100), "MiB": (1, 1024), "GiB": (1, 1 / 1024), "GB": (1, 1e-9), "TFLOP/s": (1, 1e-12)}
 # A GPU's or a machine's memory as sold ("one 24 GB card", "8 x 80 GB", "16/24/48/80 GB cards", "capped at
 # 24 GiB"): hardware named, not measured.
 CARD_SIZE = re.compile(r"\b\d+ x \d+ GB\b|\b(?:\d+/)*\d+ GB (?:cards?|GPUs?|machines?)\b|\bcapped at \d+ GiB\b")
