@@ -6,13 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from sdxl_trainer.config import option
+from sdxl_trainer.config import NO_UPLOAD, option
 
 
 @dataclass
 class ConvertConfig:
     pipeline: Path = option(help="diffusers SDXL pipeline folder to convert")
-    output: Path = option(help="single-file checkpoint to write (.safetensors)")
+    output: Path = option(help="single-file checkpoint to write (.safetensors), a local file", url_refusal=NO_UPLOAD)
     save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the weights in the file")
 
     def validate(self) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 from huggingface_hub import try_to_load_from_cache
 
-from sdxl_trainer.config import option
+from sdxl_trainer.config import NO_UPLOAD, option
 from sdxl_trainer.models.single_file import SDXL_CONFIG_SOURCE, hub_offline, is_single_file, model_location_problem
 from sdxl_trainer.models.weight_files import CONFIG_FILES
 
@@ -19,7 +19,7 @@ from sdxl_trainer.models.weight_files import CONFIG_FILES
 class ExtractConfig:
     base: str = option(help="the model the fine-tune started from: diffusers folder, single-file .safetensors or Hugging Face model id")
     tuned: str = option(help="the fine-tuned model (e.g. OUTPUT_DIR/PROJECT_NAME/pipeline or pipeline.safetensors), same kinds as --base")
-    output: Path = option(help="LoRA file to write (.safetensors); never one of the models, nor inside a model folder")
+    output: Path = option(help="LoRA file to write (.safetensors), a local file; never one of the models, nor inside a model folder", url_refusal=NO_UPLOAD)
     rank: int = option(help="rank (kohya's network_dim) of the Linear and 1x1-convolution layers: higher keeps more of the fine-tune, in a larger file")
     conv_rank: int = option(
         0, help="rank of the 3x3 convolutions (kohya's conv_dim); above 0 it also adds the ResNet blocks and up/downsamplers; 0 = transformer blocks only"
