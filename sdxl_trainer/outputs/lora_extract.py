@@ -47,6 +47,7 @@ from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.models.single_file import hf_clip_name, model_spec_of, unet_ldm_names
 from sdxl_trainer.models.weight_files import COMPONENTS, ModelFilesError, ModelWeights, StoredWeight
 from sdxl_trainer.runtime.files import make_shareable
+from sdxl_trainer.runtime.tensor_files import WRITER_KEY
 
 UNET_ATTENTION_BLOCKS = ("Transformer2DModel",)
 UNET_CONV_BLOCKS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
@@ -54,6 +55,7 @@ TEXT_ENCODER_BLOCKS = ("CLIPAttention", "CLIPMLP")
 TEXT_ENCODER_PREFIXES = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 LORA_COMPONENTS = ("unet", *TEXT_ENCODER_PREFIXES)
 KOHYA_SDXL_VERSION = "sdxl_base_v1-0"  # kohya's ss_base_model_version for SDXL
+LORA_WRITER = "lora"  # the WRITER_KEY mark of an extracted LoRA
 # Two models with independent weights of equal spread differ by sqrt(2) = 141% of a layer's norm (the tiny
 # pipelines of two seeds: median 141%); a fine-tune starts at 0% and moves its layers gradually. More than
 # UNRELATED_SHARE of the UNet's LoRA layers changed by more than LARGE_CHANGE: the tuned model was most
@@ -242,6 +244,7 @@ def lora_metadata(tuned: ModelWeights, rank: int, conv_rank: int, title: str) ->
         "ss_base_model_version": KOHYA_SDXL_VERSION,
         "ss_v2": "False",
         **spec,
+        WRITER_KEY: LORA_WRITER,
     }
 
 

@@ -163,3 +163,52 @@ def test_the_single_file_is_never_written_into_the_pipeline_it_converts(tiny_pip
             sdxl_to_single_file.main(["--pipeline", str(pipeline), "--output", str(output)])
         assert f"--output {output} is inside --pipeline {pipeline}" in capsys.readouterr().err
     assert sorted(path.relative_to(pipeline) for path in pipeline.rglob("*")) == before
+
+
+def test_the_single_file_tool_refuses_object_storage_instead_of_writing_a_local_s3_folder(tiny_pipeline_dir, tmp_path, capsys, monkeypatch):
+    """--output s3://... was the local path s3:/bucket/...: the tool wrote there and said "Wrote s3:/...", so on a
+    cloud node the model stayed on the scratch disk. Refused now, before anything loads, with what to do."""
+    import sdxl_to_single_file
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", "s3://bucket/models/tuned.safetensors"])
+    assert refused.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.endswith(
+        "error: argument --output: s3://bucket/models/tuned.safetensors: writing to object storage is not supported yet; write a local file "
+        "and copy it to the bucket (aws s3 cp, rclone)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_single_file_tool_replaces_only_a_file_it_wrote_unless_told_to(tiny_pipeline_dir, tmp_path, capsys):
+    """An existing --output is replaced when its metadata says this project's single-file writer made it (a
+    re-run, or the trainer's --save_single_file); any other file (another model, a LoRA, not safetensors at all)
+    only with --overwrite. The refusal comes before anything loads and leaves the file as it was."""
+    import sdxl_to_single_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from sdxl_trainer.runtime.tensor_files import WRITER_KEY
+
+    output = tmp_path / "model.safetensors"
+    save_file({"weight": torch.ones(2)}, str(output), metadata={"format": "pt", "modelspec.title": "someone else's model"})
+    unrelated = output.read_bytes()
+    argv = ["--pipeline", str(tiny_pipeline_dir), "--output", str(output)]
+    for content in (unrelated, b"not a safetensors file"):
+        output.write_bytes(content)
+        with pytest.raises(SystemExit) as refused:
+            sdxl_to_single_file.main(argv)
+        assert refused.value.code == 2
+        assert (
+            f"--output {output} exists and was not written by this tool (its metadata has no {WRITER_KEY} = single_file): choose another "
+            "name, or add --overwrite to replace it"
+        ) in capsys.readouterr().err
+        assert output.read_bytes() == content
+    assert sdxl_to_single_file.main([*argv, "--overwrite"]) == 0
+    with safe_open(str(output), framework="pt") as handle:
+        assert handle.metadata()[WRITER_KEY] == "single_file" and "model.diffusion_model.input_blocks.0.0.weight" in handle.keys()
+    assert sdxl_to_single_file.main([*argv, "--save_precision", "fp32"]) == 0  # its own file: replaced
+    with safe_open(str(output), framework="pt") as handle:
+        assert handle.get_tensor("model.diffusion_model.input_blocks.0.0.weight").dtype == torch.float32

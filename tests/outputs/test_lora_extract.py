@@ -340,3 +340,35 @@ def test_a_single_file_reads_back_every_weight_of_every_component(tmp_path, tiny
         state = hf_clip_names(state) if component.startswith("text") else state
         assert weights[component].keys() == state.keys(), component
         assert all(torch.equal(weights[component][name].read(), state[name]) for name in state), component
+
+
+def test_the_lora_tool_refuses_object_storage_and_replaces_only_a_lora_it_wrote(tmp_path, tiny_pipeline_dir, tuned_dir, capsys, monkeypatch):
+    """--output s3://... is refused (it wrote into a local s3: folder); an existing --output is replaced when it is
+    a LoRA this tool wrote (its metadata says so), any other file only with --overwrite, refused before loading."""
+    import sdxl_extract_lora
+    from safetensors.torch import save_file
+
+    from sdxl_trainer.runtime.tensor_files import WRITER_KEY
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--base", str(tiny_pipeline_dir), "--tuned", str(tuned_dir), "--rank", "2"]
+    error = refused([*common, "--output", "s3://bucket/loras/tuned.safetensors"], capsys)
+    assert error.splitlines()[-1].endswith(
+        "error: argument --output: s3://bucket/loras/tuned.safetensors: writing to object storage is not supported yet; write a local file "
+        "and copy it to the bucket (aws s3 cp, rclone)"
+    )
+    assert list(tmp_path.iterdir()) == []
+    output = tmp_path / "lora.safetensors"
+    save_file({"lora_unet_x.lora_up.weight": torch.ones(2, 1)}, str(output), metadata={"ss_network_module": "networks.lora"})  # kohya's
+    kohyas = output.read_bytes()
+    error = refused([*common, "--output", str(output)], capsys)
+    assert (
+        f"--output {output} exists and was not written by this tool (its metadata has no {WRITER_KEY} = lora): choose another name, "
+        "or add --overwrite to replace it"
+    ) in error
+    assert output.read_bytes() == kohyas
+    assert sdxl_extract_lora.main([*common, "--output", str(output), "--overwrite"]) == 0
+    with safe_open(str(output), framework="pt") as handle:
+        assert handle.metadata()[WRITER_KEY] == "lora" and "lora_unet_x.lora_up.weight" not in handle.keys()
+    assert sdxl_extract_lora.main(["--base", str(tiny_pipeline_dir), "--tuned", str(tuned_dir), "--rank", "1", "--output", str(output)]) == 0
+    assert load_file(output)["lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight"].shape[0] == 1  # its own LoRA: replaced
