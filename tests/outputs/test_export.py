@@ -212,3 +212,26 @@ def test_the_single_file_tool_replaces_only_a_file_it_wrote_unless_told_to(tiny_
     assert sdxl_to_single_file.main([*argv, "--save_precision", "fp32"]) == 0  # its own file: replaced
     with safe_open(str(output), framework="pt") as handle:
         assert handle.get_tensor("model.diffusion_model.input_blocks.0.0.weight").dtype == torch.float32
+
+
+def test_an_export_names_its_base_model_as_users_know_it_not_by_a_local_path(tiny_pipeline_dir, fp16_export, single_file_base, tmp_path):
+    """model_index.json's _name_or_path (and the UNet's and VAE's configs') recorded where the base model lay on
+    the machine that exported it: the export names it by what users know, the hub id or the file or folder name
+    (a folder of the Hugging Face cache by its model id)."""
+    from sdxl_trainer.outputs.export import save_pipeline
+
+    for base, export, name in ((tiny_pipeline_dir, tmp_path / "pipeline", "tiny_sdxl"), (single_file_base, fp16_export, "base.safetensors")):
+        if base == tiny_pipeline_dir:
+            save_pipeline({}, str(base), export, "fp32", model_title="test")
+        assert json.loads((export / "model_index.json").read_text())["_name_or_path"] == name
+        for component in ("unet", "vae"):
+            assert json.loads((export / component / "config.json").read_text())["_name_or_path"] == name
+        assert not [path for path in export.rglob("*.json") if str(base.parent) in path.read_text()]
+    from sdxl_trainer.outputs.export import known_model_name
+
+    snapshot = tmp_path / "hub" / "models--stabilityai--stable-diffusion-xl-base-1.0" / "snapshots" / "462165984030d82259a11f4367a4eed129e94a7b"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "my_models" / "sdxl_base").mkdir(parents=True)
+    assert known_model_name(str(snapshot)) == "stabilityai/stable-diffusion-xl-base-1.0"
+    assert known_model_name(str(tmp_path / "my_models" / "sdxl_base") + "/") == "sdxl_base"
+    assert known_model_name("stabilityai/stable-diffusion-xl-base-1.0") == "stabilityai/stable-diffusion-xl-base-1.0"  # a hub id stays
