@@ -164,6 +164,12 @@ def test_a_path_flag_refuses_a_url_instead_of_making_a_local_folder_of_it(tmp_pa
         "logs are written as files); give a local --output_dir and copy the run folder to the bucket (aws s3 sync, rclone; docs/object_storage.md)"
     )
     assert list(tmp_path.iterdir()) == [tmp_path / "config.toml"]  # no s3: folder
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--load_saved_state", "s3://bucket/runs/run/checkpoints/update_00000010"])
+    assert (
+        "--load_saved_state s3://bucket/runs/run/checkpoints/update_00000010: checkpoints in object storage are not read; copy the "
+        "run folder to a local one (aws s3 sync, rclone) and resume from there (docs/object_storage.md)"
+    ) in capsys.readouterr().err
 
 
 def test_required_given_by_toml_only(tmp_path):
