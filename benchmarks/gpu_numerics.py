@@ -1,11 +1,11 @@
 """How far bf16 and fp16 training drift from fp32 on the full-size SDXL UNet over a few updates, on a GPU.
 
     venv/bin/python benchmarks/gpu_numerics.py --output benchmarks/results/DATE-GPU-numerics.json
-    # the CPU smoke test: the tiny UNet (tests/benchmarks/test_train_throughput.py)
+    # the CPU smoke test: the tiny UNet (tests/benchmarks/test_gpu_numerics.py)
     venv/bin/python benchmarks/gpu_numerics.py --model tiny --resolution 64 --updates 2
 
 Each precision trains the same random UNet (seeded) on the same synthetic batch with TrainStep, as
-train_throughput.py's trainer path does (per-sample seeded noise and timesteps, so every run draws the same):
+train_throughput.py's trainer path (benchmarks/lib/steps.py) does (per-sample seeded noise and timesteps, so every run draws the same):
 - fp32: fp32 weights and compute, TF32 off: the reference;
 - bf16: fp32 master weights, compute under bf16 (the trainer's default on GPUs);
 - fp16: the same in fp16, with the sharded gradient scaler;
@@ -18,17 +18,19 @@ error of the whole weight change after the last update, |dW - dW_fp32| / |dW_fp3
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # the trainer's package and benchmarks.lib
 
 import torch  # noqa: E402
-from train_throughput import UNET_BUILDERS, Row, build_trainer  # noqa: E402 - the same trainer path and model
 
-from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed  # noqa: E402
+from benchmarks.lib.results import device_name, write_json  # noqa: E402
+from benchmarks.lib.steps import OPTIMIZER_CHOICES, StepSettings, build_trainer  # noqa: E402 - the trainer path train_throughput.py times
+from benchmarks.lib.unets import MODEL_HELP, UNET_BUILDERS  # noqa: E402
+from sdxl_trainer.distributed.world import World, init_distributed, shutdown_distributed  # noqa: E402
 
 PRECISIONS = {  # name -> (compute dtype, weights dtype)
     "fp32": (torch.float32, "fp32"),
@@ -38,16 +40,15 @@ PRECISIONS = {  # name -> (compute dtype, weights dtype)
 }
 
 
-def train(args: argparse.Namespace, precision: str, world) -> tuple[list[float], list[torch.Tensor]]:
+def train(args: argparse.Namespace, precision: str, world: World) -> tuple[list[float], list[torch.Tensor]]:
     """Losses of each update, and each parameter's change over all of them (fp32, on the device)."""
     compute_dtype, weights_dtype = PRECISIONS[precision]
-    run_args = argparse.Namespace(
-        model=args.model, resolution=args.resolution, weights_dtype=weights_dtype, optimizer=args.optimizer, compile=False, recompile_limit=None, cpu_offload=False
-    )
-    unet, step = build_trainer(run_args, Row(args.batch_size, gradient_checkpointing=True), world, compute_dtype)
-    before = [parameter.detach().float().clone() for parameter in unet.parameters()]
-    losses = [step(index).loss for index in range(args.updates)]
-    changes = [parameter.detach().float() - start for parameter, start in zip(unet.parameters(), before)]
+    settings = StepSettings(model=args.model, resolution=args.resolution, batch_size=args.batch_size, gradient_checkpointing=True,
+                            optimizer=args.optimizer, weights_dtype=weights_dtype, compute_dtype=compute_dtype)  # fmt: skip
+    path = build_trainer(settings, world)
+    before = [parameter.detach().float().clone() for parameter in path.model.parameters()]
+    losses = [path.step(index).loss for index in range(args.updates)]
+    changes = [parameter.detach().float() - start for parameter, start in zip(path.model.parameters(), before)]
     return losses, changes
 
 
@@ -59,11 +60,11 @@ def relative_error(changes: list[torch.Tensor], reference: list[torch.Tensor]) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=tuple(UNET_BUILDERS), default="sdxl", help="sdxl = full size, random weights; tiny = the tests' UNet")
+    parser.add_argument("--model", choices=tuple(UNET_BUILDERS), default="sdxl", help=MODEL_HELP)
     parser.add_argument("--resolution", type=int, default=512, help="square image side in px")
-    parser.add_argument("--batch_size", type=int, default=2)
-    parser.add_argument("--updates", type=int, default=4)
-    parser.add_argument("--optimizer", default="adamw8bit", help="build_optimizer's name (the trainer's default: adamw8bit)")
+    parser.add_argument("--batch_size", type=int, default=2, help="images per update")
+    parser.add_argument("--updates", type=int, default=4, help="updates each precision trains")
+    parser.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default="adamw8bit", help="build_optimizer's name (the trainer's default: adamw8bit)")
     parser.add_argument("--output", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     world = init_distributed()
@@ -82,16 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         del changes
         if on_gpu:
             torch.cuda.empty_cache()
-    device = torch.cuda.get_device_name(world.device) if on_gpu else "CPU"
-    print(f"{args.model} UNet, {args.resolution} px, batch {args.batch_size}, {args.updates} updates of {args.optimizer} on {device}:")
+    print(f"{args.model} UNet, {args.resolution} px, batch {args.batch_size}, {args.updates} updates of {args.optimizer} on {device_name(world.device)}:")
     for row in rows:
         losses = " ".join(f"{loss:.5f}" for loss in row["losses"])
         print(f"  {row['precision']:<13} losses {losses}; largest loss difference {row['max_loss_difference']:.2%}, "
               f"weight change error {row['weight_change_error']:.3f}")  # fmt: skip
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"device": device, "torch": torch.__version__, "settings": vars(args) | {"output": str(args.output)}, "rows": rows}, indent=1) + "\n")
-        print(f"Written to {args.output}")
+        write_json(args.output, {"settings": vars(args) | {"output": str(args.output)}, "rows": rows}, world.device)
     shutdown_distributed()
     return 0
 

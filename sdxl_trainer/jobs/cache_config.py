@@ -138,7 +138,7 @@ class CacheConfig(ModelOptions, ResolutionOptions):
     vae_dtype: Literal["fp32", "bf16", "fp16"] = option(
         "fp32",
         help="VAE precision. fp32 (as kohya's --no_half_vae and diffusers' scripts): the latents the model learns from "
-        "are exact; bf16 is faster but changes them (on the tiny test VAE by up to 7%% of their largest value); fp16 needs an fp16-fix VAE "
+        "are exact; bf16 is faster but changes them (on the tiny test VAE by several percent of their largest value); fp16 needs an fp16-fix VAE "
         "(SDXL's own overflows in fp16 and is kept in fp32, as its config's force_upcast asks)",
     )
     num_io_threads: int = option(4, help="threads that read, decode and crop images while the encoders run")

@@ -242,7 +242,7 @@ class TrainConfig(
         )
 
 
-WEIGHTS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_OF_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def resolve_compute_dtype(name: str, device: torch.device, weights_dtype: str = "fp32") -> torch.dtype:
@@ -316,7 +316,8 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
             resolution=config.max_resolution or 1024, compute_dtype=compute_dtype, optimizer=config.optimizer,  # no cache read: SDXL's own size
             gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
             reduce_every_microbatch=reduce_every_microbatch, cpu_offload=config.cpu_offload, use_ema=config.use_ema, ema_on_cpu=config.ema_on_cpu,
-            weights_dtype=WEIGHTS_DTYPES[config.weights_dtype], train_text_encoder=config.train_text_encoder,
+            weights_dtype=DTYPE_OF_NAME[config.weights_dtype], train_text_encoder=config.train_text_encoder,
+            reduce_dtype=DTYPE_OF_NAME[config.reduce_dtype],
         )  # fmt: skip
         for reduce_every_microbatch in sorted(reductions, reverse=True)
     ]
@@ -334,4 +335,5 @@ def speed_settings(config: TrainConfig) -> SpeedSettings:
         compute_bytes=gpu_compute_dtype(config).itemsize,
         gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
         reduce_every_microbatch=reduce_every_microbatch(config, GPUS[config.gpu].memory_gib), gpu=config.gpu, interconnect=config.interconnect,
+        reduce_bytes=DTYPE_OF_NAME[config.reduce_dtype].itemsize,
     )  # fmt: skip

@@ -311,9 +311,9 @@ TOKENIZER_FOLDERS = ("tokenizer", "tokenizer_2")
 
 def load_tokenizers(model_name_or_path: str) -> tuple[CLIPTokenizer, CLIPTokenizer]:
     """Both CLIP tokenizers of a diffusers folder or hub id, read once per process (again if a local
-    folder's tokenizer files change): each parses SDXL's 3.6 MB vocabulary twice, 0.3-0.5 s on a CPU, and a
-    run loads its pipeline for every sample grid, export and handoff (about 6% of the test suite's CPU
-    time went there). Tokenizers only read their vocabulary, so one pair serves every pipeline."""
+    folder's tokenizer files change): each parses SDXL's 3.6 MB vocabulary twice, a noticeable part of a
+    second on a CPU, and a run loads its pipeline for every sample grid, export and handoff (a noticeable
+    share of the test suite's CPU time went there). Tokenizers only read their vocabulary, so one pair serves every pipeline."""
     folder = Path(model_name_or_path)
     stamp = []
     for name in TOKENIZER_FOLDERS:

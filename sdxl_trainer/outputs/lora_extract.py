@@ -64,8 +64,8 @@ TEXT_ENCODER_PREFIXES = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te
 LORA_COMPONENTS = ("unet", *TEXT_ENCODER_PREFIXES)
 KOHYA_SDXL_VERSION = "sdxl_base_v1-0"  # kohya's ss_base_model_version for SDXL
 LORA_WRITER = "lora"  # the WRITER_KEY mark of an extracted LoRA
-# Two models with independent weights of equal spread differ by sqrt(2) = 141% of a layer's norm (the tiny
-# pipelines of two seeds: median 141%); a fine-tune starts at 0% and moves its layers gradually. More than
+# Two models with independent weights of equal spread differ by sqrt(2) = 141% of a layer's norm (as the tiny
+# pipelines of two seeds do); a fine-tune starts at 0% and moves its layers gradually. More than
 # UNRELATED_SHARE of the UNet's LoRA layers changed by more than LARGE_CHANGE: the tuned model was most
 # likely not fine-tuned from this base.
 LARGE_CHANGE = 0.5

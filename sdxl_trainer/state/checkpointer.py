@@ -43,8 +43,9 @@ class CheckpointOptions:
 
     save_state: bool = option(
         True,
-        help="save resumable training state (sharded UNet, optimizer, EMA, LR schedule, data position, RNG) to "
-        "OUTPUT_DIR/PROJECT_NAME/checkpoints at epoch saves, every --save_state_every_n_updates, on SIGTERM/SIGINT and at the end",
+        help="save resumable training state (sharded UNet, optimizer, EMA, update count, data position, RNG; not the LR schedule: "
+        "the rate follows from the update count and the resuming run's flags) to OUTPUT_DIR/PROJECT_NAME/checkpoints at epoch "
+        "saves, every --save_state_every_n_updates, on SIGTERM/SIGINT and at the end",
     )
     save_state_every_n_updates: int = option(0, help="also save state every N optimizer updates (0 = off); with week-long epochs, set this")
     checkpoints_total_limit: int = option(
