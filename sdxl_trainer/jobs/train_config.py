@@ -42,7 +42,12 @@ if TYPE_CHECKING:
 class RunOptions:
     """The run"""
 
-    output_dir: Path = option(Path("output"), help="runs are written to OUTPUT_DIR/PROJECT_NAME")
+    output_dir: Path = option(
+        Path("output"),
+        help="runs are written to OUTPUT_DIR/PROJECT_NAME, a local folder (the caches may be in object storage; docs/object_storage.md)",
+        url_refusal="run folders in object storage are not supported yet (checkpoints, exports and logs are written as files); give a local "
+        "--output_dir and copy the run folder to the bucket (aws s3 sync, rclone; docs/object_storage.md)",
+    )
     project_name: str = option("sdxl_finetune", help="name of this run's folder inside --output_dir")
     set_seed: int | None = option(None, help="seed for data order, noise and dropout; None = a random seed, recorded in the run's config.json")
 
