@@ -76,6 +76,7 @@ class BuiltPath:
     model: torch.nn.Module
     step: Step
     monitor: TrainingMonitor | None = None
+    train_step: TrainStep | None = None  # the trainer's path: its TrainStep (optimizer, counters), for what saves its state
 
     @property
     def throughput(self) -> Throughput | None:
@@ -140,7 +141,7 @@ def build_trainer(settings: StepSettings, world: World, cache_dir: Path | None =
     )
     if cache_dir is None:
         batch = new_batch(unet, settings.resolution, settings.batch_size, world.device, world.rank)
-        return BuiltPath(unet, lambda index: train_step([batch], epoch=index))
+        return BuiltPath(unet, lambda index: train_step([batch], epoch=index), train_step=train_step)
     return _reading_like_the_trainer(unet, train_step, settings, world, cache_dir)
 
 

@@ -276,6 +276,10 @@ class Checkpointer:
         self._in_flight = _BackgroundSave(checkpoint_dir, staged.trainer_state.update, time.perf_counter() - started)
         self._in_flight.start(lambda: write_staged_state(checkpoint_dir, staged, self._writer_group, self.writer_factory))
 
+    def writing_in_background(self) -> bool:
+        """Whether a background save's writer is still writing (not collective)."""
+        return self._in_flight is not None and self._in_flight.writing()
+
     def wait(self) -> None:
         """Collective: the background save in flight ended (a failure is a warning: training goes on) and reported."""
         save, self._in_flight = self._in_flight, None
@@ -342,6 +346,9 @@ class _BackgroundSave:
         # A daemon: a job that dies meanwhile does not wait for it; its .tmp folder is never taken for a checkpoint.
         self._thread = threading.Thread(target=run, name=f"state save {self.checkpoint_dir.name}", daemon=True)
         self._thread.start()
+
+    def writing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def join(self) -> BaseException | None:
         self._thread.join()
