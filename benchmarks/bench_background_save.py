@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ratio: {overlapped_ms / quiet_ms:.3f}")
         if args.output:
             write_json(args.output, {"settings": vars(args) | {"output": str(args.output)}, "quiet_seconds": quiet, "overlapped_seconds": overlapped,
-                                     "saving_updates": saving_updates, "ratio": overlapped_ms / quiet_ms}, world.device)  # fmt: skip
+                                     "saving_updates": saving_updates, "quiet_median_ms": quiet_ms, "overlapped_median_ms": overlapped_ms,
+                                     "ratio": overlapped_ms / quiet_ms}, world.device)  # fmt: skip
     shutdown_distributed()
     return 0
 
