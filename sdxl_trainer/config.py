@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import sys
 import time
 import tomllib
@@ -63,10 +64,23 @@ def _add_argument(parser: Any, field: dataclasses.Field, annotation: Any) -> Non
         kwargs["type"] = type(typing.get_args(base)[0])
     elif typing.get_origin(base) is list:
         kwargs["nargs"] = "+"
-        kwargs["type"] = parse_bool if typing.get_args(base)[0] is bool else typing.get_args(base)[0]
+        item_type = typing.get_args(base)[0]
+        kwargs["type"] = parse_bool if item_type is bool else finite_float if item_type is float else item_type
     else:
-        kwargs["type"] = base
+        kwargs["type"] = finite_float if base is float else base
     parser.add_argument(f"--{field.name}", **kwargs)
+
+
+NOT_FINITE = "is not a finite number"
+
+
+def finite_float(text: str) -> float:
+    """A float flag's value (or a list item's): no option means anything at infinity or NaN (an infinite learning
+    rate trained a UNet of non-finite values), so `inf`, `nan` and what overflows to them (1e999) are refused."""
+    value = float(text)  # a ValueError is argparse's own "invalid float value" line
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} {NOT_FINITE}")
+    return value
 
 
 def parse_bool(text: str) -> bool:
@@ -124,8 +138,13 @@ def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
         if wrong:
             expected = "str" if item_type is Path else "number" if item_type is float else item_type.__name__
             raise ValueError(f"{source}: {name} items must be of type {expected}, got {wrong!r}")
+        not_finite = [item for item in value if item_type is float and not math.isfinite(item)]
+        if not_finite:
+            raise ValueError(f"{source}: {name} = {value!r}: {not_finite[0]!r} {NOT_FINITE}")
         return [item_type(item) for item in value]
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
+    if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):  # TOML's inf and nan
+            raise ValueError(f"{source}: {name} = {value!r} {NOT_FINITE}")
         return float(value)
     if base is Path and isinstance(value, str):
         return Path(value)
