@@ -28,6 +28,8 @@ from sdxl_trainer.state.checkpoint_layout import ABANDONED_PREFIX, CHECKPOINT_NA
 from sdxl_trainer.state.checkpoints_folder import (
     checkpoint_name,
     find_latest_checkpoint,
+    intact_checkpoints,
+    last_checkpoint_before_streak,
     remove_old_checkpoints,
     set_aside_later_checkpoints,
 )
@@ -258,7 +260,7 @@ class Checkpointer:
         staged = self._staged(position)
         checkpoint_dir = write_staged_state(self.checkpoints_dir / checkpoint_name(staged.trainer_state.update), staged, self._writer_group,
                                             self.writer_factory)
-        self._saved(checkpoint_dir, staged.trainer_state.update, f"in {time.perf_counter() - started:.1f} s")
+        self._saved(checkpoint_dir, staged.trainer_state, f"in {time.perf_counter() - started:.1f} s")
         return checkpoint_dir
 
     def save_in_background(self, position: HasState) -> None:
@@ -267,7 +269,7 @@ class Checkpointer:
         started = time.perf_counter()
         staged = self._staged(position)
         checkpoint_dir = self.checkpoints_dir / checkpoint_name(staged.trainer_state.update)
-        self._in_flight = _BackgroundSave(checkpoint_dir, staged.trainer_state.update, time.perf_counter() - started)
+        self._in_flight = _BackgroundSave(checkpoint_dir, staged.trainer_state, time.perf_counter() - started)
         self._in_flight.start(lambda: write_staged_state(checkpoint_dir, staged, self._writer_group, self.writer_factory))
 
     def wait(self) -> None:
@@ -281,13 +283,23 @@ class Checkpointer:
         elif error is not None:
             raise error
         else:
-            self._saved(save.checkpoint_dir, save.update, f"(the loop paused {save.staging_s:.1f} s to copy it; written in the background in {save.writing_s:.1f} s)")
+            self._saved(save.checkpoint_dir, save.state, f"(the loop paused {save.staging_s:.1f} s to copy it; written in the background in {save.writing_s:.1f} s)")
 
-    def _saved(self, checkpoint_dir: Path, update: int, how: str) -> None:
-        self.last_saved_update, self.last_saved_dir = update, checkpoint_dir
+    def _saved(self, checkpoint_dir: Path, state: TrainerState, how: str) -> None:
+        """A save is written: it is the newest, and the limit removes older ones. A save made while updates are being
+        skipped (the state's counter, read from the device at the save, never at an update) keeps the last good
+        checkpoint from before the streak besides the limit's (checkpoints_folder.remove_old_checkpoints)."""
+        self.last_saved_update, self.last_saved_dir = state.update, checkpoint_dir
         if dist.get_rank() == 0:
-            removed = remove_old_checkpoints(self.checkpoints_dir, self.options.checkpoints_total_limit, saved=checkpoint_dir)
+            streak = state.consecutive_skipped_updates
+            removed = remove_old_checkpoints(self.checkpoints_dir, self.options.checkpoints_total_limit, saved=checkpoint_dir,
+                                             streak_start=state.update - streak + 1 if streak else None)
             self.report(f"Saved state to {checkpoint_dir} {how}" + (f"; removed {len(removed)} older" if removed else "") + ".")
+
+    def checkpoint_before_streak(self, streak_start: int) -> Path | None:
+        """The newest intact checkpoint of this run from before the weights a streak of skipped updates starting at
+        update `streak_start` started from (checkpoints_folder.last_checkpoint_before_streak): the one to resume from."""
+        return last_checkpoint_before_streak(intact_checkpoints(self.checkpoints_dir, self._updates_done), streak_start)
 
     @property
     def _unsaved(self) -> bool:
@@ -316,9 +328,10 @@ class Checkpointer:
 class _BackgroundSave:
     """One save written by a thread of its own; join() gives the error it ended with (None: saved)."""
 
-    def __init__(self, checkpoint_dir: Path, update: int, staging_s: float):
+    def __init__(self, checkpoint_dir: Path, state: TrainerState, staging_s: float):
         self.checkpoint_dir = checkpoint_dir
-        self.update = update
+        self.state = state
+        self.update = state.update
         self.staging_s = staging_s
         self.writing_s = 0.0
         self._error: BaseException | None = None
