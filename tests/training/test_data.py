@@ -570,3 +570,31 @@ def test_image_hashes_that_are_not_sha256_hex_read_back_as_written(tmp_path):
     dataset = CachedDataset([cache])
     assert [dataset.image_sha256[item] for item in range(20)] == [row["image_sha256"] for row in load_manifest(cache).to_pylist()]
     assert dataset.image_sha256[15] == f"MD5:{5:028X}" and dataset.image_sha256[3] == "3".rjust(64, "0")
+
+
+# ---- one cache once, what a plan holds, the data a checkpoint trained on -------------------------------------
+
+
+def test_a_cache_named_twice_is_refused_however_it_is_written(tmp_path, capsys):
+    """The same cache in two records (the same path, a trailing /, a symlink, an s3:// URL written another way) was
+    accepted: the validation split then held an item out under one record and trained it under the other."""
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (tmp_path / "link").symlink_to(cache)
+    for first, second in ((cache, cache), (cache, f"{cache}/"), (cache, tmp_path / "link"), ("s3://bucket/caches/a", "s3://bucket//caches/a/")):
+        identity = str(cache) if first == cache else "s3://bucket/caches/a"
+        toml = tmp_path / "config.toml"
+        toml.write_text(f'[[datasets]]\ncache_dir = "{first}"\n[[datasets]]\ncache_dir = "{second}"\nrepeats = 2\n')
+        with pytest.raises(SystemExit):
+            parse_config(TrainConfig, ["--config", str(toml)])
+        assert (f"[[datasets]] number 2 ({second}) names the same cache as [[datasets]] number 1 ({first}): {identity}. Give each cache once "
+                "(its validation items would be held out under one and trained under the other); for its items more often, repeats = N in its table"
+                ) in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            parse_config(TrainConfig, ["--cached_dataset_dirs", str(first), str(tmp_path / "other"), str(second)])
+        assert (f"--cached_dataset_dirs entry 3 ({second}) names the same cache as --cached_dataset_dirs entry 1 ({first}): {identity}. Give each cache "
+                "once") in capsys.readouterr().err
+    assert parse_config(TrainConfig, ["--cached_dataset_dirs", str(cache), "s3://bucket/caches/a", "s3://bucket/caches/b"]).cache_dirs()
