@@ -11,6 +11,7 @@ from sdxl_trainer.cache.format import CacheLocation
 from sdxl_trainer.cache.stores import cache_identity
 from sdxl_trainer.config import option
 from sdxl_trainer.training.dataset import DatasetOptions
+from sdxl_trainer.training.epochs import MAX_EPOCHS
 from sdxl_trainer.training.holdout import SplitSettings
 
 
@@ -115,6 +116,8 @@ class DataOptions:
         for name in ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1")
+        if self.num_train_epochs > MAX_EPOCHS:
+            problems.append(f"--num_train_epochs {self.num_train_epochs:,} is more than the {MAX_EPOCHS:,} epochs a run plans: lower it")
         if self.max_train_updates < 0:
             problems.append("--max_train_updates must be >= 0 (0 = --num_train_epochs decides)")
         if self.dataloader_num_workers < 0:

@@ -598,3 +598,40 @@ def test_a_cache_named_twice_is_refused_however_it_is_written(tmp_path, capsys):
         assert (f"--cached_dataset_dirs entry 3 ({second}) names the same cache as --cached_dataset_dirs entry 1 ({first}): {identity}. Give each cache "
                 "once") in capsys.readouterr().err
     assert parse_config(TrainConfig, ["--cached_dataset_dirs", str(cache), "s3://bucket/caches/a", "s3://bucket/caches/b"]).cache_dirs()
+
+
+def test_repeats_or_a_run_length_beyond_what_the_plan_holds_are_refused_before_anything_is_planned(tmp_path, capsys):
+    """repeats = 1e9 printed nothing while every rank allocated gigabytes for the plan. An epoch holds at most
+    MAX_EPOCH_SAMPLES samples and a run at most MAX_EPOCHS epochs; more is refused naming the cache or flag,
+    before the plan (or anything of its size) is made."""
+    import tracemalloc
+
+    from synthetic_manifest import write_manifest_cache
+
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig
+    from sdxl_trainer.training.epochs import MAX_EPOCH_SAMPLES, MAX_EPOCHS
+    from sdxl_trainer.training.training_data import load_training_data
+
+    cache = write_manifest_cache(tmp_path / "cache", 700)  # 7 buckets of 100 items: 350 updates an epoch of global batch 2
+    flags = ["--cached_dataset_dirs", str(cache), "--no-validation_loss", "--no-validation_image"]
+    for extra, message in (
+        (["--dataset_repeats", "1e9"], f"Cannot start training: an epoch would hold 700,000,000,000 samples, more than the {MAX_EPOCH_SAMPLES:,} a "
+                                       "plan holds (every rank plans each epoch whole); the largest part is cache number 1: 700 items x repeats "
+                                       "1e+09. Lower its repeats (repeats in its [[datasets]] table, or --dataset_repeats)"),
+        (["--max_train_updates", "1000000000000"], f"Cannot start training: --max_train_updates 1,000,000,000,000 takes 2,857,142,858 epochs of "
+                                                   f"350 updates, more than the {MAX_EPOCHS:,} epochs a run plans: lower --max_train_updates"),
+    ):
+        settings = parse_config(TrainConfig, [*flags, *extra]).data_settings()
+        tracemalloc.start()
+        try:
+            with pytest.raises(SystemExit) as refused:
+                load_training_data(settings, tmp_path / "run", seed=0, world_size=2, is_main=True)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert str(refused.value).startswith(message), str(refused.value)
+        assert peak < 50e6, peak  # nothing of the plan's size was made
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, [*flags, "--num_train_epochs", "10000000"])
+    assert f"--num_train_epochs 10,000,000 is more than the {MAX_EPOCHS:,} epochs a run plans: lower it" in capsys.readouterr().err
