@@ -35,7 +35,7 @@ from sdxl_trainer.state.checkpoints_folder import (
 )
 from sdxl_trainer.state.dcp_json_index import JsonIndexWriter
 from sdxl_trainer.state.save import HasState, StagedState, Stateful, TensorStager, stage_training_state, write_staged_state
-from sdxl_trainer.state.trainer_state import TrainerState
+from sdxl_trainer.state.trainer_state import DatasetIdentity, TrainerState
 from sdxl_trainer.state.verify import Verification, verify_checkpoint
 
 
@@ -64,6 +64,12 @@ class CheckpointOptions:
         "is refused): its checkpoints are deleted, its exports, TensorBoard events, sample grid and W&B run id moved into "
         "OUTPUT_DIR/PROJECT_NAME/overwritten_<date-time>/; with --load_saved_state, a checkpoint of another run folder to start from",
     )
+    accept_changed_dataset: bool = option(
+        False,
+        help="resume on data other than the checkpoint's (other items, or the same in another order), which is refused without "
+        "it: the checkpoint's epoch then starts over on the new data (its data position names items by their place in the "
+        "old data), while the update count and the learning-rate schedule go on",
+    )
     delete_abandoned_branches: bool = option(
         False,
         help="with --overwrite_run, also delete checkpoints/abandoned_after_update_N_* (the later checkpoints that resuming from an "
@@ -81,6 +87,8 @@ class CheckpointOptions:
             problems.append("--overwrite_run starts the run over, --load_saved_state latest continues it: give one of them")
         if self.delete_abandoned_branches and not self.overwrite_run:
             problems.append("--delete_abandoned_branches only applies with --overwrite_run")
+        if self.accept_changed_dataset and self.load_saved_state is None:
+            problems.append("--accept_changed_dataset only applies with --load_saved_state")
         return problems
 
 
@@ -189,6 +197,22 @@ def resume_problems(saved: TrainerState, facts: RunFacts, set_seed: int | None) 
     return problems
 
 
+def changed_dataset_problem(checkpoint_dir: Path, saved: TrainerState, now: DatasetIdentity, accepted: bool) -> str:
+    """Why the checkpoint cannot resume on this data (other items, or the same ones in another order), "" if it can:
+    its data position names items by their place in the data. With `accepted` (--accept_changed_dataset), or for a
+    checkpoint saved before the data was recorded, nothing is refused (resume() says what it does instead)."""
+    changes = saved.dataset.changes(now) if saved.dataset is not None else ""
+    if not changes or accepted:
+        return ""
+    return (
+        f"{checkpoint_dir} was saved training on other data ({changes}). Its data position (the items epoch {saved.epoch + 1} has "
+        "trained, and those carried into it) names items by their place in the data, so on this data the rest of the epoch would "
+        "train some items twice and others not at all. Resume on the caches it trained on (the run's config.json lists them), or "
+        f"pass --accept_changed_dataset to go on with these: epoch {saved.epoch + 1} then starts over on them, the update count "
+        "and the learning-rate schedule go on."
+    )
+
+
 def prepare_checkpoints_dir(checkpoints_dir: Path, resumed_update: int | None) -> None:
     """Rank 0, before a resumed run: set this folder's checkpoints of later updates aside, so
     --checkpoints_total_limit and 'latest' follow the resumed run."""
@@ -215,11 +239,12 @@ class Checkpointer:
 
     def __init__(self, checkpoints_dir: Path, options: CheckpointOptions, model: nn.Module, optimizer: torch.optim.Optimizer, ema: Stateful | None,
                  step: CountsUpdates, run_facts: RunFacts, seed: int, report: Callable[[str], None], last_saved_update: int | None,
-                 writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter):
+                 dataset: DatasetIdentity | None = None, writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter):
         """Collective (makes the writer's process group). `model`: what the checkpoint holds with the optimizer
         state (TrainedModels.checkpointed); `step`: the train step, whose state_dict() gives the counters
-        (update, skipped updates, loss scaler) at a save, and updates_done the update count after each update; `run_facts` and `seed`: the rest of trainer_state.json; `report`
-        prints a message once (rank 0); `writer_factory`: DCP's writer for a folder."""
+        (update, skipped updates, loss scaler) at a save, and updates_done the update count after each update; `run_facts`, `seed`
+        and `dataset` (the data trained on; None: not recorded): the rest of trainer_state.json; `report` prints a message once (rank 0);
+        `writer_factory`: DCP's writer for a folder."""
         self.checkpoints_dir = checkpoints_dir
         self.options = options
         self.model = model
@@ -230,6 +255,7 @@ class Checkpointer:
         self.seed = seed
         self.report = report
         self.writer_factory = writer_factory
+        self.dataset = dataset
         self.last_saved_update = last_saved_update
         self.last_saved_dir: Path | None = None
         self._stager = TensorStager()
@@ -245,6 +271,7 @@ class Checkpointer:
         state = TrainerState(
             **self.step.state_dict(),
             **dataclasses.asdict(self.run_facts),
+            **(self.dataset.as_fields() if self.dataset is not None else {}),
             seed=self.seed,
             epoch=data["epoch"],
             updates_in_epoch=data["updates_in_epoch"],

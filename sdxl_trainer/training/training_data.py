@@ -15,6 +15,7 @@ from sdxl_trainer.cache.stores import open_store
 from sdxl_trainer.runtime.memory import release_freed_memory
 from sdxl_trainer.training.data_options import DataSettings
 from sdxl_trainer.training.dataset import CachedDataset
+from sdxl_trainer.state.trainer_state import DatasetIdentity
 from sdxl_trainer.training.epochs import EpochPlanner, bucket_counts, small_buckets, too_many_epochs, too_many_samples
 from sdxl_trainer.training.holdout import HOLDOUT_FILE, Holdout, HoldoutError, dataset_item_keys, load_or_choose_holdout
 from sdxl_trainer.training.stream import DataPosition, DataStream
@@ -29,6 +30,7 @@ class TrainingData:
     holdout: Holdout
     planner: EpochPlanner
     global_batch_size: int
+    identity: DatasetIdentity  # the items and their order, which a checkpoint records (a resume on other data is refused)
 
     def stream(self, position: DataPosition, first_update: int, rank: int, device: torch.device,
                draws: Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]] | None = None) -> DataStream:
@@ -60,10 +62,12 @@ def load_training_data(settings: DataSettings, run_dir: Path, seed: int, world_s
         raise SystemExit(f"Cannot start training: {too_many}")
     global_batch_size = settings.per_rank_batch * world_size
     bucket_ids = dataset.bucket_ids()
+    keys = dataset_item_keys(dataset)
     try:
-        holdout = load_or_choose_holdout(run_dir / HOLDOUT_FILE, dataset_item_keys(dataset), bucket_ids, settings.split, seed, write=is_main)
+        holdout = load_or_choose_holdout(run_dir / HOLDOUT_FILE, keys, bucket_ids, settings.split, seed, write=is_main)
     except HoldoutError as error:
         raise SystemExit(f"Cannot start training: {error}") from error
+    identity = DatasetIdentity(len(keys), keys.fingerprint(), keys.fingerprint(in_place=True))
     repeats = np.asarray(settings.repeats)[dataset.cache_index] if settings.repeats else None
     planner = EpochPlanner(bucket_ids, holdout.trainable(len(dataset)), global_batch_size, settings.gradient_accumulation_steps, seed, repeats)
     bucket_sizes = dataset.bucket_sizes  # made from the time ids on each read: once here
@@ -87,4 +91,4 @@ def load_training_data(settings: DataSettings, run_dir: Path, seed: int, world_s
             f"Warning: {sum(too_small.values())} items in buckets smaller than one global batch of {global_batch_size} "
             f"will not be trained on: {too_small}. Lower --train_batch_size or add images of those shapes to use them."
         )
-    return TrainingData(settings, dataset, holdout, planner, global_batch_size)
+    return TrainingData(settings, dataset, holdout, planner, global_batch_size, identity)

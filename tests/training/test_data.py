@@ -635,3 +635,54 @@ def test_repeats_or_a_run_length_beyond_what_the_plan_holds_are_refused_before_a
     with pytest.raises(SystemExit):
         parse_config(TrainConfig, [*flags, "--num_train_epochs", "10000000"])
     assert f"--num_train_epochs 10,000,000 is more than the {MAX_EPOCHS:,} epochs a run plans: lower it" in capsys.readouterr().err
+
+
+def test_a_checkpoint_records_its_data_and_a_resume_on_other_data_is_refused_naming_what_changed_and_the_flag(tmp_path, capsys):
+    """A resume on other data (other items, or the same in another order) went on without a word when validation
+    loss was off (the split file was the only check), its data position naming other items. The trainer state
+    records the items and their order; a resume on anything else is refused, saying what changed and naming
+    --accept_changed_dataset; a checkpoint from before the record is resumed as before."""
+    import dataclasses
+
+    import pyarrow.parquet as pq
+    from synthetic_manifest import write_manifest_cache
+    from unet_batches import trainer_state_for
+
+    from sdxl_trainer.cache.format import MANIFEST_DIR
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig
+    from sdxl_trainer.state.checkpointer import changed_dataset_problem
+    from sdxl_trainer.state.trainer_state import TrainerState
+    from sdxl_trainer.training.training_data import load_training_data
+
+    first, second = write_manifest_cache(tmp_path / "first", 20, rows_per_part=10), write_manifest_cache(tmp_path / "second", 30)
+
+    def identity(*caches: Path):
+        settings = parse_config(TrainConfig, ["--cached_dataset_dirs", *map(str, caches), "--no-validation_loss", "--no-validation_image"]).data_settings()
+        return load_training_data(settings, tmp_path / "run", seed=0, world_size=1, is_main=False).identity
+
+    trained = identity(first)
+    assert identity(first) == trained and trained.items == 20
+    assert trained.changes(identity(first, second)) == "20 items then, 50 now"
+    assert identity(first, second).changes(identity(second, first)) == "50 items then and now, but not the same ones (or the caches are listed in another order)"
+    for part in sorted((first / MANIFEST_DIR).glob("*.parquet")):  # the same rows, each part's in reverse
+        table = pq.read_table(part)
+        pq.write_table(table.take(list(reversed(range(len(table))))).replace_schema_metadata(table.schema.metadata), part)
+    reordered = identity(first)
+    assert reordered.fingerprint == trained.fingerprint
+    assert trained.changes(reordered) == "the same 20 items, in another order (a cache's manifest was written anew)"
+
+    saved = TrainerState.from_json(dataclasses.replace(trainer_state_for(**trained.as_fields()), epoch=1).to_json(), tmp_path / "trainer_state.json")
+    assert saved.dataset == trained
+    problem = changed_dataset_problem(tmp_path / "update_00000003", saved, reordered, accepted=False)
+    assert problem.startswith(
+        f"{tmp_path / 'update_00000003'} was saved training on other data (the same 20 items, in another order (a cache's manifest was written anew))."
+    ), problem
+    assert "pass --accept_changed_dataset to go on with these: epoch 2 then starts over on them" in problem
+    assert changed_dataset_problem(tmp_path, saved, reordered, accepted=True) == ""
+    assert changed_dataset_problem(tmp_path, saved, trained, accepted=False) == ""
+    older = TrainerState.from_json(trainer_state_for().to_json().replace('  "dataset_items": 0,\n  "dataset_fingerprint": "",\n  "dataset_order": "",\n', ""), tmp_path)
+    assert older.dataset is None and changed_dataset_problem(tmp_path, older, reordered, accepted=False) == ""
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--cached_dataset_dirs", str(first), "--accept_changed_dataset"])
+    assert "--accept_changed_dataset only applies with --load_saved_state" in capsys.readouterr().err
