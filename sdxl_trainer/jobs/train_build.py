@@ -44,6 +44,7 @@ from sdxl_trainer.runtime.garbage_collection import exempt_live_objects_from_gar
 from sdxl_trainer.runtime.quiet_libraries import hide_library_progress_bars
 from sdxl_trainer.state.checkpoint_layout import CheckpointError
 from sdxl_trainer.state.load import load_training_state
+from sdxl_trainer.state.rng_states import seed_global_generators
 from sdxl_trainer.state.trainer_state import DatasetIdentity, read_trainer_state, TrainerState
 from sdxl_trainer.state.checkpointer import (
     Checkpointer,
@@ -165,7 +166,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
                 print(message)
         prepare_checkpoints_dir(run_dir / "checkpoints", saved.update if saved else None)
     seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
-    torch.manual_seed(seed + world.rank)
+    seed_global_generators(seed + world.rank)  # a resume then restores the checkpoint's states over these
     compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device, config.weights_dtype)
 
     data = load_training_data(config.data_settings(), run_dir, seed, world.world_size, world.is_main)

@@ -11,7 +11,7 @@ import math
 import shutil
 
 import pytest
-from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars, trainer_flags
+from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars, train_sample_run, trainer_flags
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiprocess
@@ -49,6 +49,22 @@ def test_learning_rate_depends_only_on_updates(runs_on_one_and_two_processes):
     # Linear warmup from 0 over the first `warmup` updates, the peak at update `warmup`, then cosine decay.
     assert one[:warmup + 1] == pytest.approx([1e-4 * update / warmup for update in range(warmup + 1)], rel=1e-5)
     assert all(later < earlier for earlier, later in zip(one[warmup:], one[warmup + 1:]))
+
+
+def test_set_seed_seeds_the_global_generators_of_every_rank(runs_on_one_and_two_processes, sample_cache_dir, tiny_pipeline_dir, tmp_path):
+    """The trainer's own draws use generators of their own, but Python's and NumPy's global ones were seeded by the
+    OS, so a library drawing from them did not repeat with --set_seed. Two runs with the same seed now end with the
+    same torch, NumPy and Python global states on each rank (as their checkpoints record them), and the ranks'
+    states differ from each other."""
+    from sdxl_trainer.state.checkpoints_folder import find_latest_checkpoint
+    from sdxl_trainer.state.rng_states import rng_file
+
+    train_sample_run(2, 1, sample_cache_dir, tiny_pipeline_dir, tmp_path)  # the reference run's flags, --set_seed 7
+    first, again = (find_latest_checkpoint(run / "checkpoints")[0] for run in (runs_on_one_and_two_processes[2], tmp_path / "run"))
+    assert first.name == again.name
+    for rank in range(2):
+        assert rng_file(first, rank).read_bytes() == rng_file(again, rank).read_bytes(), f"rank {rank}'s generators differ between the runs"
+    assert rng_file(again, 0).read_bytes() != rng_file(again, 1).read_bytes()
 
 
 # (--log_every_n_updates, the update the run stops at, its skipped updates, train/skipped_updates as logged): the

@@ -414,6 +414,15 @@ def test_a_run_without_a_seed_records_the_one_it_drew(tmp_path, sample_cache_dir
     assert isinstance(recorded, int) and recorded == state.seed
 
 
+def test_a_seed_the_generators_cannot_take_is_refused(train_config_class, capsys):
+    """--set_seed -1 was accepted, and the run ended in NumPy's "expected non-negative integer" traceback when it
+    chose its validation split."""
+    for seed in ("-1", str(2**63)):
+        lines = error_lines(capsys, train_config_class, ["--cached_dataset_dirs", "c", "--set_seed", seed])
+        assert f"--set_seed must be from 0 to 2^63-1 (the data order's generators take no negative seed), got {seed}" in lines[-1]
+    assert parse_config(train_config_class, ["--cached_dataset_dirs", "c", "--set_seed", str(2**63 - 1)]).set_seed == 2**63 - 1
+
+
 def test_a_quiet_rank_leaves_the_first_rank_time_to_name_a_bad_flag_then_names_it_itself(monkeypatch, capsys):
     """torchrun stops every rank at the first failure: a quiet rank that exited at once could stop the first
     rank before it printed, leaving a bad flag with no message on screen."""
