@@ -280,15 +280,17 @@ def test_importing_the_trainer_prints_nothing_and_leaves_the_image_metric_librar
     assert result.stdout == "[]\n"
 
 
-def test_a_stop_signal_is_announced_by_one_rank_only(capsys):
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_is_announced_by_one_rank_only(capsys, stop_signal):
+    """SIGINT (Ctrl-C) is announced as SIGTERM (a cluster's stop) is, and stops the same way."""
     for announce in (True, False):
         stop = StopRequest(announce=announce)
         try:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), stop_signal)
         finally:
             stop.restore_handlers()
-        assert stop.signal_name == "SIGTERM"
-        assert capsys.readouterr().out.count("SIGTERM received: finishing the current update") == (1 if announce else 0)
+        assert stop.signal_name == stop_signal.name
+        assert capsys.readouterr().out.count(f"{stop_signal.name} received: finishing the current update") == (1 if announce else 0)
 
 
 def test_objects_alive_after_the_imports_are_left_out_of_later_garbage_collections():
