@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create the virtual environment at ${VENV_DIR:-venv} (next to this script) and install the requirements.
+# Create the virtual environment at ${VENV_DIR:-venv} (next to this script) and install the requirements
+# (update_req.sh: requirements.lock, or the file named by REQUIREMENTS).
 # Re-running is safe: an existing env is reused and update_req.sh returns at once when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -5,7 +5,7 @@
 #                               runs whole jobs (end_to_end) or takes long in-process (slow); see tests/README.md
 # Extra arguments go to pytest, e.g.: bash run_tests.sh -k buckets
 # The test files are shared among TEST_WORKERS pytest processes (default 2: on 2 cores the suite's work is
-# CPU-bound and takes 1.4x less time than on one; a worker and its warm launcher hold some 3 GB), the
+# CPU-bound, so two take less time than one; a worker and its warm launcher hold a few GB of memory), the
 # longest files first (conftest.LONGEST_FILES; --no-loadscope-reorder keeps that order).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -19,7 +19,7 @@ fi
 bash create_venv.sh
 export HF_HUB_OFFLINE=1
 # The trainer's allocator settings (train.sh's) for every test process: the pytest workers, the ranks forked
-# from them and the scripts they start. 84 tests of training-heavy files took 9% less CPU with them, side by
-# side (tests/README.md).
+# from them and the scripts they start: training-heavy tests take less CPU with them (tests/README.md, "What
+# keeps it short").
 source tools/allocator_settings.sh
 exec "$VENV_DIR/bin/python" -m pytest tests -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "${tier[@]}" "$@"

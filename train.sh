@@ -26,7 +26,7 @@ source tools/allocator_settings.sh  # the heap an update frees is kept for the n
 if [ "$processes" -eq 1 ] && [ "${NUM_MACHINES:-1}" -eq 1 ]; then
     # The trainer forms its own one-process group and keeps every core (a CPU optimizer step, --cpu_offload,
     # needs them). torchrun would start it in a new session, where beside other jobs it got less of the CPU
-    # (tiny model: 2.2 updates/s against 6.0 started directly, same CPU time each).
+    # (docs/training.md, "Launching (train.sh)").
     exec "$VENV_DIR/bin/python" sdxl_FSDP_train.py "$@"
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # what torchrun sets for several processes, without its banner

@@ -22,13 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT))  # the trainer's package and benchmarks.lib
 
+from benchmarks.lib.images import write_captioned_images  # noqa: E402
 from sdxl_trainer.config import parse_config  # noqa: E402
 from sdxl_trainer.jobs.cache_config import CacheConfig  # noqa: E402
 from sdxl_trainer.jobs.cache_job import run_caching
@@ -39,17 +38,9 @@ from sdxl_trainer.preparation.folders import scan_images
 from sdxl_trainer.preparation.items import prepare_item, read_source  # noqa: E402
 
 
-def make_images(folder: Path, count: int, size: int) -> None:
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for index in range(count):
-        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB").save(folder / f"{index:05d}.jpg", quality=90)
-        (folder / f"{index:05d}.txt").write_text(f"a random picture, number {index}")
-
-
 def bare_encoder_rate(pipeline: Path, data_dir: Path, size: int, batch_size: int) -> float:
     encoders = load_encoders(str(pipeline), None, torch.device("cpu"), torch.float32)
-    items = [prepare_item(source, *read_source(source), size, size) for source in scan_images(data_dir)]
+    items = [prepare_item(source, *read_source(source), size, size) for source in scan_images(data_dir).pairs]
     encoders.encode_images(items[0].pixels[None])  # warm-up
     started = time.perf_counter()
     for start in range(0, len(items), batch_size):
@@ -82,7 +73,7 @@ def tiny_benchmark(num_images: int, size: int, batch_size: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         pipeline = save_tiny_pipeline(root / "tiny_sdxl")
-        make_images(root / "data", num_images, size)
+        write_captioned_images(root / "data", num_images, size)
         bare = bare_encoder_rate(pipeline, root / "data", size, batch_size)
         full = full_path_rate(pipeline, root / "data", root / "cache", size, batch_size, num_images)
         print(f"\ntiny SDXL, CPU ({torch.get_num_threads()} threads), {num_images} images of {size}x{size} px, batch {batch_size}")

@@ -17,22 +17,22 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+sys.path.insert(0, str(REPO_ROOT))  # the trainer's package and benchmarks.lib
 
+from benchmarks.lib.flops import flop_per_image  # noqa: E402
+from benchmarks.lib.timing import time_steps  # noqa: E402
 from sdxl_trainer.models.encoders import TEXT_MAX_LENGTH  # noqa: E402
 from sdxl_trainer.models.sdxl import build_full_size_text_encoders  # noqa: E402
 
 BATCH = 4
 SEED = 3
+WARMUP_UPDATES = 2
 
 
 def text_encoder_flops(chunks: int) -> float:
@@ -47,8 +47,6 @@ def text_encoder_flops(chunks: int) -> float:
 
 
 def counted() -> None:
-    from train_throughput import flop_per_image
-
     with torch.device("meta"):
         parameters = sum(parameter.numel() for encoder in build_full_size_text_encoders() for parameter in encoder.parameters())
     unet = flop_per_image("sdxl", 1024, gradient_checkpointing=True)
@@ -101,7 +99,7 @@ def timed(updates_per_round: int, rounds: int) -> None:
                 NoiseSettings(0.1), empty_prompt, SEED, max_grad_norm=1.0, caption_encoder=encoder,
             )
         batches = []
-        for update in range(2 + updates_per_round * rounds):
+        for update in range(WARMUP_UPDATES + updates_per_round * rounds):
             items = [(update * BATCH + offset) % len(captions) for offset in range(BATCH)]
             encoded = encode_prompts(*text_side, [captions[item] for item in items], 1, world.device)
             config = steps["caption mode"].unet.config
@@ -112,29 +110,19 @@ def timed(updates_per_round: int, rounds: int) -> None:
                 "time_ids": torch.tensor([[256, 256, 0, 0, 256, 256]] * BATCH, dtype=torch.float32),
                 "sample_index": torch.tensor(items),
             })
-    times: dict[str, list[float]] = {mode: [] for mode in steps}
-    for update in range(2):  # warm-up
-        for step in steps.values():
-            step([batches[update]], epoch=0)
-    update = 2
-    for _ in range(rounds):
-        for mode, step in steps.items():
-            for offset in range(updates_per_round):
-                started = time.perf_counter()
-                step([batches[update + offset]], epoch=0)
-                times[mode].append(time.perf_counter() - started)
-        update += updates_per_round
-    cached = np.mean(times["cached embeddings"])
+    times = time_steps({mode: lambda update, step=step: step([batches[update]], epoch=0) for mode, step in steps.items()}, WARMUP_UPDATES,
+                       updates_per_round, rounds, world)  # fmt: skip
+    cached = times["cached embeddings"].seconds_per_step
     print(f"tiny pipeline, timed here (1 process, fp32, batch {BATCH}, 256 px, AdamW):")
     for mode, mode_times in times.items():
-        print(f"  {mode:17s}: {np.mean(mode_times) * 1000:7.1f} ms/update ({np.mean(mode_times) / cached:.3f}x)")
+        print(f"  {mode:17s}: {mode_times.seconds_per_step * 1000:7.1f} ms/update ({mode_times.seconds_per_step / cached:.3f}x)")
     shutdown_distributed()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--updates_per_round", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--updates_per_round", type=int, default=4, help="measured updates of each mode per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds in which the modes take turns")
     args = parser.parse_args()
     counted()
     timed(args.updates_per_round, args.rounds)

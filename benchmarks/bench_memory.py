@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT))  # the trainer's package and benchmarks.lib
+
+from benchmarks.lib.processes import cpu_env, launch_command  # noqa: E402
 
 
 def worker(pipeline_dir: str, full_size: bool, output_dir: str) -> None:
@@ -48,13 +49,9 @@ def worker(pipeline_dir: str, full_size: bool, output_dir: str) -> None:
 
 
 def launch(processes: int, pipeline_dir: Path, full_size: bool, output_dir: Path) -> list[dict]:
-    from sdxl_trainer.distributed.world import free_port
-
     output_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port()),
-               __file__, "--worker", "--pipeline", str(pipeline_dir), "--output", str(output_dir)] + (["--full_size"] if full_size else [])
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO_ROOT))
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    worker_args = ["--worker", "--pipeline", str(pipeline_dir), "--output", str(output_dir)] + (["--full_size"] if full_size else [])
+    subprocess.run(launch_command(processes, __file__, worker_args), check=True, env=cpu_env(), stdout=subprocess.DEVNULL)
     return [json.loads((output_dir / f"rank{rank}.json").read_text()) for rank in range(processes)]
 
 

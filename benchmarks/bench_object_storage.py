@@ -24,37 +24,16 @@ import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The trainer's package and benchmarks.lib; tests/support/ for the tests' S3 server.
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests" / "support")]
 
 from s3_server import make_bucket, s3_server  # noqa: E402
 
-from sdxl_trainer.cache.format import SHARD_DIR, TENSOR_KEYS, CachedItem, CacheSettings, write_cache_info  # noqa: E402
-from sdxl_trainer.cache.s3_store import RemoteTensors
-from sdxl_trainer.cache.stores import open_store
-from sdxl_trainer.cache.writer import ShardWriter, write_empty_prompt
+from benchmarks.lib.synthetic_cache import write_cache_for_unet  # noqa: E402
+from sdxl_trainer.cache.format import SHARD_DIR, TENSOR_KEYS  # noqa: E402
+from sdxl_trainer.cache.s3_store import RemoteTensors  # noqa: E402
+from sdxl_trainer.cache.stores import open_store  # noqa: E402
 from sdxl_trainer.training.dataset import CachedDataset, collate  # noqa: E402
-
-SETTINGS = CacheSettings(
-    pretrained_model_name_or_path="synthetic", vae_name_or_path="synthetic", model_fingerprint="synthetic", min_resolution=512,
-    max_resolution=1024, bucket_table_version=1, latent_scaling_factor=0.13025, text_max_length=77,
-)
-
-
-def write_cache(location: str | Path, items: int, items_per_shard: int) -> None:
-    write_cache_info(location, SETTINGS)
-    write_empty_prompt(location, torch.zeros(77, 2048), torch.zeros(1280))
-    writer = ShardWriter(location, "w0")
-    generator = torch.Generator().manual_seed(0)
-    for first in range(0, items, items_per_shard):
-        writer.write([
-            CachedItem(
-                latents=torch.randn(4, 128, 128, generator=generator), prompt_embeds=torch.randn(77, 2048, generator=generator),
-                pooled_prompt_embeds=torch.randn(1280, generator=generator),
-                row=dict(image_path=f"{index}.jpg", image_sha256="0" * 64, caption="c", bucket_width=1024, bucket_height=1024, original_width=1024,
-                         original_height=1024, crop_top=0, crop_left=0, crop_left_flipped=None, upscaled=False, has_loss_mask=None, mask_sha256=None),
-            )
-            for index in range(first, min(first + items_per_shard, items))
-        ])
 
 
 def read_rate(location: str | Path, batch: int, workers: int) -> dict:
@@ -100,8 +79,8 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as folder, s3_server():
         make_bucket("bench")
-        write_cache(Path(folder) / "cache", args.items, args.items_per_shard)
-        write_cache("s3://bench/cache", args.items, args.items_per_shard)
+        for location in (Path(folder) / "cache", "s3://bench/cache"):  # SDXL-sized items: the full-size UNet's shapes at 1024 px
+            write_cache_for_unet(location, "sdxl", 1024, args.items, args.items_per_shard)
         read_rate(Path(folder) / "cache", args.batch, 0)  # warm the page cache
         for name, location in (("folder", Path(folder) / "cache"), ("s3 (moto on localhost)", "s3://bench/cache")):
             for workers in sorted({0, args.workers}):

@@ -22,21 +22,20 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the trainer's package and benchmarks.lib
 
 from diffusers import UNet2DConditionModel  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit  # noqa: E402
 
-from sdxl_trainer.distributed.fsdp import shard_unet
-from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed  # noqa: E402
+from benchmarks.lib.timing import time_steps  # noqa: E402
+from sdxl_trainer.distributed.fsdp import shard_unet  # noqa: E402
+from sdxl_trainer.distributed.world import World, init_distributed, shutdown_distributed  # noqa: E402
 from sdxl_trainer.models.tiny import save_tiny_pipeline  # noqa: E402
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer  # noqa: E402
 from sdxl_trainer.training.step import clip_gradients  # noqa: E402
@@ -51,32 +50,24 @@ TORCH_CLIPPING = "clipping: torch's clip_grad_norm_"
 SETTINGS = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
 
 
-def seconds(call: Callable[[], object]) -> tuple[float, float]:
-    """(first call, mean of the measured calls) in seconds; the first compiles the 8-bit kernels. The ranks
-    start together: a collective in the call would otherwise time the other rank's lag."""
-    dist.barrier()
-    started = time.perf_counter()
-    call()
-    first = time.perf_counter() - started
-    for _ in range(WARMUP_STEPS - 1):
-        call()
-    started = time.perf_counter()
-    for _ in range(MEASURED_STEPS):
-        call()
-    return first, (time.perf_counter() - started) / MEASURED_STEPS
+def seconds(call: Callable[[], object], world: World) -> tuple[float, float]:
+    """(first call, mean of the measured calls) in seconds, of the slowest rank; the first compiles the 8-bit
+    kernels. The ranks start together: a collective in the call would otherwise time the other rank's lag."""
+    (times,) = time_steps({"call": lambda _: call()}, WARMUP_STEPS, MEASURED_STEPS, 1, world).values()
+    return times.first_step_seconds, times.seconds_per_step
 
 
-def every_optimizer(parameters: list[torch.nn.Parameter]) -> dict[str, tuple[float, float]]:
+def every_optimizer(parameters: list[torch.nn.Parameter], world: World) -> dict[str, tuple[float, float]]:
     for parameter in parameters:
         parameter.grad = torch.randn_like(parameter)
     results = {}
     for name in OPTIMIZERS:
-        results[name] = seconds(build_optimizer(name, parameters, SETTINGS["lr"], 0.0, (0.9, None), 1e-8).step)
-    results[TORCHAO_ADAMW8BIT] = seconds(TorchaoAdamW8bit(parameters, **SETTINGS).step)
-    results[FOR_LOOP_ADAMW] = seconds(torch.optim.AdamW(parameters, **SETTINGS, foreach=False).step)
-    results[TORCH_FUSED_ADAMW] = seconds(torch.optim.AdamW(parameters, **SETTINGS, fused=True).step)
-    results[OUR_CLIPPING] = seconds(lambda: clip_gradients(parameters, 1.0))
-    results[TORCH_CLIPPING] = seconds(lambda: torch.nn.utils.clip_grad_norm_(parameters, 1.0))
+        results[name] = seconds(build_optimizer(name, parameters, SETTINGS["lr"], 0.0, (0.9, None), 1e-8).step, world)
+    results[TORCHAO_ADAMW8BIT] = seconds(TorchaoAdamW8bit(parameters, **SETTINGS).step, world)
+    results[FOR_LOOP_ADAMW] = seconds(torch.optim.AdamW(parameters, **SETTINGS, foreach=False).step, world)
+    results[TORCH_FUSED_ADAMW] = seconds(torch.optim.AdamW(parameters, **SETTINGS, fused=True).step, world)
+    results[OUR_CLIPPING] = seconds(lambda: clip_gradients(parameters, 1.0), world)
+    results[TORCH_CLIPPING] = seconds(lambda: torch.nn.utils.clip_grad_norm_(parameters, 1.0), world)
     return results
 
 
@@ -106,11 +97,11 @@ def main() -> None:
     if args.sdxl_tensor_count:
         mesh = world.mesh if args.sharded else None
         parameters = sdxl_count_parameters(1, mesh)
-        results, doubled = every_optimizer(parameters), every_optimizer(sdxl_count_parameters(2, mesh))
+        results, doubled = every_optimizer(parameters, world), every_optimizer(sdxl_count_parameters(2, mesh), world)
         what = f"as many tensors as SDXL's UNet, each small, {'DTensor shards' if args.sharded else 'not sharded'}"
     else:
         parameters, what = tiny_unet_parameters(world)
-        results, doubled = every_optimizer(parameters), None
+        results, doubled = every_optimizer(parameters, world), None
     if world.is_main:
         print(f"optimizer step over {len(parameters)} parameter tensors ({what}), {world.world_size} process(es):")
         for name, (first, seconds) in results.items():

@@ -28,9 +28,11 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT))  # the trainer's package and benchmarks.lib
 
 import torch  # noqa: E402
+
+from benchmarks.lib.results import write_json  # noqa: E402
 
 from sdxl_trainer.config import parse_config  # noqa: E402
 from sdxl_trainer.distributed.world import use_expandable_segments, use_rank_own_compile_cache  # noqa: E402
@@ -139,13 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         use_rank_own_compile_cache(rank=0, world_size=1)
         estimates = {row["config"]: row for row in json.loads(args.estimates.read_text())["rows"]} if args.estimates else {}
         rows = measure_all(estimates)
-        device = torch.cuda.get_device_name(0)
+        write_json(args.output, {"rows": rows}, torch.device("cuda", 0))
     else:
-        rows = estimate_all()
-        device = "none (fake tensors on the CPU)"
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
-    print(f"Written to {args.output}")
+        write_json(args.output, {"device": "none (fake tensors on the CPU)", "rows": estimate_all()}, torch.device("cpu"))
     return 0
 
 

@@ -9,9 +9,10 @@ What it builds (nothing is downloaded): a random-weight pipeline with SDXL's ful
 the tests' tiny one), IMAGES random images with captions at the resolution, and their cache, made by
 sdxl_process_data_dir.sh. Then each variant runs `NUM_PROCESSES=1 bash train.sh FLAGS` for UPDATES updates
 with validation, samples and the export off, and a state save at SAVE_AT. Per variant it reports:
-- ms per update over updates MEASURE_FROM..UPDATES but the save's (the wall time between their train/loss
-  events), and images/s;
-- the save's pause: that update's time less the median update's;
+- ms per update over updates MEASURE_FROM..UPDATES but the save's (the wall time between the train/loss
+  events of the updates that log: every LOG_EVERY, the trainer's default cadence, so the host runs ahead
+  between logs as in users' runs), and images/s;
+- the save's pause: the interval holding the update after the save less as many median updates;
 - the GPU's busy share over the measured window (nvidia-smi's utilization, sampled every 100 ms; GPU only);
 - the step benchmark's ms per update for the same batch and settings, and the time outside the step.
 A variant that fails (a crash, no log) is named and makes the script exit 1 after the others ran.
@@ -32,16 +33,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT))  # the trainer's package and benchmarks.lib
+
+import torch  # noqa: E402
+
+from benchmarks.lib.comparison import Measurement, trainer_ms_per_step  # noqa: E402
+from benchmarks.lib.images import write_captioned_images  # noqa: E402
+from benchmarks.lib.processes import call_in_fresh_process  # noqa: E402
+from benchmarks.lib.results import write_json  # noqa: E402
+from benchmarks.lib.run_logs import GpuBusy, ms_per_update, update_times  # noqa: E402
+from benchmarks.lib.steps import StepSettings  # noqa: E402
 
 EXAMPLE_SETTING = "--train_batch_size 4 --gradient_checkpointing --weights_dtype fp32 --mixed_precision auto --optimizer adamw8bit"
 DEFAULT_VARIANTS = {
@@ -49,9 +56,9 @@ DEFAULT_VARIANTS = {
     "batch4_checkpointing_compiled": f"{EXAMPLE_SETTING} --compile_unet",
     "config_1x24gb_bf16": "--config configs/1x24gb_bf16.toml",
 }
+STEP_MEASUREMENT = Measurement(warmup_steps=2, measured_steps=4)  # as the battery's step parts time it (gpu_check.sh)
 RUN_FLAGS = ("--no-validation_loss --no-validation_image --no-save_samples --no-save_diffusers --gradient_accumulation_steps 1 "
              "--dataloader_num_workers 2 --set_seed 0")
-WORDS = ("red", "blue", "green", "a cat", "a house", "mountains", "a portrait", "at night", "in the rain", "watercolor")
 
 
 @dataclass
@@ -67,18 +74,6 @@ class VariantResult:
     step_ms_per_update: float | None = None  # train_throughput.py, same batch and settings
     outside_step_ms: float | None = None
     failure: str = ""
-
-
-def make_images(folder: Path, count: int, side: int, seed: int = 0) -> None:
-    """`count` smooth random images (low-frequency noise, so JPEG and the VAE see image-like content) with captions."""
-    generator = np.random.default_rng(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    for index in range(count):
-        coarse = generator.random((8, 8, 3)) * 255
-        image = Image.fromarray(coarse.astype(np.uint8)).resize((side, side), Image.BICUBIC)
-        image.save(folder / f"image_{index:04d}.jpg", quality=90)
-        caption = ", ".join(generator.choice(WORDS, size=3, replace=False))
-        (folder / f"image_{index:04d}.txt").write_text(caption + "\n")
 
 
 def make_pipeline(folder: Path, tiny: bool) -> None:
@@ -113,80 +108,23 @@ def run_logged(command: list[str], env: dict, log: Path, timeout: float) -> int:
             return 124
 
 
-class GpuBusy:
-    """nvidia-smi's GPU utilization, sampled every 100 ms with its time, for the share over a window."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def __enter__(self) -> GpuBusy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        process = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"],
-                                   stdout=subprocess.PIPE, text=True)
-        while not self._stop.is_set():
-            line = process.stdout.readline()
-            if not line:
-                break
-            try:
-                self.samples.append((time.time(), float(line.split(",")[0])))
-            except ValueError:
-                continue
-        process.terminate()
-
-    def share(self, start: float, end: float) -> float | None:
-        inside = [busy for moment, busy in self.samples if start <= moment <= end]
-        return statistics.fmean(inside) / 100 if inside else None
-
-
-def update_times(run_dir: Path) -> dict[int, float]:
-    """Update number -> wall time of its train/loss event, from the run's TensorBoard log."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {event.step: event.wall_time for event in accumulator.Scalars("train/loss")}
-
-
-def measure(times: dict[int, float], measure_from: int, save_at: int) -> tuple[float, float | None, int]:
-    """(ms per update over the updates after measure_from but the save's, the save's pause in s, updates measured)."""
-    durations = {update: times[update] - times[update - 1] for update in sorted(times) if update - 1 in times and update > measure_from}
-    steady = [seconds for update, seconds in durations.items() if update != save_at + 1]  # the save follows update save_at
-    pause = durations[save_at + 1] - statistics.median(steady) if save_at + 1 in durations and steady else None
-    return 1000 * statistics.fmean(steady), pause, len(steady)
-
-
-def step_benchmark_ms(flags: str, resolution: int, tiny: bool, output: Path, env: dict) -> float | None:
-    """train_throughput.py's ms per update for the variant's batch, checkpointing, optimizer and compile setting."""
+def step_benchmark_ms(flags: str, resolution: int, tiny: bool, log: Path) -> float | None:
+    """The step benchmark's ms per update (train_throughput.py's trainer path alone) for the variant's batch,
+    checkpointing, optimizer, weights, precision and compile setting, in a fresh process; None for a shipped
+    config (its batch and settings are the trainer's business) or if it gave no figure (`log` says why)."""
     words = shlex.split(flags)
 
     def value(flag: str, default: str) -> str:
         return words[words.index(flag) + 1] if flag in words else default
 
-    batch = value("--train_batch_size", "4" if "--config" not in words else "")
-    if not batch:  # a shipped config: its batch and settings are the trainer's business; the step benchmark gets the defaults
+    if "--config" in words and "--train_batch_size" not in words:
         return None
-    command = [sys.executable, "benchmarks/train_throughput.py", "--batch_size", batch, "--resolution", str(resolution), "--reference", "none",
-               "--optimizer", value("--optimizer", "adamw8bit"), "--weights_dtype", value("--weights_dtype", "fp32"),
-               "--warmup_steps", "2", "--measured_steps", "4", "--json", str(output)]
-    if "--compile_unet" in words:
-        command.append("--compile")
-    if "--no-gradient_checkpointing" in words:
-        command.append("--no-gradient_checkpointing")
-    if tiny:
-        command += ["--model", "tiny"]
-    if run_logged(command, env, output.with_suffix(".log"), timeout=900) != 0 or not output.exists():
-        return None
-    rows = [row for row in json.loads(output.read_text())["rows"] if row["seconds_per_step"] is not None]
-    return 1000 * rows[0]["seconds_per_step"] if rows else None
+    settings = StepSettings(
+        model="tiny" if tiny else "sdxl", resolution=resolution, batch_size=int(value("--train_batch_size", "4")),
+        gradient_checkpointing="--no-gradient_checkpointing" not in words, optimizer=value("--optimizer", "adamw8bit"),
+        weights_dtype=value("--weights_dtype", "fp32"), compile="--compile_unet" in words,
+    )  # fmt: skip
+    return call_in_fresh_process(trainer_ms_per_step, settings, value("--mixed_precision", "auto"), STEP_MEASUREMENT, log=log, timeout_s=900)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,11 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny test pipeline at 256 px on whatever device there is (CPU), for a smoke run")
     parser.add_argument("--images", type=int, default=32, help="images in the cache")
     parser.add_argument("--resolution", type=int, default=None, help="square image side in px (default 1024; 256 with --tiny)")
-    parser.add_argument("--updates", type=int, default=24, help="updates per variant (--max_train_updates)")
-    parser.add_argument("--measure_from", type=int, default=4, help="updates before the measured window (compiles, allocator warm-up)")
-    parser.add_argument("--save_at", type=int, default=12, help="the update after which state is saved once (its pause is reported)")
+    parser.add_argument("--updates", type=int, default=40, help="updates per variant (--max_train_updates)")
+    parser.add_argument("--measure_from", type=int, default=10, help="updates before the measured window (compiles, allocator warm-up)")
+    parser.add_argument("--save_at", type=int, default=20, help="the update after which state is saved once (its pause is reported)")
+    parser.add_argument("--log_every", type=int, default=10,
+                        help="the runs' --log_every_n_updates (the trainer's default): the log's wall times are read at these updates")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS", help="a variant to run instead of the defaults (repeatable)")
-    parser.add_argument("--step_benchmark", action=argparse.BooleanOptionalAction, default=True, help="also run train_throughput.py per variant")
+    parser.add_argument("--step_benchmark", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the trainer's step alone per variant (train_throughput.py's trainer path, in a fresh process)")
     parser.add_argument("--work_dir", type=Path, default=None, help="where the pipeline, images, cache and runs go (default: a temporary folder)")
     parser.add_argument("--json", type=Path, help="write every variant's figures here")
     args = parser.parse_args(argv)
@@ -211,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(scratch)
         started = time.perf_counter()
         make_pipeline(work / "pipeline", args.tiny)
-        make_images(work / "images", args.images, resolution)
+        write_captioned_images(work / "images", args.images, resolution)
         print(f"Pipeline and {args.images} images of {resolution} px in {time.perf_counter() - started:.0f} s", flush=True)
         started = time.perf_counter()
         cache_code = run_logged(
@@ -230,29 +171,33 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = work / "runs" / name
             command = ["bash", "train.sh", *shlex.split(flags), *shlex.split(RUN_FLAGS), "--cached_dataset_dirs", str(work / "cache"),
                        "--pretrained_model_name_or_path", str(work / "pipeline"), "--max_train_updates", str(args.updates),
-                       "--save_state_every_n_updates", str(args.save_at), "--checkpoints_total_limit", "1",
+                       "--save_state_every_n_updates", str(args.save_at), "--checkpoints_total_limit", "1", "--log_every_n_updates", str(args.log_every),
                        "--output_dir", str(work / "runs"), "--project_name", name]
             print(f"=== {name}: {' '.join(command)}", flush=True)
-            with GpuBusy() if gpu else _nothing() as busy:
+            with GpuBusy() if gpu else nullcontext() as busy:
                 code = run_logged(command, env, work / f"{name}.log", timeout=1800)
             result = VariantResult(name, flags, code)
             try:
                 if not (run_dir / "tensorboard").is_dir():
                     raise FileNotFoundError(f"{run_dir / 'tensorboard'} was not written")
-                times = update_times(run_dir)
-                result.ms_per_update, result.save_pause_s, result.updates_measured = measure(times, args.measure_from, args.save_at)
+                times = update_times(run_dir / "tensorboard")
+                timing = ms_per_update(times, args.measure_from, args.save_at)
+                result.ms_per_update, result.save_pause_s, result.updates_measured = timing.ms_per_update, timing.save_pause_s, timing.updates_measured
                 batch = _images_per_update(run_dir)
                 result.images_per_second = batch / result.ms_per_update * 1000
                 if busy is not None:
-                    result.gpu_busy_share = busy.share(times[args.measure_from], times[max(times)])
+                    result.gpu_busy_share = busy.share(timing.window_start, times[max(times)])
             except (KeyError, ValueError, FileNotFoundError, statistics.StatisticsError) as error:
                 result.failure = f"no timing in its log ({type(error).__name__}: {error})"
             if code != 0:
                 result.failure = f"exit code {code}: " + _last_lines(work / f"{name}.log")
             if args.step_benchmark and not result.failure:
-                result.step_ms_per_update = step_benchmark_ms(flags, resolution, args.tiny, work / f"{name}_step.json", env)
+                step_log = work / f"{name}_step.log"
+                result.step_ms_per_update = step_benchmark_ms(flags, resolution, args.tiny, step_log)
                 if result.step_ms_per_update is not None:
                     result.outside_step_ms = result.ms_per_update - result.step_ms_per_update
+                elif step_log.exists():
+                    print(f"{name}: the step benchmark gave no figure: {_last_lines(step_log)}", flush=True)
             results.append(result)
             print(describe(result), flush=True)
 
@@ -263,20 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {result.name} | {_number(result.ms_per_update)} | {_number(result.images_per_second, 2)} | {_number(result.step_ms_per_update)} | "
               f"{_number(result.outside_step_ms)} | {_number(result.gpu_busy_share and 100 * result.gpu_busy_share)}% | {_number(result.save_pause_s, 1)} |")
     if args.json:
-        args.json.write_text(json.dumps({"resolution": resolution, "tiny": args.tiny, "updates": args.updates, "measure_from": args.measure_from,
-                                         "variants": [asdict(result) for result in results]}, indent=1) + "\n")
+        figures = {"resolution": resolution, "tiny": args.tiny, "updates": args.updates, "measure_from": args.measure_from, "log_every": args.log_every,
+                   "variants": [asdict(result) for result in results]}  # fmt: skip
+        write_json(args.json, figures, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if failed:
         print(f"FAILED: {', '.join(failed)}")
         return 1
     return 0
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def _images_per_update(run_dir: Path) -> int:

@@ -223,6 +223,7 @@ def train_sample_run(num_processes: int, per_rank_batch: int, cache_dir: Path | 
             "--set_seed", "7",
             "--save_precision", "fp32",
             "--output_dir", str(output_dir), "--project_name", "run",
+            *(() if "--log_every_n_updates" in extra else ("--log_every_n_updates", "1")),  # as trainer_flags
             *extra,
         ],
     )
@@ -255,6 +256,8 @@ def trainer_flags(cache_dir: Path | list[Path], pipeline_dir: Path, output_dir: 
         "--train_batch_size", "1", "--mixed_precision", "fp32", "--set_seed", "5", "--learning_rate", "1e-4",
         "--dataloader_num_workers", "0", "--save_precision", "fp32", "--save_model_every_n_epochs", "0",
         "--no-save_samples", "--no-validation_image", *LIGHT_RUN_FLAGS,
+        # The tests read every update's scalars (TensorBoard), unless they choose a cadence of their own.
+        *(() if "--log_every_n_updates" in extra else ("--log_every_n_updates", "1")),
         *extra,
     ]
 

@@ -1,5 +1,5 @@
 # Sourced by train.sh and run_tests.sh: glibc's allocator thresholds, unless they are set.
 # glibc would hand the heap an update frees back to the OS and fault it in again in the next forward: keep
-# it. Tiny model, one CPU process: 6,862 page faults (27 MB) per update down to 9, CPU time per update 902 ms
-# down to 856 ms (benchmarks/bench_trainer.py measures both side by side).
+# it (fewer page faults and less CPU per update: benchmarks/bench_allocator.py measures both side by side;
+# docs/training.md, "Launching (train.sh)").
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-33554432} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-1073741824}

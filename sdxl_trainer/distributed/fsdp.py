@@ -28,7 +28,7 @@ class ComputeOptions:
     """Precision, memory and sharding"""
 
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
-        "auto", help="UNet compute precision over fp32 master weights (FSDP2's param dtype; torch.autocast on one process): auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, about 5x slower)"
+        "auto", help="UNet compute precision over fp32 master weights (FSDP2's param dtype; torch.autocast on one process): auto = bf16 where the GPU supports it, else fp16; fp32 on CPU (bf16 is emulated there, several times slower)"
     )
     weights_dtype: Literal["fp32", "bf16"] = option(
         "fp32",
@@ -51,6 +51,11 @@ class ComputeOptions:
         "within a group and replicated across groups, so weights are all-gathered over each machine's NVLink instead of the network. "
         "Each GPU then holds 1/(GPUs per group) of the weights and optimizer state instead of 1/(all GPUs); 1 = shard over every GPU",
     )
+    reduce_dtype: Literal["fp32", "bf16"] = option(
+        "fp32",
+        help="dtype FSDP2 reduce-scatters the gradients in (and HSDP all-reduces them): fp32, or bf16, half the bytes, for GPUs linked by "
+        "PCIe where the link is the bottleneck (the sum of a few shards' gradients loses little: docs/speed.md); unused where the UNet is not sharded",
+    )
     compile_unet: bool = option(False, help="torch.compile each transformer and ResNet block (regional): faster steps after a compile of minutes")
     allow_tf32: bool = option(True, help="TF32 matmuls and convolutions for fp32 work on Ampere and newer GPUs")
 
@@ -66,7 +71,7 @@ class ComputeOptions:
 def uses_sharding(world_size: int, cpu_offload: bool) -> bool:
     """FSDP2 only where it buys something: more than one process to shard over, or CPU offload (FSDP2's
     policy). On one process it saves no memory, and its DTensor parameters and per-block copies made an
-    update of the tiny UNet on CPU 1.25x as long as a plain module's (benchmarks/bench_trainer.py)."""
+    update of the tiny UNet on CPU longer than a plain module's (docs/design.md §1)."""
     return world_size > 1 or cpu_offload
 
 
@@ -77,6 +82,7 @@ def prepare_unet(
     reshard_after_forward: bool = True,
     compile_blocks: bool = False,
     cpu_offload: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """The UNet ready to train in this world, in place: FSDP2-sharded (shard_unet) where uses_sharding says
     so, otherwise a plain module whose forward runs under torch.autocast in param_dtype (compute_under_autocast).
@@ -84,7 +90,7 @@ def prepare_unet(
     --weights_dtype bf16) and the same parameter names, so checkpoints move between the two (DCP reshards)
     and the export is the same."""
     if uses_sharding(world.world_size, cpu_offload):
-        return shard_unet(unet, world.mesh, param_dtype, reshard_after_forward, compile_blocks, cpu_offload)
+        return shard_unet(unet, world.mesh, param_dtype, reshard_after_forward, compile_blocks, cpu_offload, reduce_dtype)
     if compile_blocks:
         compile_repeated_blocks(unet)
     if param_dtype is not None:
@@ -173,6 +179,7 @@ def shard_unet(
     reshard_after_forward: bool = True,
     compile_blocks: bool = False,
     cpu_offload: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> FSDPModule:
     """Apply FSDP2 to the UNet in place; parameters keep their dtype (the sharded master copy: fp32, or bf16).
 
@@ -192,7 +199,7 @@ def shard_unet(
       FSDP), so a checkpoint-wrapped transformer block is sharded as its wrapper; other bucket shapes recompile
       with dynamic sizes.
     """
-    kwargs = _fsdp_settings(mesh, param_dtype, reshard_after_forward, cpu_offload)
+    kwargs = _fsdp_settings(mesh, param_dtype, reshard_after_forward, cpu_offload, reduce_dtype)
     from diffusers.models.attention import BasicTransformerBlock
 
     if compile_blocks:
@@ -202,17 +209,50 @@ def shard_unet(
         block = module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
         if isinstance(block, BasicTransformerBlock) and id(module) not in inside_wrappers:
             fully_shard(module, **kwargs)
-    for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
+    stages = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]  # as the UNet's forward runs them
+    for block in stages:
         fully_shard(block, **kwargs)
-    fully_shard(unet, **kwargs)
+    # The root stays gathered from its forward to its backward, which begins with it (FSDP2's own choice for a
+    # root; an explicit True would make it reshard and gather again).
+    fully_shard(unet, **{**kwargs, "reshard_after_forward": False})
+    prefetch_in_order(unet, stages)
     return unet  # type: ignore[return-value]
 
 
-def _fsdp_settings(mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool, cpu_offload: bool) -> dict:
+def reshard_units(model: nn.Module) -> None:
+    """Every FSDP2 unit of the model back to its shards (not collective). A unit kept gathered after its forward
+    (the root; every unit with --no-reshard_after_forward) is resharded by its backward, so after a forward
+    without one (validation) it would stay gathered, and its gathered copy would go stale once its shards
+    change (the EMA's weights swapped in or out, the next optimizer step): the next forward would use it."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def prefetch_in_order(root: FSDPModule, stages: list[nn.Module]) -> None:
+    """An explicit forward prefetch chain over the model's FSDP2 units: each unit's pre-forward starts the next
+    unit's all-gather, so a gather never waits for the host to reach the unit that needs it (FSDP2 issues it
+    only when the host gets there otherwise: a host that falls behind leaves the GPU waiting). `stages`: the
+    root's units in the order its forward runs them (the UNet registers its up blocks before its mid block but
+    runs them after), each running the units inside it in the order they were registered; a chain out of
+    order costs a gather, as a unit prefetched after it ran is gathered again.
+    Backward keeps FSDP2's own prefetch, which follows the order the forwards ended in and runs once per unit:
+    an explicit backward list runs at each of a unit's output gradients, and a down block's skip connections
+    reach it several times, so a prefetch after the unit's backward gathered it again (one transformer block
+    per down block per microbatch, counted in tests/estimates/test_speed_estimate.py)."""
+    forward: list[nn.Module] = [root]
+    for stage in stages:
+        forward += [stage, *(module for module in stage.modules() if isinstance(module, FSDPModule) and module is not stage)]
+    for unit, following in zip(forward, forward[1:]):
+        unit.set_modules_to_forward_prefetch([following])
+
+
+def _fsdp_settings(mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_after_forward: bool, cpu_offload: bool,
+                   reduce_dtype: torch.dtype = torch.float32) -> dict:
     """fully_shard's arguments, the same for every trained module: compute in param_dtype, gradients reduced
-    in fp32, optionally FSDP2's CPU offload."""
+    in reduce_dtype (fp32, or bf16: --reduce_dtype), optionally FSDP2's CPU offload."""
     settings = dict(
-        mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32), reshard_after_forward=reshard_after_forward
+        mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype), reshard_after_forward=reshard_after_forward
     )
     if cpu_offload:
         settings["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
@@ -220,7 +260,7 @@ def _fsdp_settings(mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard_af
 
 
 def prepare_text_encoder(encoder: nn.Module, world: World, param_dtype: torch.dtype | None, reshard_after_forward: bool = True,
-                         cpu_offload: bool = False) -> nn.Module:
+                         cpu_offload: bool = False, reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """A trained text encoder (--train_text_encoder) ready in this world, in place, by prepare_unet's rule:
     where uses_sharding says so, FSDP2 over its embeddings, each CLIP layer, then each remaining module with
     parameters of its own (final norm, projection), with the UNet's precision and offload settings;
@@ -234,7 +274,7 @@ def prepare_text_encoder(encoder: nn.Module, world: World, param_dtype: torch.dt
         return encoder
     from transformers.models.clip.modeling_clip import CLIPEncoderLayer, CLIPTextEmbeddings
 
-    settings = _fsdp_settings(world.mesh, param_dtype, reshard_after_forward, cpu_offload)
+    settings = _fsdp_settings(world.mesh, param_dtype, reshard_after_forward, cpu_offload, reduce_dtype)
     for part in [module for module in encoder.modules() if isinstance(module, (CLIPTextEmbeddings, CLIPEncoderLayer))]:
         fully_shard(part, **settings)
     for part in [module for module in encoder.modules() if any(not isinstance(weight, DTensor) for weight in module.parameters(recurse=False))]:

@@ -4,9 +4,9 @@ A cluster pre-empting a job sends SIGTERM (SLURM: to every task), Ctrl-C sends S
 foreground process group, and torchrun forwards the signal it got to its workers a moment later. So a
 rank may see the same stop twice within milliseconds, and some ranks may see it while others do not:
 - signals within REPEAT_GRACE_S of the first count as the same request; a later one exits at once;
-- the ranks agree (an all-reduce after each update) so they all stop after the same update. It runs over
-  a gloo group on CPU tensors: over the training device, reading its result would make the host wait for
-  the GPU to finish the update at every update.
+- the ranks agree so they all stop after the same update: each rank's flag travels with the monitor's
+  exchange at the updates that log (every --log_every_n_updates), over a gloo group on CPU tensors, so no
+  update that does not log exchanges anything, and none waits for the GPU.
 DataLoader worker processes ignore both signals: the training process ends them when it is done, and a
 worker killed by SIGTERM would otherwise abort the main process in the middle of the save.
 """
@@ -17,7 +17,6 @@ import os
 import signal
 import time
 
-import torch
 import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -27,7 +26,7 @@ REPEAT_GRACE_S = 3.0
 class StopRequest:
     def __init__(self, announce: bool = True, host_group: dist.ProcessGroup | None = None) -> None:
         """`announce`: say that the signal arrived (on one rank: every rank gets it, the fact is one).
-        `host_group`: the gloo group agreed() reduces over (None: the default group, gloo where there is no GPU)."""
+        `host_group`: the gloo group the ranks agree over (None: the default group, gloo where there is no GPU)."""
         self.announce = announce
         self.host_group = host_group
         self.signal_name: str | None = None
@@ -48,11 +47,10 @@ class StopRequest:
         elif now - self._first_signal_at > REPEAT_GRACE_S:
             os._exit(128 + signum)
 
-    def agreed(self) -> bool:
-        """Collective: True on every rank if any rank received a stop signal."""
-        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.host_group)
-        return bool(flag.item())
+    @property
+    def requested(self) -> bool:
+        """This rank received a stop signal (the ranks agree on stopping in the monitor's log exchange)."""
+        return self.signal_name is not None
 
     def restore_handlers(self) -> None:
         for sig, handler in self._previous_handlers.items():

@@ -133,6 +133,15 @@ def all_gather_text(text: str, device: torch.device, group: dist.ProcessGroup | 
     return [bytes(chunk[:size].cpu().tolist()).decode() for chunk, size in zip(gathered, sizes)]
 
 
+def all_gather_floats(values: list[float], group: dist.ProcessGroup | None = None) -> list[list[float]]:
+    """Collective over `group` (a gloo group: CPU tensors): every rank's `values`, in rank order. One exchange
+    however many values, and the host never waits for a GPU."""
+    local = torch.tensor(values, dtype=torch.float64)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return torch.stack(gathered).tolist()
+
+
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where a small tensor for a collective over `group` must live: the GPU under nccl, the CPU under gloo."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")

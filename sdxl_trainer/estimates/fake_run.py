@@ -68,6 +68,7 @@ class EstimateSettings:
     ema_on_cpu: bool
     weights_dtype: torch.dtype = torch.float32  # of the trained weights and their gradients (--weights_dtype)
     train_text_encoder: bool = False  # both text encoders trained too, captions encoded each step (caption mode)
+    reduce_dtype: torch.dtype = torch.float32  # of the reduce-scattered gradients (--reduce_dtype)
 
 
 class ValuesReadAsOne(TorchDispatchMode):
@@ -140,7 +141,7 @@ def build_estimate_run(settings: EstimateSettings, world: World, unet_config: di
         unet.enable_gradient_checkpointing()
     unet.train()
     param_dtype = None if settings.compute_dtype == torch.float32 else settings.compute_dtype
-    prepare_unet(unet, world, param_dtype, settings.reshard_after_forward, cpu_offload=settings.cpu_offload)
+    prepare_unet(unet, world, param_dtype, settings.reshard_after_forward, cpu_offload=settings.cpu_offload, reduce_dtype=settings.reduce_dtype)
     trained, caption_encoder = unet, None
     if settings.train_text_encoder:
         # As the trainer's caption mode with --train_text_encoder: both encoders trained at the UNet's rate.
@@ -148,17 +149,18 @@ def build_estimate_run(settings: EstimateSettings, world: World, unet_config: di
             encoders = (text_encoder_builder or build_full_size_text_encoders)()
         for encoder in encoders:
             trainable_text_encoder(encoder, settings.gradient_checkpointing)
-            prepare_text_encoder(encoder, world, param_dtype, settings.reshard_after_forward, cpu_offload=settings.cpu_offload)
+            prepare_text_encoder(encoder, world, param_dtype, settings.reshard_after_forward, cpu_offload=settings.cpu_offload, reduce_dtype=settings.reduce_dtype)
         trained = TrainedModels(unet, dict(zip(TEXT_ENCODER_NAMES, encoders)))
         caption_encoder = StepCaptionEncoder((sdxl_tokenizers(), encoders), [ESTIMATE_CAPTION], CaptionVariation(), 0, 1, world.device, trains=True)
     groups = trained.parameter_groups(1e-5, dict.fromkeys(TEXT_ENCODER_NAMES, 1e-5)) if trained is not unet else unet.parameters()
-    optimizer = build_optimizer(settings.optimizer, groups, 1e-5, 1e-2, (0.9, None), 1e-8, loss_scaling=settings.compute_dtype == torch.float16)
+    optimizer = build_optimizer(settings.optimizer, groups, 1e-5, 1e-2, (0.9, None), 1e-8)
     ema = ShardedEMA(unet, 0.9999, on_cpu=settings.ema_on_cpu) if settings.use_ema else None
     empty_prompt = (torch.zeros(TEXT_MAX_LENGTH, unet.config.cross_attention_dim), torch.zeros(_pooled_width(unet)))
     train_step = TrainStep(
         unet, optimizer, LearningRateSchedule("constant", 1e-5, 0, 1), _training_scheduler(),
         NoiseSettings(conditional_dropout_percent=0.1), tuple(tensor.to(world.device) for tensor in empty_prompt), run_seed=0,
         max_grad_norm=1.0, ema=ema, reduce_every_microbatch=settings.reduce_every_microbatch, caption_encoder=caption_encoder,
+        gather_once_per_update=not settings.reshard_after_forward,
     )  # fmt: skip
     # A microbatch past the second adds nothing new: its gradients land where the second's did.
     microbatches = [

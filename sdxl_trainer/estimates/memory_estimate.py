@@ -35,14 +35,13 @@ from sdxl_trainer.optimizers.build import local_optimizer_state_bytes
 
 GIB = 2**30
 CARD_SIZES_GIB = (16, 24, 48, 80)
-# What the trackers cannot see, added to their peak: the CUDA context and cuBLAS/cuDNN workspaces (about
-# 0.5-1 GiB on recent GPUs), NCCL's communication buffers, and the caching allocator's unused reserve
-# (fragmentation: bucket shapes change every step). Set to cover the reserved memory measured for every shipped
-# config (one H200 capped at the card, without the expandable segments the trainer turns on, so an upper bound;
-# benchmarks/results/2026-11-25-h200-memory.json): on one GPU 2.55-2.65 GiB over the tracked peak (5.42 GiB
-# reserved at 2.87 tracked with --cpu_offload, 19.78 at 17.13 with bf16 weights); on several 23-49% of it, as
-# FSDP's gathered weights and reduce-scatter buffers change size at every block (20.44 at 13.76 on 2 x 24 GB,
-# 32.06 at 22.74 on 8 x 80 GB, 16.03 at 10.97 on 4 x 8 x 80 GB).
+# What the trackers cannot see, added to their peak: the CUDA context and cuBLAS/cuDNN workspaces, NCCL's
+# communication buffers, and the caching allocator's unused reserve (fragmentation: bucket shapes change every
+# step). Set to cover the reserved memory measured for every shipped config (one H200 capped at the card,
+# without the expandable segments the trainer turns on, so an upper bound): on one GPU a fixed amount over the
+# tracked peak covered it, on several a share of the peak, as FSDP's gathered weights and reduce-scatter
+# buffers change size at every block. Each config's estimate beside its measured reserved memory: README.md,
+# "Configs and hardware" (benchmarks/results/2026-11-25-h200-memory.json); the margin: docs/memory.md.
 UNTRACKED_GIB = 2.5
 UNTRACKED_SHARE = 0.10  # of the tracked peak, on one GPU
 UNTRACKED_SHARE_SHARDED = 0.35  # on several GPUs
@@ -138,7 +137,7 @@ def estimate_memory(
             step_temporaries = max(by_category["optimizer state"] - state_bytes, 0)
             by_category["optimizer state"] -= step_temporaries
             by_category["temporaries"] += step_temporaries
-        ema_bytes = sum(shadow.numel() * shadow.element_size() for shadow in ema.shadow) if ema is not None else 0
+        ema_bytes = ema.bytes_held() if ema is not None else 0
         ema_on_host = settings.ema_on_cpu or settings.cpu_offload
         by_category["EMA"] = 0 if ema_on_host else ema_bytes  # made before tracking, alive throughout
         host_bytes = ema_bytes if ema_on_host else 0

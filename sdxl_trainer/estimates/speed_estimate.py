@@ -10,7 +10,8 @@ What it adds up, per FSDP2 unit of the UNet as distributed/fsdp.shard_unet wraps
   than the H200's batch-1 time: the host's work (launching kernels) sets a floor that a faster GPU or a smaller
   batch does not lower, and it is taken to be the same on every machine.
 - communication, as FSDP2 issues it (docs/design.md §15): each unit's weights all-gathered in the compute
-  dtype before its forward, and again before its backward with --reshard_after_forward; its gradients
+  dtype before its forward, and again before its backward with --reshard_after_forward (but the root's, which
+  stays gathered); without it, once per update (kept gathered from one microbatch to the next); its gradients
   reduce-scattered in fp32 after its backward, on every microbatch or on the last (--gradient_reduction); with
   HSDP (--replicate_groups) the reduced shards all-reduced across the groups. Shards are padded as FSDP2 pads
   them (dim 0 to a multiple of the shard count). A collective of N bytes over p GPUs takes (p - 1) / p x N (an
@@ -107,6 +108,7 @@ class SpeedSettings:
     reduce_every_microbatch: bool
     gpu: str
     interconnect: str
+    reduce_bytes: int = 4  # 4 (fp32) or 2 (bf16): what the gradients are reduce-scattered in (--reduce_dtype)
 
     @property
     def shard_group(self) -> int:
@@ -181,13 +183,17 @@ def collective_bytes(units: list[Unit] | tuple[Unit, ...], settings: SpeedSettin
     if settings.gpus == 1:
         return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     shards = settings.shard_group
-    gathers_per_microbatch = 2 if settings.reshard_after_forward else 1
     reductions = settings.gradient_accumulation_steps if settings.reduce_every_microbatch else 1
     gathered = sum(unit.padded_values(shards) for unit in units) * shards
+    if settings.reshard_after_forward:  # every unit for forward and again for backward in each microbatch, but the root (shard_unet)
+        root = sum(unit.padded_values(shards) for unit in units if unit.name == "root") * shards
+        gathered_per_update = (2 * gathered - root) * settings.gradient_accumulation_steps
+    else:  # kept gathered from forward to backward and between microbatches (TrainStep's gather_once_per_update)
+        gathered_per_update = gathered
     return {
-        "all_gather": gathered * settings.compute_bytes * gathers_per_microbatch * settings.gradient_accumulation_steps,
-        "reduce_scatter": gathered * 4 * reductions,
-        "all_reduce": (sum(unit.padded_values(shards) for unit in units) * 4 * reductions) if settings.replicate_groups > 1 else 0,
+        "all_gather": gathered_per_update * settings.compute_bytes,
+        "reduce_scatter": gathered * settings.reduce_bytes * reductions,
+        "all_reduce": (sum(unit.padded_values(shards) for unit in units) * settings.reduce_bytes * reductions) if settings.replicate_groups > 1 else 0,
     }
 
 
@@ -273,7 +279,7 @@ class SpeedEstimate:
         if settings.gpus > 1 and share > 0.15:
             advice = ["a larger --train_batch_size (more compute to hide each gather behind)"]
             if settings.reshard_after_forward:
-                advice.append("--no-reshard_after_forward (one gather per microbatch instead of two, if the memory allows)")
+                advice.append("--no-reshard_after_forward (each unit gathered once per update instead of twice per microbatch, if the memory allows)")
             if settings.reduce_every_microbatch and settings.gradient_accumulation_steps > 1:
                 advice.append("--gradient_reduction once_per_update (one reduce-scatter per update, if the memory allows)")
             if settings.replicate_groups == 1 and settings.gpus > 8:
@@ -299,15 +305,18 @@ def estimate_speed(settings: SpeedSettings, units: list[Unit] | tuple[Unit, ...]
     shards = settings.shard_group
     intra = LINKS[GPUS[settings.gpu].intra_node_link if settings.replicate_groups > 1 else settings.interconnect]
     gather = [(shards - 1) / shards * unit.padded_values(shards) * shards * settings.compute_bytes / intra.bandwidth if sharded else 0.0 for unit in units]
-    scatter = [(shards - 1) / shards * unit.padded_values(shards) * shards * 4 / intra.bandwidth if sharded else 0.0 for unit in units]
+    scatter = [(shards - 1) / shards * unit.padded_values(shards) * shards * settings.reduce_bytes / intra.bandwidth if sharded else 0.0 for unit in units]
     replicas = settings.replicate_groups
-    reduce_across = [2 * (replicas - 1) / replicas * unit.padded_values(shards) * 4 / LINKS[settings.interconnect].bandwidth for unit in units]
+    reduce_across = [2 * (replicas - 1) / replicas * unit.padded_values(shards) * settings.reduce_bytes / LINKS[settings.interconnect].bandwidth for unit in units]
     clock = _Timeline()
+    none = [0.0] * len(units)
+    # Gathered again for backward: every unit under FULL_SHARD but the root, which stays gathered (shard_unet).
+    gather_for_backward = [0.0 if unit.name == "root" else seconds for unit, seconds in zip(units, gather)] if settings.reshard_after_forward else none
     for microbatch_number in range(settings.gradient_accumulation_steps):
         reduce_now = settings.reduce_every_microbatch or microbatch_number == settings.gradient_accumulation_steps - 1
-        clock.forward(forward, gather)
-        clock.backward(backward, gather if settings.reshard_after_forward else [0.0] * len(units), scatter if reduce_now else [0.0] * len(units),
-                       reduce_across if reduce_now and replicas > 1 else [0.0] * len(units))
+        gathered_already = microbatch_number > 0 and not settings.reshard_after_forward  # kept between microbatches
+        clock.forward(forward, none if gathered_already else gather)
+        clock.backward(backward, gather_for_backward, scatter if reduce_now else none, reduce_across if reduce_now and replicas > 1 else none)
     optimizer = optimizer_seconds(settings, sum(math.prod(shape) for unit in units for shape in unit.shapes))
     compute_total = sum(forward + backward) * settings.gradient_accumulation_steps
     steps = clock.finish()

@@ -35,7 +35,7 @@ from PIL import Image
 from torch import nn
 
 # torchvision and torch-fidelity are imported where a metric network is built or a set is scored, so a start
-# refused for its flags or caches ends without their 0.6 s of imports (a training run gets torchvision
+# refused for its flags or caches ends without their imports (a training run gets torchvision
 # through transformers anyway).
 
 METRICS = ("fid", "kid", "is", "lpips", "hpsv2")
@@ -230,7 +230,7 @@ class HPSScorer(nn.Module):
 def load_hps(path: Path, architecture: str = HPS_ARCHITECTURE) -> HPSScorer:
     """open_clip's `architecture` with the HPS checkpoint loaded by open_clip itself: a strict load, tensors
     only (weights_only=True), with its conversions for checkpoints of older open_clip versions (HPSv2's)."""
-    import open_clip  # with timm and wandb, 40% of the trainer's import time: only where HPSv2 is scored
+    import open_clip  # with timm and wandb, a large share of the trainer's import time: only where HPSv2 is scored
 
     model = open_clip.create_model(architecture, pretrained=str(path), weights_only=True)
     return HPSScorer(model, open_clip.get_tokenizer(architecture), (open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD))
@@ -352,8 +352,8 @@ class ImageMetrics:
 def frechet_distance(real: torch.Tensor, fake: torch.Tensor) -> float:
     """FID of two feature sets (one row per image): |mu1 - mu2|^2 + tr S1 + tr S2 - 2 tr sqrt(S1 S2).
 
-    torch-fidelity takes tr sqrt(S1 S2) from the eigenvalues of the 2048 x 2048 product, 4-5 s on one CPU
-    thread at every validation. A set of n images has a covariance S = A^T A of rank below n (A: its centred
+    torch-fidelity takes tr sqrt(S1 S2) from the eigenvalues of the 2048 x 2048 product, seconds on one CPU
+    thread at every validation (docs/validation.md, "Cost"). A set of n images has a covariance S = A^T A of rank below n (A: its centred
     features over sqrt(n - 1)), and then tr sqrt(S1 S2) is exactly the sum of the singular values of A1 A2^T,
     an n1 x n2 matrix: the same FID in milliseconds for validation sets smaller than the feature width.
     Larger sets go through torch-fidelity's own formula."""

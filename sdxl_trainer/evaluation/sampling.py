@@ -102,6 +102,9 @@ def generate(
             mine = batches.get(steps, [])
             batch = mine[call] if call < len(mine) else [replace(dummy, num_inference_steps=steps)]
             images.update(_generate_batch(pipeline, batch, negative, device))
+    from sdxl_trainer.distributed.fsdp import reshard_units  # FSDP2's modules load where a sharded UNet exists
+
+    reshard_units(pipeline.unet)  # a sharded UNet: no backward followed these forwards to reshard what stays gathered
     images.pop(-1, None)
     return images
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from sdxl_trainer.cache.buckets import Bucket, crop_into
 from sdxl_trainer.cache.format import LOSS_MASK_KEY, sha256_bytes
+from sdxl_trainer.distributed.fsdp import reshard_units
 from sdxl_trainer.evaluation.metrics import NEEDS_REFERENCE, ImageMetrics
 from sdxl_trainer.evaluation.sampling import GenerationSettings, ImageRequest, decode_latents, gather_rows, generate, rank_share
 from sdxl_trainer.models.encoders import CaptionEmbeddings
@@ -107,6 +108,7 @@ def validation_loss(
         if call < len(mine):  # padding batches only keep the collectives in step
             sums[range_index, 0] += loss.double() * len(batch_items)
             sums[range_index, 1] += len(batch_items)
+    reshard_units(unet)  # no backward followed these forwards to reshard what stays gathered after one
     unet.train(was_training)
     if dist.is_initialized() and world_size > 1:
         dist.all_reduce(sums)

@@ -13,6 +13,7 @@ import torch
 
 from sdxl_trainer.cache.buckets import ResolutionOptions, categories
 from sdxl_trainer.cache.errors import StorageError
+from sdxl_trainer.cache.format import foreign_contents_problem
 from sdxl_trainer.cache.stores import is_remote
 from sdxl_trainer.config import option
 from sdxl_trainer.models.encoders import chunks_for
@@ -137,7 +138,7 @@ class CacheConfig(ModelOptions, ResolutionOptions):
     vae_dtype: Literal["fp32", "bf16", "fp16"] = option(
         "fp32",
         help="VAE precision. fp32 (as kohya's --no_half_vae and diffusers' scripts): the latents the model learns from "
-        "are exact; bf16 is faster but changes them (on the tiny test VAE by up to 7%% of their largest value); fp16 needs an fp16-fix VAE "
+        "are exact; bf16 is faster but changes them (on the tiny test VAE by several percent of their largest value); fp16 needs an fp16-fix VAE "
         "(SDXL's own overflows in fp16 and is kept in fp32, as its config's force_upcast asks)",
     )
     num_io_threads: int = option(4, help="threads that read, decode and crop images while the encoders run")
@@ -231,6 +232,10 @@ class CacheConfig(ModelOptions, ResolutionOptions):
                 f"and at most --max_resolution {self.max_resolution} (a multiple of 64), or 0 for no upscaling"
             )
         if not self.dry_run:
+            try:
+                problems += [problem] if (problem := foreign_contents_problem(self.cache_dir)) else []
+            except StorageError as error:
+                problems.append(f"--cache_dir: {error}")
             problems += weights_problems(
                 self.upscale_to_resolution, self.upscaler_weights, self.upscale_use_GFPGAN, self.gfpgan_weights, self.facexlib_weights_dir
             )

@@ -175,7 +175,7 @@ def cache_images(config: CacheConfig, sources: list[SourcePair], scan_problems: 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.encode_dtype, device)
     vae_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.vae_dtype]
-    # Only now the model libraries load (diffusers, transformers: 5-10 s), which a dry run or a refusal never waits for.
+    # Only now the model libraries load (diffusers, transformers: seconds of CPU), which a dry run or a refusal never waits for.
     hide_library_progress_bars()
     encoders = load_encoders(config.pretrained_model_name_or_path, config.vae_name_or_path, device, dtype, config.single_file_config, vae_dtype)
     exempt_live_objects_from_garbage_collection()  # the model libraries' objects too, imported by now

@@ -25,7 +25,7 @@ from sdxl_trainer.distributed.world import World, broadcast_text
 from sdxl_trainer.evaluation.evaluator import SAMPLE_GRID_FILE, Evaluator, PipelineSource, build_evaluator
 from sdxl_trainer.evaluation.metrics import MetricWeightsError
 from sdxl_trainer.jobs.train_config import (
-    WEIGHTS_DTYPES,
+    DTYPE_OF_NAME,
     TrainConfig,
     device_memory_gib,
     learning_rate_schedule,
@@ -40,7 +40,7 @@ from sdxl_trainer.optimizers.build import build_optimizer
 from sdxl_trainer.outputs.export import Exporter, ExportError
 from sdxl_trainer.monitoring.metrics_writer import MetricsWriter, WANDB_ID_FILE, WandbSettings
 from sdxl_trainer.monitoring.monitor import TrainingMonitor
-from sdxl_trainer.runtime.garbage_collection import exempt_live_objects_from_garbage_collection
+from sdxl_trainer.runtime.garbage_collection import CollectBetweenUpdates, exempt_live_objects_from_garbage_collection
 from sdxl_trainer.runtime.quiet_libraries import hide_library_progress_bars
 from sdxl_trainer.state.checkpoint_layout import CheckpointError
 from sdxl_trainer.state.load import load_training_state
@@ -60,7 +60,7 @@ from sdxl_trainer.training.dataset import CachedDataset
 from sdxl_trainer.training.ema import ShardedEMA
 from sdxl_trainer.training.holdout import HoldoutError
 from sdxl_trainer.training.loss import build_noise_scheduler
-from sdxl_trainer.training.sample_draws import SampleDraws
+from sdxl_trainer.training.sample_draws import DrawsInTurn, SampleDraws
 from sdxl_trainer.training.step import TrainStep
 from sdxl_trainer.training.stream import DataPosition, DataStream
 from sdxl_trainer.training.training_data import load_training_data, TrainingData
@@ -145,11 +145,14 @@ class Run:
     checkpointer: Checkpointer
     exporter: Exporter
     stop: StopRequest
+    garbage: CollectBetweenUpdates
 
     def close(self) -> None:
-        """After the loop, also when it failed: the logs flushed and closed, the stop signals given back."""
+        """After the loop, also when it failed: the logs flushed and closed, the stop signals and Python's
+        automatic garbage collection given back."""
         self.monitor.close()
         self.stop.restore_handlers()
+        self.garbage.close()
 
 
 def build_run(config: TrainConfig, world: World) -> Run:
@@ -157,7 +160,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     evaluator, checkpointer and exporter, each by its owner."""
     run_dir = config.output_dir / config.project_name
     config, caches, resume_dir, saved = check_before_start(config, run_dir, world)
-    # Only now the model libraries load (diffusers, transformers: 5-10 s), which a refused start never waits for.
+    # Only now the model libraries load (diffusers, transformers: seconds of CPU), which a refused start never waits for.
     hide_library_progress_bars()
     log_dir = config.log_dir or run_dir / "tensorboard"
     if world.is_main:
@@ -181,12 +184,14 @@ def build_run(config: TrainConfig, world: World) -> Run:
     scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
     optimizer = build_optimizer(
         config.optimizer, models.parameter_groups(config.learning_rate, config.text_encoder_rates()), config.learning_rate, config.weight_decay,
-        (config.adam_beta1, config.adam_beta2), config.adam_epsilon, loss_scaling=scaler is not None,
+        (config.adam_beta1, config.adam_beta2), config.adam_epsilon,
     )
     ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
     position = resume(config, world, resume_dir, saved, models, optimizer, ema, run_dir, data.identity)
     first_update = saved.update if saved else 0
-    stream = data.stream(position, first_update, world.rank, world.device, draws=SampleDraws(seed, config.noise_settings()))
+    draws = SampleDraws(seed, config.noise_settings())
+    # Caption mode's captions are varied and tokenized where the batch is read, as the noise is drawn.
+    stream = data.stream(position, first_update, world.rank, world.device, draws=DrawsInTurn((draws, caption_encoder.draws)) if caption_encoder else draws)
     total_updates = first_update + stream.num_updates
     if total_updates == 0:
         raise SystemExit(
@@ -203,6 +208,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
         ema=ema,
         reduce_every_microbatch=reduce_every_microbatch(config, device_memory_gib(world.device)),
         caption_encoder=caption_encoder,
+        gather_once_per_update=not config.reshard_after_forward,
     )
     if saved:
         train_step.load_state_dict(dataclasses.asdict(saved))
@@ -231,7 +237,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     return Run(
         config=config, world=world, log_dir=log_dir, models=models, ema=ema, stream=stream, train_step=train_step, first_update=first_update,
         total_updates=total_updates, resumed=saved is not None, monitor=monitor, evaluator=evaluator, checkpointer=checkpointer, exporter=exporter,
-        stop=StopRequest(announce=world.is_main, host_group=host_group),
+        stop=StopRequest(announce=world.is_main, host_group=host_group), garbage=CollectBetweenUpdates(config.gc_every_n_updates),
     )
 
 
@@ -251,13 +257,15 @@ def build_models(config: TrainConfig, world: World, dataset: CachedDataset, seed
     if world.device.type == "cuda" and config.allow_tf32:
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         torch.backends.cudnn.conv.fp32_precision = "tf32"
-    weights_dtype = WEIGHTS_DTYPES[config.weights_dtype]
+    weights_dtype = DTYPE_OF_NAME[config.weights_dtype]
     unet = load_unet(config.pretrained_model_name_or_path, config.single_file_config, weights_dtype)
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.to(world.device).train()
     param_dtype = None if compute_dtype == torch.float32 else compute_dtype
-    prepare_unet(unet, world, param_dtype, config.reshard_after_forward, compile_blocks=config.compile_unet, cpu_offload=config.cpu_offload)
+    reduce_dtype = DTYPE_OF_NAME[config.reduce_dtype]
+    prepare_unet(unet, world, param_dtype, config.reshard_after_forward, compile_blocks=config.compile_unet, cpu_offload=config.cpu_offload,
+                 reduce_dtype=reduce_dtype)
     if not config.encode_captions_each_step:
         return TrainedModels(unet, {}), None
     # Frozen encoders compute in compute_dtype; trained ones keep master weights in --weights_dtype, sharded like the UNet.
@@ -268,7 +276,7 @@ def build_models(config: TrainConfig, world: World, dataset: CachedDataset, seed
     )
     trained = {name: encoder for name, encoder in zip(TEXT_ENCODER_NAMES, text_encoders) if name in rates}
     for encoder in trained.values():
-        prepare_text_encoder(encoder, world, param_dtype, config.reshard_after_forward, cpu_offload=config.cpu_offload)
+        prepare_text_encoder(encoder, world, param_dtype, config.reshard_after_forward, cpu_offload=config.cpu_offload, reduce_dtype=reduce_dtype)
     variations = config.caption_variations()
     caption_encoder = StepCaptionEncoder(
         (tokenizers, text_encoders), dataset.caption_texts, lambda item: variations[dataset.cache_index[item]], seed, caption_chunks, world.device,

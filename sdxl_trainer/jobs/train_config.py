@@ -42,7 +42,12 @@ if TYPE_CHECKING:
 class RunOptions:
     """The run"""
 
-    output_dir: Path = option(Path("output"), help="runs are written to OUTPUT_DIR/PROJECT_NAME")
+    output_dir: Path = option(
+        Path("output"),
+        help="runs are written to OUTPUT_DIR/PROJECT_NAME, a local folder (the caches may be in object storage; docs/object_storage.md)",
+        url_refusal="run folders in object storage are not supported yet (checkpoints, exports and logs are written as files); give a local "
+        "--output_dir and copy the run folder to the bucket (aws s3 sync, rclone; docs/object_storage.md)",
+    )
     project_name: str = option("sdxl_finetune", help="name of this run's folder inside --output_dir")
     set_seed: int | None = option(
         None,
@@ -246,7 +251,7 @@ class TrainConfig(
         )
 
 
-WEIGHTS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_OF_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def resolve_compute_dtype(name: str, device: torch.device, weights_dtype: str = "fp32") -> torch.dtype:
@@ -320,7 +325,8 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
             resolution=config.max_resolution or 1024, compute_dtype=compute_dtype, optimizer=config.optimizer,  # no cache read: SDXL's own size
             gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
             reduce_every_microbatch=reduce_every_microbatch, cpu_offload=config.cpu_offload, use_ema=config.use_ema, ema_on_cpu=config.ema_on_cpu,
-            weights_dtype=WEIGHTS_DTYPES[config.weights_dtype], train_text_encoder=config.train_text_encoder,
+            weights_dtype=DTYPE_OF_NAME[config.weights_dtype], train_text_encoder=config.train_text_encoder,
+            reduce_dtype=DTYPE_OF_NAME[config.reduce_dtype],
         )  # fmt: skip
         for reduce_every_microbatch in sorted(reductions, reverse=True)
     ]
@@ -338,4 +344,5 @@ def speed_settings(config: TrainConfig) -> SpeedSettings:
         compute_bytes=gpu_compute_dtype(config).itemsize,
         gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
         reduce_every_microbatch=reduce_every_microbatch(config, GPUS[config.gpu].memory_gib), gpu=config.gpu, interconnect=config.interconnect,
+        reduce_bytes=DTYPE_OF_NAME[config.reduce_dtype].itemsize,
     )  # fmt: skip

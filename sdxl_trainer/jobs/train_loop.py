@@ -31,17 +31,18 @@ def run_loop(run: Run) -> None:
             first_loss = result.loss  # read back, which waits for the update to finish: the time below is the device's too
             monitor.say(f"First update done in {time.perf_counter() - started:.1f} s (loss {first_loss:.4f}).")
         monitor.throughput.stop(update.images)
-        monitor.log_update(step.updates_done, update.epoch, result)
+        stop_agreed = monitor.log_update(step.updates_done, update.epoch, result, stop_requested=run.stop.requested)
         # Checked when the update's figures have been read (when the monitor logs), so the host never waits for them.
         if result.is_read and result.skipped_in_a_row >= config.max_consecutive_skipped_updates:
             raise SystemExit(stop_after_skipped_updates(run, update.position_after, result.skipped_in_a_row))
-        if run.stop.agreed():
+        if stop_agreed:  # a stop requested on any rank, agreed in the log's exchange: every rank stops after this update
             try:
                 checkpoint_dir = checkpointer.before_exit(update.position_after, even_without_save_state=True)
             except CheckpointError as error:
                 raise SystemExit(f"Stop requested at update {step.updates_done}, and the state could not be saved: {error}") from error
             monitor.say(f"Stopped on request after update {step.updates_done}. Resume with: --load_saved_state latest (or {checkpoint_dir}).")
             return
+        run.garbage.after_update(step.updates_done)
         checkpointer.after_update(update.position_after)
         last_update = step.updates_done == run.total_updates
         finished_epochs = update.epoch + 1 if update.ends_epoch else None

@@ -91,15 +91,24 @@ def encode_prompts(
 ) -> CaptionEmbeddings:
     """Captions -> SDXL's text conditioning by the chunk rule of this module's docstring, in fp32 on `device`.
     Gradients flow to the encoders where they are enabled (--train_text_encoder); wrap inference in torch.no_grad()."""
+    token_ids, token_counts = zip(*(chunked_token_ids(tokenizer, captions, chunks) for tokenizer in tokenizers))
+    prompt_embeds, pooled = encode_token_ids(text_encoders, [ids.to(device) for ids in token_ids], chunks)
+    return CaptionEmbeddings(prompt_embeds, pooled, list(token_counts[-1]))
+
+
+def encode_token_ids(
+    text_encoders: tuple[CLIPTextModel, CLIPTextModelWithProjection], token_ids: list[torch.Tensor], chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each encoder's (N x chunks, 77) token ids (chunked_token_ids) -> prompt embeddings (N, chunks x 77, 2048)
+    and pooled embeddings (N, 1280), in fp32 on the ids' device."""
     hidden_states = []
     pooled = None
-    token_counts: list[int] = []
-    for tokenizer, encoder in zip(tokenizers, text_encoders):
-        token_ids, token_counts = chunked_token_ids(tokenizer, captions, chunks)
-        output = encoder(token_ids.to(device), output_hidden_states=True)
-        hidden_states.append(output.hidden_states[-2].reshape(len(captions), chunks * TEXT_MAX_LENGTH, -1))
-        pooled = output[0].reshape(len(captions), chunks, -1)[:, 0]  # text_embeds of CLIPTextModelWithProjection (the last encoder)
-    return CaptionEmbeddings(torch.cat(hidden_states, dim=-1).float(), pooled.float(), token_counts)
+    for ids, encoder in zip(token_ids, text_encoders):
+        count = len(ids) // chunks
+        output = encoder(ids, output_hidden_states=True)
+        hidden_states.append(output.hidden_states[-2].reshape(count, chunks * TEXT_MAX_LENGTH, -1))
+        pooled = output[0].reshape(count, chunks, -1)[:, 0]  # text_embeds of CLIPTextModelWithProjection (the last encoder)
+    return torch.cat(hidden_states, dim=-1).float(), pooled.float()
 
 
 @dataclass

@@ -32,6 +32,19 @@ SDXL_UNET_CONFIG = dict(
     norm_num_groups=32,
 )
 
+# SDXL's UNet at a width a CPU trains in a second: every block, layer and parameter tensor of the published
+# architecture (1,680 tensors) at the tiny pipeline's widths (its text encoders' 32 + 48 channels, 8-wide time
+# ids), so it trains on the tiny pipeline's caches. What does not depend on the width (the operators an update
+# dispatches, its tensors, its collectives' calls) is SDXL's.
+NARROW_SDXL_UNET_CONFIG = {
+    **SDXL_UNET_CONFIG,
+    "block_out_channels": (32, 64, 128),
+    "attention_head_dim": (1, 2, 4),
+    "cross_attention_dim": 32 + 48,
+    "addition_time_embed_dim": 8,
+    "projection_class_embeddings_input_dim": 48 + 6 * 8,  # the pooled caption embedding, then 6 size ids
+}
+
 
 # stabilityai/stable-diffusion-xl-base-1.0 vae/config.json (the published architecture).
 SDXL_VAE_CONFIG = dict(
@@ -84,7 +97,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def clip_bpe_vocabulary() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """CLIP's vocabulary and BPE merges, derived from the BPE file that open_clip ships (found without
-    importing open_clip, which pulls in timm and wandb: 13 s of every tiny pipeline and memory estimate)."""
+    importing open_clip, which pulls in timm and wandb: seconds of every tiny pipeline and memory estimate)."""
     open_clip = importlib.util.find_spec("open_clip")
     if open_clip is None:
         raise ModuleNotFoundError("CLIP's BPE vocabulary comes with open_clip_torch: pip install -r requirements.txt")

@@ -3,6 +3,7 @@ epoch losses, throughput and every rank's peak memory."""
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from sdxl_trainer.config import option
-from sdxl_trainer.monitoring.memory_peaks import gather_floats, peak_memory_gib, peak_reserved_gib
+from sdxl_trainer.distributed.world import all_gather_floats
+from sdxl_trainer.monitoring.memory_peaks import peak_memory_gib, peak_reserved_gib
 from sdxl_trainer.monitoring.metrics_writer import MetricsWriter
 from sdxl_trainer.monitoring.throughput import Throughput
 from sdxl_trainer.training.step import UpdateResult
@@ -24,7 +26,12 @@ class LoggingOptions:
     """Logging"""
 
     log_dir: Path | None = option(None, help="TensorBoard folder; None = OUTPUT_DIR/PROJECT_NAME/tensorboard")
-    log_every_n_updates: int = option(1, help="write the training scalars every N updates (loss and gradient norm averaged over them)")
+    log_every_n_updates: int = option(
+        10,
+        help="write the training scalars every N updates (loss and gradient norm averaged over them; torchtitan's cadence): only these "
+        "updates read the GPU's figures back and exchange anything between the processes (peak memory, a stop request), so the others "
+        "never make the host wait, and a stop signal (SIGTERM, Ctrl-C) takes effect at the next of them",
+    )
     report_to_wandb: bool = option(False, help="also log scalars, sample grids and the config to Weights & Biases (run `wandb login` first, or set WANDB_MODE=offline)")
     wandb_project: str = option("sdxl_finetune", help="Weights & Biases project of the run (the run's name is --project_name)")
 
@@ -38,11 +45,12 @@ class TrainingMonitor:
 
     def __init__(self, metrics: MetricsWriter, total_updates: int, first_update: int, device: torch.device, is_main: bool, host_group: dist.ProcessGroup,
                  every_n_updates: int = 1):
-        """Scalars are written every `every_n_updates` updates: loss and gradient norm averaged over them,
-        the learning rate and counters as of the last one. `host_group`: a gloo group the allocator's peaks
-        are gathered over (CPU tensors: the GPU is never waited for)."""
+        """Scalars are written every `every_n_updates` updates and at the run's last one: loss and gradient norm
+        averaged over them, the learning rate and counters as of the last one. `host_group`: a gloo group the
+        log's exchange runs over (CPU tensors: the GPU is never waited for)."""
         self.metrics = metrics
         self.every_n_updates = every_n_updates
+        self.total_updates = total_updates
         self._unread: list[tuple[int, UpdateResult]] = []  # (update number, its figures still on the device)
         self._since_written: list[tuple[float, float]] = []  # loss and gradient norm of each update read since the last scalars
         self.throughput = Throughput()
@@ -59,16 +67,20 @@ class TrainingMonitor:
             tqdm.write(message)
             sys.stdout.flush()
 
-    def log_update(self, update: int, epoch: int, result: UpdateResult) -> None:
+    def log_update(self, update: int, epoch: int, result: UpdateResult, stop_requested: bool = False) -> bool:
         """Called after every update. Its figures stay on the device until the scalars are written (every
-        `every_n_updates` updates), when every update's since the last read come in one transfer: the host
-        never waits for the device in between. Collective then (every rank's peak memory is gathered)."""
+        `every_n_updates` updates and the last), when every update's since the last read come in one transfer: the host
+        never waits for the device in between. Collective then: one exchange over the host group gives every
+        rank's peak memory and whether any rank's stop was requested (`stop_requested`: this rank's), which it
+        returns; False on the updates that do not log, which exchange nothing."""
         self._unread.append((update, result))
         self.progress.update()
-        if update % self.every_n_updates == 0:
-            self._read_unread()
-            self._write_scalars(update, result)
-            self.progress.set_postfix(epoch=epoch + 1, loss=f"{result.loss:.4f}", img_s=f"{self.throughput.images_per_second:.2f}")
+        if update % self.every_n_updates != 0 and update != self.total_updates:
+            return False
+        self._read_unread()
+        stop_agreed = self._write_scalars(update, result, stop_requested)
+        self.progress.set_postfix(epoch=epoch + 1, loss=f"{result.loss:.4f}", img_s=f"{self.throughput.images_per_second:.2f}")
+        return stop_agreed
 
     def _read_unread(self) -> None:
         """The figures of the updates not read yet, in one transfer: into the averages of the next scalars and
@@ -82,13 +94,17 @@ class TrainingMonitor:
                 self.say(f"Warning: update {update} skipped: loss {result.loss}, gradient norm {result.grad_norm} (NaN/inf).")
         self._unread = []
 
-    def _write_scalars(self, update: int, last: UpdateResult) -> None:
+    def _write_scalars(self, update: int, last: UpdateResult, stop_requested: bool) -> bool:
+        """The scalars since the last ones, after the log's one exchange between the ranks; returns whether any
+        rank asked to stop."""
         losses, grad_norms = zip(*self._since_written)
         self._since_written = []
-        # The allocator's peaks are host-side counters: gathered over a gloo group, the GPU is never waited for.
-        memory = gather_floats(peak_memory_gib(self.device), torch.device("cpu"), self._host_group)
+        # Host-side values (the allocator's peak counters, the stop flag), gathered over a gloo group of CPU
+        # tensors: the GPU is never waited for.
         reserved = peak_reserved_gib(self.device)
-        reserved_by_rank = gather_floats(reserved, torch.device("cpu"), self._host_group) if reserved is not None else []
+        by_rank = all_gather_floats([peak_memory_gib(self.device), math.nan if reserved is None else reserved, float(stop_requested)], self._host_group)
+        memory = [row[0] for row in by_rank]
+        reserved_by_rank = [row[1] for row in by_rank] if reserved is not None else []
         self.metrics.scalars(
             {
                 "train/loss": float(np.mean(losses)),
@@ -102,6 +118,7 @@ class TrainingMonitor:
             },
             update,
         )
+        return any(row[2] for row in by_rank)
 
     def log_epoch(self, finished_epochs: int) -> None:
         """The epoch's mean loss over the updates that stepped (reads the updates not read yet)."""

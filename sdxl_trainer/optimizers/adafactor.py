@@ -8,11 +8,14 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from sdxl_trainer.optimizers.shards import _entries_per_group, _Entry, _row_shard_groups, _step_counts, _store_all, _sum_over_shards, fp32_zeros_like
+from sdxl_trainer.optimizers.shards import (
+    StepsIfFinite, _entries_per_group, _Entry, _row_shard_groups, _sum_over_shards, device_step_counts, fp32_zeros_like, zero_where_not_finite,
+)
+from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 from sdxl_trainer.distributed.local_shard import local_shard
 
 
-class Adafactor(torch.optim.Optimizer):
+class Adafactor(StepsIfFinite, torch.optim.Optimizer):
     """Adafactor (Shazeer & Stern 2018) with an explicit learning rate, no first moment and update clipping:
     the settings kohya sd-scripts users pass to transformers' Adafactor (relative_step=False,
     scale_parameter=False, warmup_init=False). Second moments of a weight with 2 or more dims are factored
@@ -22,9 +25,11 @@ class Adafactor(torch.optim.Optimizer):
 
     It steps each rank's local shards. FSDP2 splits dim 0, so the row statistics and the elementwise ops are
     local; what needs every row (the column means, the mean of the row statistics, the update's RMS) is
-    summed over the shards for all parameters of a group at once: two all-reduces and one host sync per
-    update, where DTensor ops made 3,268 all-reduces for SDXL's UNet (three per factored weight, one per
-    other parameter) and a host sync per parameter.
+    summed over the shards for all parameters of a group at once: two all-reduces per update, where DTensor
+    ops made three per factored weight and one per other parameter, and a host sync per parameter. Nothing
+    is read on the host: the step counts live on the device, and a skipped update (step(finite=...),
+    StepsIfFinite) is selected there (its gradients count as zeros, its moments' weight of the new is 0, and
+    the weights are kept).
     The update is computed twice, before and after its RMS is known, so no more than one parameter's update
     is held at a time."""
 
@@ -41,7 +46,7 @@ class Adafactor(torch.optim.Optimizer):
 
     @staticmethod
     def _new_state(param: torch.Tensor) -> dict:
-        state = {"step": torch.tensor(0.0)}
+        state = {"step": torch.zeros((), dtype=torch.float32, device=local_shard(param).device)}
         if param.ndim < 2:
             state["exp_avg_sq"] = fp32_zeros_like(param)
             return state
@@ -66,14 +71,21 @@ class Adafactor(torch.optim.Optimizer):
         return (grad.flatten(1) * (rows / row_mean).rsqrt()[:, None] * columns.rsqrt()[None, :]).view_as(grad)
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
+    def step(self, closure=None, *, finite: torch.Tensor | None = None):  # noqa: ARG002 - torch.optim signature
+        """The step, left undone (weights, moments, step counts) where `finite` (a bool scalar on the device) is
+        False; None: always."""
         for group, entries in _entries_per_group(self, self._new_state):
             shard_groups = {_row_shard_groups(entry.param) for entry in entries}
             if len(shard_groups) > 1:
                 raise ValueError("a param group mixes parameters sharded over different process groups: give each its own group")
             shard_group = shard_groups.pop()
-            steps = _step_counts(entries)
-            weights_of_new = [step ** group["decay_rate"] for step in steps]  # 1 - beta2 of this step
+            device = entries[0].weights.device
+            verdict = torch.ones((), dtype=torch.bool, device=device) if finite is None else finite.to(device)
+            if finite is not None:
+                zero_where_not_finite([entry.grad for entry in entries], verdict)
+            steps = device_step_counts(entries, verdict)
+            # 1 - beta2 of this step, for each entry; 0 where the update is skipped (the moments stay).
+            weights_of_new = torch.where(verdict, torch.stack([steps[entry.index] for entry in entries]).pow(group["decay_rate"]), 0.0)
 
             # Rows and unfactored moments are local: update them; sum each factored weight's squared gradient
             # over its columns' local rows, and its new row statistics, then over every shard in one all-reduce.
@@ -103,9 +115,14 @@ class Adafactor(torch.optim.Optimizer):
             numels = torch.tensor([float(entry.param.numel()) for entry in entries], device=squares.device)
             clip_divisors = ((squares.sqrt() / numels.sqrt()) / group["clip_threshold"]).clamp(min=1.0)
 
-            for entry, row_mean, clip_divisor, step in zip(entries, row_means, clip_divisors, steps):
+            for entry, row_mean, clip_divisor in zip(entries, row_means, clip_divisors):
                 update = self._update(entry, row_mean).div_(clip_divisor).mul_(group["lr"])
                 weights = entry.weights.float()
                 if group["weight_decay"]:
                     weights = weights * (1 - group["lr"] * group["weight_decay"])
-                _store_all([entry], [weights - update], [step])
+                # A skipped update's moments may still hold zeros (skipped first updates), whose update is not finite.
+                new_weights = torch.where(verdict, weights - update, entry.weights.float())
+                if entry.weights.dtype == torch.float32:
+                    entry.weights.copy_(new_weights)
+                else:
+                    store_weights(entry.weights, new_weights, rounding_key(steps[entry.index].long(), entry.index))

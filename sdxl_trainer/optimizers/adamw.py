@@ -14,9 +14,9 @@ class ShardAdamW(StepsIfFinite, torch.optim.AdamW):
     """torch's fused AdamW (torch.optim.adamw.adamw, fused=True) run on each rank's local shards, with torch
     AdamW's state (step, exp_avg, exp_avg_sq) and so its checkpoints. Called on DTensors, the same kernel
     first works out how each of its arguments is sharded, at a run's first update and again when a resume
-    sets up the state: 31.5 s of a CPU core over SDXL's 1,680 tensors, 1.0 s for the tiny UNet's 212
-    (benchmarks/bench_optimizer_step.py; 0.55 s and 0.07 s here). AdamW is elementwise, so the local
-    shards give the same values bit for bit. No amsgrad, no loss scaling (fp16 steps torch's AdamW)."""
+    sets up the state, which over SDXL's 1,680 tensors takes a CPU core far longer than the step itself
+    (benchmarks/bench_optimizer_step.py; docs/training.md, "Learning rate and optimizers"). AdamW is
+    elementwise, so the local shards give the same values bit for bit. No amsgrad, no loss scaling (fp16 steps torch's AdamW)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)

@@ -2,8 +2,8 @@
 
 torchao's AdamW8bit keeps Adam's two moments in 8 bits (dynamic-tree codes, one fp32 scale per 256
 values), steps DTensor shards and saves through DCP (docs/design.md §2), but its step runs one compiled
-call per parameter tensor: on these CPUs about 250 us of host work each, and SDXL's UNet has 1,680 tensors
-on every rank however many ranks share it. It also compiles one kernel per distinct shape, which made the
+call per parameter tensor, several times the host work per tensor of a multi-tensor step (measured on a
+CPU: docs/design.md §2), and SDXL's UNet has 1,680 tensors on every rank however many ranks share it. It also compiles one kernel per distinct shape, which made the
 quickstart's first update wait minutes.
 
 `AdamW8bit` keeps torchao's state objects and checkpoint layout as they are (a checkpoint written by either
@@ -29,13 +29,12 @@ from collections import defaultdict
 from typing import NamedTuple
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.subclass_8bit import OptimState8bit
 
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import StepsIfFinite, fp32_zeros_like, runs_of_at_most
-from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key
+from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key, runs_compiled
 
 # Values per chunk: the kernel's temporaries are about 16 bytes per value (270 MB at this size) and a
 # larger chunk saves little host time, as SDXL's UNet makes about 150 chunks on one GPU. A larger shard is a
@@ -78,12 +77,16 @@ def _adamw_update(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_dec
     return param, exp_avg, exp_avg_sq
 
 
-# Each kernel returns its inputs unchanged where `finite` (the update's verdict, a bool scalar on the device) is
-# False: the selection is fused into the kernel, which reads and writes every value anyway. Unchanged bf16
-# weights come back as their exact fp32 values, which stochastic rounding leaves as they are.
+# Each kernel writes the chunk's new state into its state buffers in place (inside the kernel: no copies
+# launched after it) and returns the new weights, leaving everything unchanged where `finite` (the update's
+# verdict, a bool scalar on the device) is False: the selection is fused into the kernel, which reads and
+# writes every value anyway. Unchanged bf16 weights come back as their exact fp32 values, which stochastic
+# rounding leaves as they are.
 def _adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step, finite):
     new_param, new_avg, new_avg_sq = _adamw_update(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step)
-    return torch.where(finite, new_param, param.float()), torch.where(finite, new_avg, exp_avg), torch.where(finite, new_avg_sq, exp_avg_sq)
+    exp_avg.copy_(torch.where(finite, new_avg, exp_avg))
+    exp_avg_sq.copy_(torch.where(finite, new_avg_sq, exp_avg_sq))
+    return torch.where(finite, new_param, param.float())
 
 
 def _step_8bit_moments(param, grad, avg_codes, avg_scale, sq_codes, sq_scale, signed_values, unsigned_values, lr, beta1, beta2, weight_decay, eps, step,
@@ -92,8 +95,9 @@ def _step_8bit_moments(param, grad, avg_codes, avg_scale, sq_codes, sq_scale, si
     exp_avg_sq = _dequantize(sq_codes, sq_scale, unsigned_values)
     new_param, exp_avg, exp_avg_sq = _adamw_update(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, step)
     new_states = (*_quantize(exp_avg, signed_values), *_quantize(exp_avg_sq, unsigned_values))
-    old_states = (avg_codes, avg_scale, sq_codes, sq_scale)
-    return (torch.where(finite, new_param, param.float()), *(torch.where(finite, new, old) for new, old in zip(new_states, old_states)))
+    for state, new in zip((avg_codes, avg_scale, sq_codes, sq_scale), new_states):
+        state.copy_(torch.where(finite, new, state))
+    return torch.where(finite, new_param, param.float())
 
 
 # Compiled once each with dynamic shapes: every chunk, whatever its length, runs the same kernel.
@@ -236,17 +240,15 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
         update, which keys their stochastic rounding."""
         beta1, beta2 = group["betas"]
         step_settings = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"], batch.step_counts[0], finite)
-        # torch.compile cannot trace under a dispatch mode (the memory estimate's fake tensors and trackers,
-        # estimates/fake_run.py): the same functions run eagerly there, their temporaries an upper bound.
-        eager = is_in_torch_dispatch_mode()
+        # torch.compile cannot trace under the memory estimate's fake tensors and trackers (estimates/fake_run.py):
+        # the same functions run eagerly there, their temporaries an upper bound.
+        eager = not runs_compiled()
         step_8bit_moments = _step_8bit_moments if eager else _compiled_step_8bit_moments
         adamw = _adamw if eager else _compiled_adamw
         for chunk_number, chunk in enumerate(batch.chunks, start=first_chunk):
             weights, grads = _flatten(chunk.weights), _flatten([local_shard(param.grad) for param in chunk.params])
             kernel = step_8bit_moments if batch.is_8bit else adamw
-            new_weights, *new_states = kernel(weights, grads, *chunk.states, *chunk.code_values, *step_settings)
-            for state, values in zip(chunk.states, new_states):
-                state.copy_(values)
+            new_weights = kernel(weights, grads, *chunk.states, *chunk.code_values, *step_settings)
             if chunk.weights[0].dtype == torch.bfloat16:
                 new_weights = round_to_bf16(new_weights, rounding_key(batch.step_counts[0].long(), chunk_number))  # the key made on the device
             _write_back(chunk.weights, new_weights)

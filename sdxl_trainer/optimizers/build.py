@@ -52,11 +52,11 @@ class OptimizerOptions:
 
 def build_optimizer(
     name: str, parameters: Iterable[torch.nn.Parameter] | list[dict], learning_rate: float, weight_decay: float, betas: tuple[float, float | None], eps: float,
-    loss_scaling: bool = False,
 ) -> torch.optim.Optimizer:
     """`parameters`: parameters, or param groups (dicts with their own "lr"). betas and eps apply to the
     AdamW variants; Lion uses betas; Adafactor uses neither. A beta2 of None takes the optimizer's default
-    (DEFAULT_BETA2). `loss_scaling`: fp16 training, stepped through a ShardedGradScaler."""
+    (DEFAULT_BETA2). Every optimizer here takes the update's verdict on the device (StepsIfFinite), also with
+    fp16's loss scaling (TrainStep)."""
     parameters = list(parameters)
     betas = (betas[0], DEFAULT_BETA2.get(name, 0.999) if betas[1] is None else betas[1])
     if name == "adamw8bit":
@@ -68,12 +68,7 @@ def build_optimizer(
             from sdxl_trainer.optimizers.adamw8bit import AdamWFp32Moments
 
             return AdamWFp32Moments(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
-        if not loss_scaling:
-            return ShardAdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
-        # With loss scaling the scaler hands a fused kernel its overflow flag, and ShardedGradScaler's (shape
-        # [1]) fails there ("output with shape [] doesn't match the broadcast shape [1]"): the scaler skips
-        # the multi-tensor step instead (over DTensors; its first update costs seconds more on a CPU).
-        return torch.optim.AdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
+        return ShardAdamW(parameters, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
     if name == "adafactor":
         return Adafactor(parameters, lr=learning_rate, weight_decay=weight_decay)
     if name == "lion":

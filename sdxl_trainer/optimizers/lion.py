@@ -3,26 +3,41 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Iterable
 
 import torch
 
 from sdxl_trainer.distributed.local_shard import local_shard
-from sdxl_trainer.optimizers.shards import _entries_per_group, _step_counts, _store_all, fp32_zeros_like, runs_of_at_most
+from sdxl_trainer.optimizers.shards import StepsIfFinite, _entries_per_group, _Entry, device_step_counts, fp32_zeros_like, runs_of_at_most
+from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 
-# Values per multi-tensor op: the step's temporaries are a few fp32 copies of the values it updates at once,
-# so it updates the parameters in runs of at most this many values (64 MB each in fp32), not all at once.
+# Values per chunk: the step's temporaries are a few fp32 copies of the values it updates at once, so it
+# updates the parameters in runs of at most this many values (64 MB each in fp32), not all at once.
 CHUNK_VALUES = 1 << 24
+_flatten = torch._C._nn.flatten_dense_tensors
+_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
-class Lion(torch.optim.Optimizer):
+def _lion(weights: torch.Tensor, grads: torch.Tensor, momenta: torch.Tensor, lr: float, beta1: float, beta2: float, weight_decay: float,
+          finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Lion update of flat fp32 values; weights and momenta come back unchanged where `finite` (the
+    update's verdict, a bool scalar on the device) is False."""
+    new_weights = weights * (1 - lr * weight_decay)
+    new_weights = torch.add(new_weights, momenta.lerp(grads, 1 - beta1).sign_(), alpha=-lr)
+    new_momenta = momenta.lerp(grads, 1 - beta2)
+    return torch.where(finite, new_weights, weights), torch.where(finite, new_momenta, momenta)
+
+
+class Lion(StepsIfFinite, torch.optim.Optimizer):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the update is the sign of an
     interpolation of momentum and gradient, so every weight moves by exactly lr. Use a 3-10x smaller
     learning rate and a 3-10x larger weight decay than with AdamW. Over bf16 weights the momentum stays
     fp32 and a step count (the key of the stochastic rounding) joins the state.
 
-    Every operation is elementwise, so it runs on each rank's local shards, many tensors per multi-tensor op:
-    on DTensors every op of every parameter cost a DTensor dispatch (SDXL's UNet has 1,680 parameters)."""
+    Every operation is elementwise, so it runs on each rank's local shards, concatenated into flat runs of many
+    tensors (on DTensors every op of every parameter cost a DTensor dispatch; SDXL's UNet has 1,680
+    parameters). A skipped update (step(finite=...), StepsIfFinite) is selected in those runs on the device."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
@@ -31,20 +46,32 @@ class Lion(torch.optim.Optimizer):
     def _new_state(param: torch.Tensor) -> dict:
         state = {"exp_avg": fp32_zeros_like(param)}
         if param.dtype != torch.float32:
-            state["step"] = torch.tensor(0.0)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local_shard(param).device)
         return state
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ARG002 - torch.optim signature
+    def step(self, closure=None, *, finite: torch.Tensor | None = None):  # noqa: ARG002 - torch.optim signature
+        """The step, left undone (weights, momenta, step counts) where `finite` (a bool scalar on the device) is
+        False; None: always. Nothing here reads a value from the device."""
         for group, entries in _entries_per_group(self, self._new_state):
             beta1, beta2 = group["betas"]
-            steps = dict(zip((entry.index for entry in entries), _step_counts(entries)))
-            for chunk in runs_of_at_most(entries, [entry.weights.numel() for entry in entries], CHUNK_VALUES):
-                grads = [entry.grad.float() for entry in chunk]
-                momenta = [local_shard(entry.state["exp_avg"]) for entry in chunk]
-                weights = torch._foreach_mul([entry.weights.float() for entry in chunk], 1 - group["lr"] * group["weight_decay"])
-                directions = torch._foreach_lerp(momenta, grads, 1 - beta1)
-                torch._foreach_sign_(directions)
-                torch._foreach_add_(weights, directions, alpha=-group["lr"])
-                _store_all(chunk, weights, [steps[entry.index] for entry in chunk])
-                torch._foreach_lerp_(momenta, grads, 1 - beta2)
+            by_kind: dict[tuple, list[_Entry]] = defaultdict(list)  # flattened together: one dtype and device each
+            for entry in entries:
+                by_kind[(entry.weights.dtype, entry.grad.dtype, entry.weights.device)].append(entry)
+            for kind_entries in by_kind.values():
+                device = kind_entries[0].weights.device
+                verdict = torch.ones((), dtype=torch.bool, device=device) if finite is None else finite.to(device)
+                steps = device_step_counts(kind_entries, verdict)
+                for chunk in runs_of_at_most(kind_entries, [entry.weights.numel() for entry in kind_entries], CHUNK_VALUES):
+                    momenta = [local_shard(entry.state["exp_avg"]) for entry in chunk]
+                    weights = [entry.weights for entry in chunk]
+                    new_weights, new_momenta = _lion(
+                        _flatten(weights).float(), _flatten([entry.grad for entry in chunk]).float(), _flatten(momenta), group["lr"], beta1, beta2,
+                        group["weight_decay"], verdict,
+                    )  # fmt: skip
+                    torch._foreach_copy_(momenta, _unflatten(new_momenta, momenta))
+                    if weights[0].dtype == torch.float32:
+                        torch._foreach_copy_(weights, _unflatten(new_weights, weights))
+                        continue
+                    for entry, values in zip(chunk, _unflatten(new_weights, weights)):
+                        store_weights(entry.weights, values, rounding_key(steps[entry.index].long(), entry.index))

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.distributed.local_shard import local_shard
-from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 
 
 class StepsIfFinite:
@@ -69,6 +68,10 @@ def _entries_per_group(optimizer: torch.optim.Optimizer, new_state) -> Iterable[
             yield group, entries
 
 
+# Values per run of zero_where_not_finite: its temporaries are two copies of the run's gradients.
+ZERO_RUN_VALUES = 1 << 24
+
+
 def runs_of_at_most(items: list, sizes: list[int], max_size: int) -> Iterable[list]:
     """Consecutive runs of `items` whose `sizes` add up to at most max_size (a larger item alone); the 8-bit
     AdamW step chunks its shards with it too."""
@@ -83,25 +86,26 @@ def runs_of_at_most(items: list, sizes: list[int], max_size: int) -> Iterable[li
         yield run
 
 
-def _step_counts(entries: list[_Entry]) -> list[float]:
-    """Each entry's step count after adding 1 (0 where its state keeps none), read with one host sync."""
+def device_step_counts(entries: list[_Entry], verdict: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Each entry's step count (by its index) after adding this update's verdict (1 where it steps, 0 where it
+    is skipped), on the device, for the entries whose state keeps one: no value is read on the host."""
     counts = [entry.state["step"] for entry in entries if "step" in entry.state]
-    if not counts:
-        return [0.0] * len(entries)
-    torch._foreach_add_(counts, 1)
-    read = iter(torch.stack(counts).tolist())
-    return [next(read) if "step" in entry.state else 0.0 for entry in entries]
+    if counts:
+        torch._foreach_add_(counts, verdict.to(counts[0].dtype))
+    return {entry.index: entry.state["step"] for entry in entries if "step" in entry.state}
 
 
-def _store_all(entries: list[_Entry], new_values: list[torch.Tensor], steps: list[float]) -> None:
-    """The optimizer's fp32 results into the weights: copied into fp32 ones, rounded stochastically into bf16
-    ones (keyed by step count and parameter number)."""
-    fp32 = [(entry.weights, values) for entry, values in zip(entries, new_values) if entry.weights.dtype == torch.float32]
-    if fp32:
-        torch._foreach_copy_(*(list(tensors) for tensors in zip(*fp32)))
-    for entry, values, step in zip(entries, new_values, steps):
-        if entry.weights.dtype != torch.float32:
-            store_weights(entry.weights, values, rounding_key(int(step), entry.index))
+def zero_where_not_finite(grads: list[torch.Tensor], verdict: torch.Tensor) -> None:
+    """The gradients set to zero, in place, where the update's verdict (a bool scalar on their device) is False:
+    an optimizer that keeps its state by giving the new values a weight of 0 needs finite values to weigh.
+    In flat runs of one dtype, one selection each."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same_dtype in by_dtype.values():
+        for run in runs_of_at_most(same_dtype, [grad.numel() for grad in same_dtype], ZERO_RUN_VALUES):
+            flat = torch._C._nn.flatten_dense_tensors(run)
+            torch._foreach_copy_(run, torch._C._nn.unflatten_dense_tensors(torch.where(verdict, flat, 0.0), run))
 
 
 def fp32_zeros_like(param: torch.Tensor) -> torch.Tensor:

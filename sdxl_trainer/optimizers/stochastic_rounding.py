@@ -15,7 +15,7 @@ step count and the tensor or chunk it rounds (rounding_key).
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 
 from sdxl_trainer.distributed.local_shard import local_shard
 
@@ -42,24 +42,35 @@ def rounding_key(step: int | torch.Tensor, stream: int) -> int | torch.Tensor:
 
 
 def _round_to_bf16(values: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    position = torch.arange(values.numel(), device=values.device, dtype=torch.int64).view(values.shape)
+    """`values`: 1-D, contiguous fp32 (round_to_bf16 makes it so)."""
+    position = torch.arange(values.numel(), device=values.device, dtype=torch.int64)
     random_bits = (_mix32(position ^ key) & ((1 << _DISCARDED_BITS) - 1)).to(torch.int32)
     # Adding uniform random bits below the kept ones carries into the kept part with probability equal to
     # the discarded fraction; a negative float's bits are sign + magnitude, so its magnitude rounds the
     # same way. The largest finite fp32 plus the bits stays below 2^31, so the sum cannot overflow.
-    bits = (values.float().contiguous().view(torch.int32) + random_bits) & _KEPT_BITS_MASK
+    bits = (values.view(torch.int32) + random_bits) & _KEPT_BITS_MASK
     return bits.view(torch.float32).to(torch.bfloat16)  # exact: the discarded bits are zero
 
 
 _compiled_round_to_bf16 = torch.compile(_round_to_bf16, dynamic=True, fullgraph=True)
 
 
+def runs_compiled() -> bool:
+    """Whether torch.compile compiles here: not under a dispatch mode that sees every operator (the memory
+    estimate's fake tensors and trackers), where Dynamo would run the function eagerly anyway; a mode that
+    ignores compile internals (the host-work count) leaves compiled code compiled."""
+    return not any_torch_dispatch_mode_on_stack()
+
+
 def round_to_bf16(values: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
     """`values` rounded stochastically to bf16, the random bits fixed by `key` (rounding_key) and each
-    value's position. Compiled (one kernel for every length), eager under a dispatch mode (the memory
-    estimate's fake tensors cannot be compiled)."""
-    round_fn = _round_to_bf16 if is_in_torch_dispatch_mode() else _compiled_round_to_bf16
-    return round_fn(values, torch.as_tensor(key, dtype=torch.int64, device=values.device))
+    value's position (in row-major order). Compiled where runs_compiled() says so, else eager: the compiled
+    function sees one kind of input, a 1-D contiguous fp32 tensor of any length, so every caller's tensors
+    share one graph (each dimensionality, dtype or layout would be a graph of its own, and a process that
+    rounds many kinds would run past Dynamo's recompile limit, a hard error under fullgraph)."""
+    round_fn = _compiled_round_to_bf16 if runs_compiled() else _round_to_bf16
+    flat = values.float().contiguous().view(-1).detach()  # detached: no view base for Dynamo to guard on
+    return round_fn(flat, torch.as_tensor(key, dtype=torch.int64, device=values.device)).view(values.shape)
 
 
 def store_weights(weights: torch.Tensor, new_values: torch.Tensor, key: int) -> None:

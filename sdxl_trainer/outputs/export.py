@@ -22,6 +22,7 @@ from sdxl_trainer.models.single_file import SDXL_CONFIG_SOURCE, hf_clip_names, l
 from sdxl_trainer.runtime.files import make_shareable, write_error_reason
 
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+HUB_CACHE_PREFIX = "models--"  # a model's folder in the Hugging Face cache: models--ORG--NAME
 
 @dataclass(kw_only=True)
 class ExportOptions:
@@ -132,6 +133,18 @@ class Exporter:
             self.export(self.run_dir / "pipeline")
 
 
+def known_model_name(name_or_path: str) -> str:
+    """A model as users know it: a Hugging Face model id as it is, a local file or folder by its name, a folder
+    of the Hugging Face cache (.../models--ORG--NAME/snapshots/REVISION) by its model id ORG/NAME."""
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        return name_or_path
+    path = Path(os.path.abspath(path))  # "." and a trailing slash named, symbolic links kept as the user named them
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith(HUB_CACHE_PREFIX):
+        return path.parent.parent.name.removeprefix(HUB_CACHE_PREFIX).replace("--", "/", 1)
+    return path.name
+
+
 def save_pipeline(
     trained_weights: ComponentWeights,
     base_model: str,
@@ -169,6 +182,10 @@ def save_pipeline(
     # Caption dropout trained the encoded empty caption (as kohya, SimpleTuner and ComfyUI use it), so the
     # pipeline must encode "" too when no negative prompt is given, not substitute zeros (diffusers' default).
     pipeline.register_to_config(force_zeros_for_empty_prompt=False)
+    # diffusers records where each part was loaded from: this machine's paths, which mean nothing to whoever
+    # gets the export. Recorded instead: the names users know the base model (and a replaced VAE) by.
+    for part, source in ((pipeline, base_model), (pipeline.unet, base_model), (pipeline.vae, vae_name_or_path or base_model)):
+        part.register_to_config(_name_or_path=known_model_name(source))
     if output_dir is not None:
         _save_folder(pipeline, output_dir, fp16_variant=save_precision == "fp16")
     if single_file is not None:

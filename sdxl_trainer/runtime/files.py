@@ -23,7 +23,7 @@ SHAREABLE_MODE = 0o666 & ~_UMASK
 def _is_checkpoint_exception(error: BaseException) -> bool:
     """DCP's CheckpointException (every rank's error of a collective save or load). Looked up, not imported:
     one exists only where DCP is loaded, and importing DCP would cost the caching script's dry run or refused
-    start 2.6 s of CPU."""
+    start seconds of CPU."""
     checkpoint_api = sys.modules.get("torch.distributed.checkpoint.api")
     return checkpoint_api is not None and isinstance(error, checkpoint_api.CheckpointException)
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
-from sdxl_trainer.config import option
+from sdxl_trainer.config import URL, option
 from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.state.checkpoint_layout import ABANDONED_PREFIX, CHECKPOINT_NAME, CheckpointError
 from sdxl_trainer.state.checkpoints_folder import (
@@ -45,8 +45,9 @@ class CheckpointOptions:
 
     save_state: bool = option(
         True,
-        help="save resumable training state (sharded UNet, optimizer, EMA, LR schedule, data position, RNG) to "
-        "OUTPUT_DIR/PROJECT_NAME/checkpoints at epoch saves, every --save_state_every_n_updates, on SIGTERM/SIGINT and at the end",
+        help="save resumable training state (sharded UNet, optimizer, EMA, update count, data position, RNG; not the LR schedule: "
+        "the rate follows from the update count and the resuming run's flags) to OUTPUT_DIR/PROJECT_NAME/checkpoints at epoch "
+        "saves, every --save_state_every_n_updates, on SIGTERM/SIGINT and at the end",
     )
     save_state_every_n_updates: int = option(0, help="also save state every N optimizer updates (0 = off); with week-long epochs, set this")
     checkpoints_total_limit: int = option(
@@ -81,7 +82,12 @@ class CheckpointOptions:
         for name in ("save_state_every_n_updates", "checkpoints_total_limit"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0 (0 turns it off)")
-        if self.load_saved_state not in (None, "latest") and not Path(self.load_saved_state).is_dir():
+        if self.load_saved_state is not None and URL.match(self.load_saved_state):
+            problems.append(
+                f"--load_saved_state {self.load_saved_state}: checkpoints in object storage are not read; copy the run folder to a local one "
+                "(aws s3 sync, rclone) and resume from there (docs/object_storage.md)"
+            )
+        elif self.load_saved_state not in (None, "latest") and not Path(self.load_saved_state).is_dir():
             problems.append(f"--load_saved_state {self.load_saved_state} is not a folder: give a checkpoint folder (OUTPUT_DIR/PROJECT_NAME/checkpoints/update_N) or 'latest'")
         if self.load_saved_state == "latest" and self.overwrite_run:
             problems.append("--overwrite_run starts the run over, --load_saved_state latest continues it: give one of them")

@@ -32,7 +32,7 @@ import torch
 from sdxl_trainer.cache.format import captions_in
 from sdxl_trainer.config import option
 from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
-from sdxl_trainer.models.encoders import encode_prompts
+from sdxl_trainer.models.encoders import chunked_token_ids, encode_prompts, encode_token_ids
 
 if TYPE_CHECKING:
     from sdxl_trainer.models.encoders import TextSide
@@ -129,6 +129,37 @@ def vary_caption(text: str, rng: np.random.Generator, variation: CaptionVariatio
     return f"{TAG_SEPARATOR} ".join(kept + rest)
 
 
+# The batch keys of each tokenizer's chunked token ids of the step's captions (CaptionDraws adds them).
+TOKEN_IDS_KEYS = ("caption_token_ids", "caption_token_ids_2")
+
+
+class CaptionDraws:
+    """This step's caption variation of every sample, as both tokenizers' chunked token ids added to the batch:
+    run where the batch is read (the DataLoader workers, training/stream.py), so the step neither tokenizes nor
+    reads the sample indices, and the ids reach the device in the batch's pinned, non-blocking copy."""
+
+    def __init__(self, tokenizers: tuple, captions: list[str], variation_of: Callable[[int], CaptionVariation], run_seed: int, chunks: int,
+                 framing: Callable[[int, str], str]):
+        self.tokenizers = tokenizers
+        self.captions = captions  # manifest text of every dataset item
+        self.variation_of = variation_of
+        self.run_seed = run_seed
+        self.chunks = chunks
+        self.framing = framing
+
+    def captions_for(self, sample_indices: list[int], epoch: int) -> list[str]:
+        """This epoch's caption of each sample (of item sample % dataset size, data.CachedDataset)."""
+        items = [sample % len(self.captions) for sample in sample_indices]
+        return [
+            self.framing(item, vary_caption(self.captions[item], caption_generator(self.run_seed, epoch, sample), self.variation_of(item)))
+            for item, sample in zip(items, sample_indices)
+        ]
+
+    def __call__(self, batch: dict[str, torch.Tensor], epoch: int) -> dict[str, torch.Tensor]:
+        captions = self.captions_for(batch["sample_index"].tolist(), epoch)
+        return {**batch, **{key: chunked_token_ids(tokenizer, captions, self.chunks)[0] for key, tokenizer in zip(TOKEN_IDS_KEYS, self.tokenizers)}}
+
+
 class StepCaptionEncoder:
     """Replaces a microbatch's cached caption embeddings by the encoding of this step's caption variations.
 
@@ -139,32 +170,31 @@ class StepCaptionEncoder:
     def __init__(self, text_side: TextSide, captions: list[str], variation: CaptionVariation | Callable[[int], CaptionVariation], run_seed: int,
                  chunks: int, device: torch.device, trains: bool = False, framing: Callable[[int, str], str] | None = None):
         self.tokenizers, self.text_encoders = text_side
-        self.captions = captions  # manifest text of every dataset item
         # (item index, caption) -> the caption with its cache's prefix and suffix (CachedDataset.framed), added after
-        # the variation so that a trigger word is never shuffled or dropped
-        self.framing = framing or (lambda _item, caption: caption)
-        # item index -> its tag variation (one for all items, or its cache's: --dataset_shuffle_caption and the like)
-        self.variation_of = variation if callable(variation) else lambda _item: variation
-        self.run_seed = run_seed
+        # the variation so that a trigger word is never shuffled or dropped; item index -> its tag variation (one
+        # for all items, or its cache's: --dataset_shuffle_caption and the like)
+        self.draws = CaptionDraws(
+            self.tokenizers, captions, variation if callable(variation) else lambda _item: variation, run_seed, chunks,
+            framing or (lambda _item, caption: caption),
+        )  # fmt: skip
+        self.captions = captions
         self.chunks = chunks
         self.device = device
         self.trains = trains
-
-    def captions_for(self, sample_indices: list[int], epoch: int) -> list[str]:
-        """This epoch's caption of each sample (of item sample % dataset size, data.CachedDataset)."""
-        items = [sample % len(self.captions) for sample in sample_indices]
-        return [
-            self.framing(item, vary_caption(self.captions[item], caption_generator(self.run_seed, epoch, sample), self.variation_of(item)))
-            for item, sample in zip(items, sample_indices)
-        ]
+        # The empty caption's token ids, made once (caption dropout's, encoded by trained encoders in every step).
+        self._empty_ids = [chunked_token_ids(tokenizer, [""], chunks)[0].to(device) for tokenizer in self.tokenizers] if trains else []
 
     def __call__(self, batch: dict[str, torch.Tensor], epoch: int) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
         """The batch with this step's caption embeddings, and the empty caption as the trained encoders encode
-        it now (None when they are frozen: the cached one stands)."""
-        captions = self.captions_for(batch["sample_index"].tolist(), epoch) + ([""] if self.trains else [])
+        it now (None when they are frozen: the cached one stands). A batch without the token ids (one that did
+        not come through the data stream) has them drawn here."""
+        if TOKEN_IDS_KEYS[0] not in batch:
+            batch = {**batch, **{key: ids.to(self.device) for key, ids in self.draws(batch, epoch).items() if key in TOKEN_IDS_KEYS}}
+        token_ids = [batch[key] for key in TOKEN_IDS_KEYS]
+        if self.trains:
+            token_ids = [torch.cat([ids, empty]) for ids, empty in zip(token_ids, self._empty_ids)]
         with torch.set_grad_enabled(self.trains and torch.is_grad_enabled()):
-            encoded = encode_prompts(self.tokenizers, self.text_encoders, captions, self.chunks, self.device)
-        embeds, pooled = encoded.prompt_embeds, encoded.pooled_prompt_embeds
+            embeds, pooled = encode_token_ids(self.text_encoders, token_ids, self.chunks)
         empty = (embeds[-1], pooled[-1]) if self.trains else None
         if self.trains:
             embeds, pooled = embeds[:-1], pooled[:-1]
@@ -175,6 +205,6 @@ class StepCaptionEncoder:
         """The batch with its items' first captions as the encoders encode them now, unvaried (validation
         loss with trained encoders: the caption the cached embeddings hold, through the current weights)."""
         items = [sample % len(self.captions) for sample in batch["sample_index"].tolist()]
-        captions = [self.framing(item, captions_in(self.captions[item])[0]) for item in items]
+        captions = [self.draws.framing(item, captions_in(self.captions[item])[0]) for item in items]
         encoded = encode_prompts(self.tokenizers, self.text_encoders, captions, self.chunks, self.device)
         return {**batch, "prompt_embeds": encoded.prompt_embeds, "pooled_prompt_embeds": encoded.pooled_prompt_embeds}

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.config import option
-from sdxl_trainer.distributed.fsdp import parameter_names
+from sdxl_trainer.distributed.fsdp import parameter_names, reshard_units
 from sdxl_trainer.distributed.local_shard import local_shard
 
 
@@ -44,13 +44,32 @@ def _laid_out_like(parameter: torch.Tensor, shard: torch.Tensor) -> torch.Tensor
 
 
 class ShardedEMA:
+    """An exponential moving average of the trained weights, each rank keeping its own shards' (fp32).
+
+    With on_cpu the average lives in host memory: each update's weights are copied there without waiting
+    (into pinned staging buffers on a GPU machine, with the verdict beside them) and averaged in at the next
+    update, or when the average is read, by which time the copies are long done: the host never waits for
+    the update to finish, where a blocking copy of every shard would have made it wait at every update."""
+
     def __init__(self, model: nn.Module, decay: float, on_cpu: bool):
         self.decay = decay
         self.updates = 0
+        self.on_cpu = on_cpu
         self.names = parameter_names(model)  # as the state dict names them (no checkpoint-wrapper prefix)
         self.parameters = [parameter for _, parameter in model.named_parameters()]
+        self.model = model
         device = torch.device("cpu") if on_cpu else None
         self.shadow = [local_shard(parameter).detach().to(device=device, dtype=torch.float32, copy=True) for parameter in self.parameters]
+        pinned = on_cpu and torch.cuda.is_available()
+        # with on_cpu: the last update's weights and verdict on the host, not averaged in yet (_average_staged)
+        self._staged = [torch.empty_like(local_shard(parameter), device="cpu", pin_memory=pinned) for parameter in self.parameters] if on_cpu else []
+        self._staged_verdict = torch.ones((), dtype=torch.bool, pin_memory=pinned)
+        self._staged_weight_of_new: float | None = None  # None: nothing staged
+        self._staged_copied = None  # a CUDA event after the copies, on a GPU machine
+
+    def bytes_held(self) -> int:
+        """This rank's memory for the average: its fp32 shards, and with on_cpu the staged weights beside them."""
+        return sum(tensor.numel() * tensor.element_size() for tensor in (*self.shadow, *self._staged))
 
     def current_decay(self) -> float:
         """Warm-up: (1 + n) / (10 + n) caps the decay early on, so the average is not dominated by the
@@ -61,24 +80,51 @@ class ShardedEMA:
     def update(self, finite: torch.Tensor | None = None) -> None:
         """Average in the current weights. `finite`: the update's verdict as a bool scalar on the device (TrainStep
         decides a skip there); where False the average stays as it is. The warm-up counts every update seen,
-        skipped ones too, so the host never reads the verdict (with --ema_on_cpu the weights' copy to the host
-        waits for the device anyway)."""
+        skipped ones too, so the host never reads the verdict."""
         weight_of_new = 1 - self.current_decay()
-        current = [local_shard(parameter).detach().to(shadow.device, torch.float32) for parameter, shadow in zip(self.parameters, self.shadow)]
+        self.updates += 1
+        if self.on_cpu:
+            self._average_staged()
+            self._stage(weight_of_new, finite)
+            return
+        current = [local_shard(parameter).detach().float() for parameter in self.parameters]
         if finite is None:
             torch._foreach_lerp_(self.shadow, current, weight_of_new)
         else:
             # The same fp32 weight as the scalar's where finite, 0 (the average unchanged) where not.
-            torch._foreach_lerp_(self.shadow, current, finite.to(self.shadow[0].device, torch.float32) * weight_of_new)
-        self.updates += 1
+            torch._foreach_lerp_(self.shadow, current, finite.to(torch.float32) * weight_of_new)
+
+    def _stage(self, weight_of_new: float, finite: torch.Tensor | None) -> None:
+        """This update's weights and verdict copied to the host, queued behind the update (non-blocking)."""
+        torch._foreach_copy_(self._staged, [local_shard(parameter).detach() for parameter in self.parameters], non_blocking=True)
+        if finite is None:
+            self._staged_verdict.fill_(True)
+        else:
+            self._staged_verdict.copy_(finite, non_blocking=True)
+        self._staged_weight_of_new = weight_of_new
+        if torch.cuda.is_available():
+            self._staged_copied = torch.cuda.Event()
+            self._staged_copied.record()
+
+    def _average_staged(self) -> None:
+        """The staged update averaged in (with on_cpu): after its copies, queued an update or more ago."""
+        if self._staged_weight_of_new is None:
+            return
+        if self._staged_copied is not None:
+            self._staged_copied.synchronize()
+        current = [staged.float() for staged in self._staged]
+        torch._foreach_lerp_(self.shadow, current, self._staged_verdict.to(torch.float32) * self._staged_weight_of_new)
+        self._staged_weight_of_new = None
 
     def state_dict(self) -> dict:
         """"weights": parameter name -> EMA weights as a DTensor laid out like the parameter (DCP saves and
         reshards them; with on_cpu they sit on the CPU), and "updates": how many updates it has seen."""
+        self._average_staged()
         weights = {name: _laid_out_like(parameter, shadow) for name, parameter, shadow in zip(self.names, self.parameters, self.shadow)}
         return {"weights": weights, "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
+        self._staged_weight_of_new = None
         for name, shadow in zip(self.names, self.shadow):
             shadow.copy_(local_shard(state["weights"][name]))
         self.updates = state["updates"]
@@ -87,7 +133,10 @@ class ShardedEMA:
     def weights_in_model(self) -> Iterator[None]:
         """The EMA weights in the model's own parameters for the block (to score the weights that get
         exported); the trained weights come back afterwards, bit for bit. Not collective: each rank swaps
-        its own shards. Costs one more copy of this rank's shards while it lasts."""
+        its own shards. Costs one more copy of this rank's shards while it lasts. FSDP2 units still gathered
+        (after a forward without backward) are resharded at both ends, so no gathered copy outlives the swap."""
+        self._average_staged()
+        reshard_units(self.model)
         with torch.no_grad():
             trained = [local_shard(parameter).detach().to(shadow.device, copy=True) for parameter, shadow in zip(self.parameters, self.shadow)]
             for parameter, shadow in zip(self.parameters, self.shadow):
@@ -95,12 +144,14 @@ class ShardedEMA:
         try:
             yield
         finally:
+            reshard_units(self.model)
             with torch.no_grad():
                 for parameter, weights in zip(self.parameters, trained):
                     local_shard(parameter).copy_(weights)
 
     def full_state_dict_on_rank0(self, is_main: bool) -> dict[str, torch.Tensor]:
         """The full EMA UNet in CPU memory of rank 0 ({} elsewhere), gathered one tensor at a time."""
+        self._average_staged()
         full = {}
         for name, parameter, shadow in zip(self.names, self.parameters, self.shadow):
             gathered = _laid_out_like(parameter, shadow.to(local_shard(parameter).device))

@@ -85,7 +85,7 @@ class ItemKeys(Sequence[str]):
     """Each item's name, "<cache position>/<image content hash>/<image path>": one that survives moving the cache
     and re-merging its manifest. Kept as its three parts in columns (positions in numpy, the hex hashes as text
     or as their bytes, the paths in Arrow) and ordered, fingerprinted and searched with Arrow's kernels: as a
-    list of Python strings, ten million names took 1.7 GiB. Sorting the columns (the position as text, then the
+    list of Python strings, ten million names took gigabytes on every rank. Sorting the columns (the position as text, then the
     hash, then the path) orders the names as sorting the joined strings does, since a '/' sorts below every
     digit and every hex letter (and a hash's bytes sort as its hex text does)."""
 

@@ -22,6 +22,7 @@ random strengths once per batch; here each sample draws its own, so they too fol
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -110,3 +111,16 @@ def drawn_randomness(batch: dict[str, torch.Tensor]) -> SampleRandomness:
 def drawn_strength(generator: np.random.Generator, strength: float, at_random: bool) -> float:
     """`strength`, or with `at_random` strength * U(0, 1) from the sample's generator (kohya's torch.rand(1) * strength)."""
     return strength * float(generator.random()) if at_random else strength
+
+
+@dataclass(frozen=True)
+class DrawsInTurn:
+    """Several draws made on the same batch, each after the one before (SampleDraws, then caption mode's
+    CaptionDraws), where the batch is read."""
+
+    draws: tuple[Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]], ...]
+
+    def __call__(self, batch: dict[str, torch.Tensor], epoch: int) -> dict[str, torch.Tensor]:
+        for draw in self.draws:
+            batch = draw(batch, epoch)
+        return batch

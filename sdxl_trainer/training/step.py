@@ -8,9 +8,9 @@ batches are spent and the schedule moves on, so the epoch plan, the schedule's l
 exactly those of a run without the fault (a retry would have to redraw data the plan has used). The
 trainer stops (after saving state) when too many updates in a row are skipped.
 
-The skip is decided on the device for the AdamW optimizers (StepsIfFinite): the host queues the next update
-without waiting for this one, and reads an update's figures (UpdateResult) only when it logs them. Lion,
-Adafactor and fp16's loss scaler decide on the host: one read per update.
+The skip is decided on the device (every optimizer here takes the verdict: StepsIfFinite; with fp16 the
+verdict covers the loss scaler's overflow check too): the host queues the next update without waiting for
+this one, and reads an update's figures (UpdateResult) only when the monitor logs them.
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ class StepOptions:
         10, help="stop (after saving state) when this many updates in a row have a NaN/inf loss or gradient and are skipped "
         "(checked when the scalars are written, every --log_every_n_updates)",
     )
+    gc_every_n_updates: int = option(
+        50,
+        help="Python's automatic garbage collection is off during training; every rank collects together after every N updates "
+        "instead (an automatic collection would pause one rank inside an update while the others wait for it); 0 = automatic",
+    )
     gradient_reduction: Literal["auto", "every_microbatch", "once_per_update"] = option(
         "auto",
         help="when accumulated gradients are reduce-scattered: once_per_update (least communication; FSDP2 holds the full "
@@ -62,6 +67,8 @@ class StepOptions:
             problems.append("--max_grad_norm must be >= 0 (0 turns clipping off)")
         if self.max_consecutive_skipped_updates < 1:
             problems.append("--max_consecutive_skipped_updates must be at least 1")
+        if self.gc_every_n_updates < 0:
+            problems.append("--gc_every_n_updates must be >= 0 (0 = Python's automatic garbage collection)")
         return problems
 
 
@@ -133,11 +140,16 @@ class TrainStep:
         ema: ShardedEMA | None = None,
         reduce_every_microbatch: bool = False,
         caption_encoder: StepCaptionEncoder | None = None,
+        gather_once_per_update: bool = False,
     ):
         """unet: FSDP2-sharded, or a plain module on one process (parallel.prepare_unet).
         reduce_every_microbatch (sharded UNets): reduce-scatter gradients after every microbatch (sharded gradients only:
         less memory, more communication) instead of once per update (FSDP2 then holds the full unsharded
-        fp32 gradient, 10.3 GB for SDXL, on every GPU until the last microbatch)."""
+        fp32 gradient on every GPU until the last microbatch).
+        gather_once_per_update (sharded UNets that keep their weights gathered from forward to backward,
+        --no-reshard_after_forward): keep them gathered from one microbatch to the next too, so each unit is
+        gathered once per update instead of once per microbatch; the peak memory is the same, as every
+        microbatch already holds them all at once."""
         self.unet = unet
         self.optimizer = optimizer
         self.learning_rate = learning_rate
@@ -151,6 +163,7 @@ class TrainStep:
         self.scaler = scaler
         self.ema = ema
         self.reduce_every_microbatch = reduce_every_microbatch
+        self.gather_once_per_update = gather_once_per_update
         self.caption_encoder = caption_encoder  # caption mode: encode this step's caption variations (captions.py)
         # With --train_text_encoder the encoders are trained too: clipping sees every trained gradient.
         self.trained_parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
@@ -160,8 +173,9 @@ class TrainStep:
 
     @property
     def skips_on_device(self) -> bool:
-        """Whether the optimizer is told the update's verdict on the device instead of being stepped or not."""
-        return self.scaler is None and isinstance(self.optimizer, StepsIfFinite)
+        """Whether the optimizer is told the update's verdict on the device instead of being stepped or not
+        (every optimizer of optimizers/build.py is; a torch optimizer is not)."""
+        return isinstance(self.optimizer, StepsIfFinite)
 
     @property
     def skipped_updates(self) -> int:
@@ -195,9 +209,12 @@ class TrainStep:
         device = microbatches[0]["latents"].device
         loss_sum = torch.zeros((), device=device)
         for index, batch in enumerate(microbatches):
+            last = index == len(microbatches) - 1
             for module in self.sharded_modules:
                 # FSDP2 reduce-scatters gradients only when this is True; before that they accumulate unsharded.
-                module.set_requires_gradient_sync(self.reduce_every_microbatch or index == len(microbatches) - 1, recurse=False)
+                module.set_requires_gradient_sync(self.reduce_every_microbatch or last, recurse=False)
+                if self.gather_once_per_update:
+                    module.set_reshard_after_backward(last, recurse=False)
             empty_prompt = self.empty_prompt
             if NOISE_KEY not in batch:  # a batch that did not come through the data stream, which draws in its workers
                 batch = self.draws(batch, epoch)
@@ -219,8 +236,10 @@ class TrainStep:
         learning_rate = self.learning_rate(self.updates_done)
         set_learning_rate(self.optimizer, learning_rate)
         if self.skips_on_device:
+            # With fp16, the unscaled gradients' norm is not finite wherever the scaler found an overflow, so the
+            # verdict covers its found_inf too; its update() below lowers the scale from what unscale_ recorded.
             self.optimizer.step(finite=finite)
-        elif bool(finite):  # the host decides: a read from the device
+        elif bool(finite):  # an optimizer that cannot take the verdict: the host decides, a read from the device
             if self.scaler:
                 self.scaler.step(self.optimizer)
             else:
@@ -242,11 +261,11 @@ class TrainStep:
 def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm) on each rank's local shards: the squared norms of a rank's
     shards are summed and all-reduced once over the ranks that hold different shards, and each shard is
-    scaled in place. Same norm and gradients as torch's (tests/test_train_step*.py, test_hsdp.py), where
-    torch's works out the sharding of every foreach op over the DTensors on the host: on 2 CPU processes
-    over SDXL's 1,680 tensors 53-57 ms per update against 24 ms, and 10-13 s on a process's first update
-    against 0.03 s (benchmarks/bench_optimizer_step.py --sdxl_tensor_count --sharded).
-    Returns the norm before clipping; with max_norm inf it only measures."""
+    scaled in place. Same norm and gradients as torch's (tests/training/test_train_step.py,
+    tests/distributed/test_hsdp.py), where torch's works out the sharding of every foreach op over the
+    DTensors on the host, which costs it more per update and most on a process's first update (what
+    bench_optimizer_step.py --sdxl_tensor_count --sharded showed: docs/training.md, "Batches, data order and
+    run length"). Returns the norm before clipping; with max_norm inf it only measures."""
     grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
     layouts = {(grad.device_mesh, grad.placements) for grad in grads if isinstance(grad, DTensor)}
     assert len(layouts) <= 1 and (not layouts or all(isinstance(grad, DTensor) for grad in grads)), f"gradients in several layouts: {layouts}"

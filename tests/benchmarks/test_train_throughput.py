@@ -1,6 +1,8 @@
-"""CPU smoke test of benchmarks/train_throughput.py on the tiny SDXL UNet: the batch x checkpointing sweep on
-1 process (trainer next to the plain reference loop) and one configuration on 2 processes (FSDP2 over gloo,
-reference = the hand-written FSDP2 loop); plus its FLOP count, its table and its argument checks."""
+"""CPU smoke test of benchmarks/train_throughput.py, the trainer against a plain loop, on the tiny SDXL UNet:
+the batch x checkpointing sweep on 1 process (trainer next to the plain reference loop, one path after the
+other) and one configuration on 2 processes (FSDP2 over gloo, reference = the hand-written FSDP2 loop, the
+trainer reading and logging its data as the trainer does, the paths alternating in rounds); plus the library
+it runs on (benchmarks/lib/): its FLOP count, profile summary, table, and the command's argument checks."""
 
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ from conftest import REPO_ROOT, run_processes
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.lib.comparison import PathResult, table
+from benchmarks.lib.flops import flop_per_image
+from benchmarks.lib.profiling import time_split
+from benchmarks.lib.steps import StepSettings, reference_loss
+from benchmarks.lib.unets import new_batch, new_unet, noise_scheduler
+
 SCRIPT = REPO_ROOT / "benchmarks" / "train_throughput.py"
 # adamw: torchao's 8-bit step compiles for minutes on a cold 2-core machine; the paths are the same otherwise.
 TINY = ["--model", "tiny", "--resolution", "32", "--warmup_steps", "0", "--measured_steps", "1", "--optimizer", "adamw"]
@@ -24,10 +32,11 @@ NUMERIC_COLUMNS = ("images/s per GPU", "ms per step", "optimizer ms", "MFU %", "
 
 
 @pytest.fixture(scope="module")
-def bench():
+def command():
+    """The command itself, for its argument checks."""
     spec = importlib.util.spec_from_file_location("train_throughput", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -65,28 +74,35 @@ def test_sweep_on_one_process(tmp_path):
         assert_measured(row)
     written = output.read_text()
     assert table_rows(written) == rows
-    for fact in ("date:", "device: CPU", "driver n/a (CPU)", "torch 2.", "diffusers ", "torchao ", "command (1 process)", "--sweep"):
+    for fact in ("date:", "device: CPU", "driver n/a (CPU)", "torch 2.", "diffusers ", "torchao ", "git commit: ", "command (1 process)", "--sweep"):
         assert fact in written, fact
     assert "peak resident size" in result.stdout
     written = json.loads(figures.read_text())
     assert (written["processes"], written["compute_dtype"], written["settings"]["sweep"]) == (1, "float32", True)
+    assert written["device"].startswith("CPU") and written["git_commit"] and "--sweep" in written["command"]
     assert len(written["rows"]) == len(rows)
     for row, figure in zip(rows, written["rows"]):
         assert (str(figure["batch_size"]), figure["path"]) == (row["batch"], row["path"])
         assert f"{figure['images_per_second']:.3f}" == row["images/s per GPU"]
         assert figure["first_step_seconds"] is None  # no warm-up step to time
+        assert figure["cpu_seconds_per_step"] > 0 and figure["data_wait_share"] is None  # the batch stays in memory
 
 
 @pytest.mark.multiprocess
 def test_two_processes_compare_with_the_fsdp2_loop(tmp_path):
-    profiles = tmp_path / "profiles"
-    result = run_processes(2, SCRIPT, [*TINY, "--batch_size", "2", "--profile", str(profiles)], timeout=300)
+    profiles, figures = tmp_path / "profiles", tmp_path / "figures.json"
+    result = run_processes(2, SCRIPT, [*TINY, "--batch_size", "2", "--data_loading", "--rounds", "2", "--profile", str(profiles), "--json", str(figures)],
+                           timeout=300)
     rows = table_rows(result.stdout)
     assert [row["path"] for row in rows] == ["reference (fsdp2)", "trainer"]
     for row in rows:
         assert row["batch"] == "2"
         assert_measured(row)
-    assert "2 process(es)" in result.stdout
+    assert "2 process(es)" in result.stdout and "2 alternating rounds of 1 measured steps" in result.stdout
+    # --data_loading: the trainer read its updates through its data stream's workers and logged them; the reference did not.
+    reference, trainer = json.loads(figures.read_text())["rows"]
+    assert 0 < trainer["data_wait_share"] < 1 and reference["data_wait_share"] is None
+    assert "waiting for data" in result.stdout
     # --profile: each path's operator table and its summary, from rank 0 (no device figures on a CPU).
     summaries = json.loads((profiles / "profiles.json").read_text())
     assert sorted(summaries) == ["reference_batch2_ckpton", "trainer_batch2_ckpton"]
@@ -100,7 +116,7 @@ def test_two_processes_compare_with_the_fsdp2_loop(tmp_path):
         assert re.search(r"^Optimizer\.step#ShardAdamW\.step: 2 calls, [0-9.]+ ms of host time in all$", operators, re.MULTILINE), operators[-500:]
 
 
-def test_time_split_counts_overlapping_kernels_once_and_the_optimizer_inside_its_gpu_span(bench):
+def test_time_split_counts_overlapping_kernels_once_and_the_optimizer_inside_its_gpu_span():
     """The profile's figures from hand-made events (µs): two steps; kernels overlap on two streams, the
     optimizer step runs 10-30 on the host and 40-80 on the GPU, where one kernel straddles its start."""
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
@@ -118,7 +134,7 @@ def test_time_split_counts_overlapping_kernels_once_and_the_optimizer_inside_its
         event("triton_red_fused_amax", 60, 70, cuda),
         event("ProfilerStep", 0, 100, cuda, annotation=True),  # an annotation is no kernel
     ]
-    split = bench.time_split(events, steps=2, wall_seconds=0.0002, on_gpu=True)
+    split = time_split(events, steps=2, wall_seconds=0.0002, on_gpu=True)
     assert split == {
         "steps": 2,
         "wall_ms_per_step": pytest.approx(0.1),
@@ -128,64 +144,42 @@ def test_time_split_counts_overlapping_kernels_once_and_the_optimizer_inside_its
         "optimizer_device_ms_per_step": pytest.approx(0.020),
         "optimizer_kernel_ms_per_step": pytest.approx(0.010),  # 40-50 and 60-70
     }
-    on_cpu = bench.time_split(events[:2], steps=2, wall_seconds=0.0002, on_gpu=False)
+    on_cpu = time_split(events[:2], steps=2, wall_seconds=0.0002, on_gpu=False)
     assert on_cpu["optimizer_host_ms_per_step"] == pytest.approx(0.010) and on_cpu["device_busy_ms_per_step"] is None
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_flop_count_on_meta_equals_a_real_run(bench, checkpointing):
-    args = bench.parse_args(["--model", "tiny", "--resolution", "32"])
-    row = bench.Row(1, checkpointing)
-    unet = bench.new_unet(args, row, "cpu")
+def test_flop_count_on_meta_equals_a_real_run(checkpointing):
+    unet = new_unet("tiny", "fp32", checkpointing, "cpu")
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
-        bench.reference_loss(unet, bench.new_batch(unet, args, row, "cpu"), bench.noise_scheduler()).backward()
-    counted = bench.flop_per_image("tiny", 32, checkpointing)
+        reference_loss(unet, new_batch(unet, 32, 1, "cpu"), noise_scheduler()).backward()
+    counted = flop_per_image("tiny", 32, checkpointing)
     assert counted == counter.get_total_flops() > 0
     if checkpointing:  # the recomputed forward counts
-        assert counted > bench.flop_per_image("tiny", 32, False)
+        assert counted > flop_per_image("tiny", 32, False)
 
 
-def test_bf16_weights_start_from_the_fp32_weights_rounded(bench):
-    row = bench.Row(1, True)
-    fp32 = bench.new_unet(bench.parse_args(["--model", "tiny", "--resolution", "32"]), row, "cpu")
-    bf16 = bench.new_unet(bench.parse_args(["--model", "tiny", "--resolution", "32", "--weights_dtype", "bf16"]), row, "cpu")
+def test_bf16_weights_start_from_the_fp32_weights_rounded():
+    fp32 = new_unet("tiny", "fp32", True, "cpu")
+    bf16 = new_unet("tiny", "bf16", True, "cpu")
     for (name, full), (_, rounded) in zip(fp32.named_parameters(), bf16.named_parameters()):
         assert rounded.dtype == torch.bfloat16, name
         torch.testing.assert_close(rounded, full.to(torch.bfloat16), rtol=0, atol=0)
 
 
-@pytest.mark.multiprocess
-def test_numerics_compare_each_precision_with_fp32(tmp_path):
-    """gpu_numerics.py on the tiny UNet (fp16 only on a GPU): the same start and draws in every precision."""
-    output = tmp_path / "numerics.json"
-    result = run_processes(1, REPO_ROOT / "benchmarks" / "gpu_numerics.py",
-                  ["--model", "tiny", "--resolution", "32", "--updates", "2", "--optimizer", "adamw", "--output", str(output)], timeout=300)
-    rows = {row["precision"]: row for row in json.loads(output.read_text())["rows"]}
-    assert list(rows) == ["fp32", "bf16", "bf16 weights"]
-    assert rows["fp32"]["weight_change_error"] == rows["fp32"]["max_loss_difference"] == 0.0
-    for precision in ("bf16", "bf16 weights"):
-        row = rows[precision]
-        assert len(row["losses"]) == 2
-        assert 0 < row["max_loss_difference"] < 0.02, row  # same start and noise: bf16 rounding only
-        assert row["weight_change_error"] > 0.01, row  # rounding shows in the update
-    # bf16 weights move by whole bf16 steps (stochastic rounding), far from fp32's small update per weight.
-    assert rows["bf16 weights"]["weight_change_error"] > rows["bf16"]["weight_change_error"]
-    assert "largest loss difference" in result.stdout
-
-
-def test_table_marks_out_of_memory_and_divides_by_the_reference(bench):
-    args = bench.parse_args(["--model", "tiny", "--resolution", "32"])  # FLOP counts cached by the test above
-    fits, too_big = bench.Row(2, True), bench.Row(8, False)
+def test_table_marks_out_of_memory_and_divides_by_the_reference():
+    tiny = StepSettings(model="tiny", resolution=32)  # FLOP counts cached by the test above
+    fits, too_big = tiny.with_row(2, True), tiny.with_row(8, False)
     results = [
-        bench.PathResult(fits, "reference (plain)", 0.5, 20.0, 0.05, 3.0, 4.0),
-        bench.PathResult(fits, "trainer", 0.55, 21.0, None, 2.5, 3.0),  # fp16: every timed step skipped on overflow
-        bench.PathResult(too_big, "reference (plain)", None, None, None, 70.0, 79.0),
-        bench.PathResult(too_big, "trainer", 0.9, 30.0, 0.2, 60.0, 70.0),
+        PathResult(fits, "reference (plain)", 0.5, 20.0, 0.05, 3.0, 4.0),
+        PathResult(fits, "trainer", 0.55, 21.0, None, 2.5, 3.0),  # fp16: every timed step skipped on overflow
+        PathResult(too_big, "reference (plain)", None, None, None, 70.0, 79.0),
+        PathResult(too_big, "trainer", 0.9, 30.0, 0.2, 60.0, 70.0),
     ]
-    rows = table_rows(bench.table(results, peak_flops=1e12, args=args))
+    rows = table_rows(table(results, peak_flops=1e12))
     assert float(rows[1]["step time / reference"]) == pytest.approx(1.1)
     assert float(rows[0]["images/s per GPU"]) == pytest.approx(4.0)  # batch 2 in 0.5 s
-    mfu = 4.0 * bench.flop_per_image("tiny", 32, True) / 1e12 * 100
+    mfu = 4.0 * flop_per_image("tiny", 32, True) / 1e12 * 100
     assert float(rows[0]["MFU %"]) == pytest.approx(mfu, rel=0.01)
     assert (rows[0]["optimizer ms"], rows[1]["optimizer ms"], rows[3]["optimizer ms"]) == ("50.0", "n/a", "200.0")
     assert [rows[2][column] for column in ("images/s per GPU", "ms per step", "optimizer ms", "MFU %", "step time / reference")] == ["OOM"] * 5
@@ -193,13 +187,14 @@ def test_table_marks_out_of_memory_and_divides_by_the_reference(bench):
     assert rows[3]["step time / reference"] == "n/a"  # nothing to divide by
 
 
-def test_argument_checks_name_the_fix(bench):
-    args = bench.parse_args(["--model", "tiny", "--resolution", "40", "--reference", "plain", "--measured_steps", "0", "--attention", "efficient",
-                             "--sweep", "--batch_size", "4"])
-    problems = "\n".join(bench.check_args(args, 2, torch.device("cpu"), torch.float32))
+def test_argument_checks_name_the_fix(command):
+    args = command.parse_args(["--model", "tiny", "--resolution", "40", "--reference", "plain", "--measured_steps", "0", "--attention", "efficient",
+                               "--sweep", "--batch_size", "4", "--rounds", "0"])
+    problems = "\n".join(command.check_args(args, 2, torch.device("cpu"), torch.float32))
     assert "positive multiple of 16" in problems
     assert "--reference fsdp2" in problems
     assert "--measured_steps must be at least 1" in problems
+    assert "--rounds must be at least 1" in problems
     assert "--attention efficient has no CPU kernel" in problems
     assert "drop --batch_size" in problems
-    assert bench.check_args(bench.parse_args(["--model", "tiny", "--resolution", "32", "--sweep"]), 1, torch.device("cpu"), torch.float32) == []
+    assert command.check_args(command.parse_args(["--model", "tiny", "--resolution", "32", "--sweep"]), 1, torch.device("cpu"), torch.float32) == []

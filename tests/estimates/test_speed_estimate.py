@@ -53,11 +53,13 @@ def test_the_estimate_counts_the_bytes_the_real_collectives_move(tmp_path, tiny_
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert sorted(measured) == sorted(replicate_groups.split(","))
         for groups, layouts in measured.items():
-            for name, (reshard_after_forward, reduce_every_microbatch) in LAYOUTS.items():
+            for name, (reshard_after_forward, reduce_every_microbatch, reduce_dtype) in LAYOUTS.items():
                 settings = speed(gpus=processes, replicate_groups=int(groups), compute_bytes=4, reshard_after_forward=reshard_after_forward,
-                                 reduce_every_microbatch=reduce_every_microbatch)  # fmt: skip
+                                 reduce_every_microbatch=reduce_every_microbatch, reduce_bytes=reduce_dtype.itemsize)  # fmt: skip
                 assert measured[groups][name]["bytes"] == collective_bytes(units, settings), (rank, groups, name)
-                gathers = len(units) * (2 if reshard_after_forward else 1) * 2  # per unit and microbatch, 2 microbatches
+                # Full sharding: each unit for forward and again for backward but the root, in each of the 2 microbatches;
+                # otherwise each unit once per update.
+                gathers = (2 * len(units) - 1) * 2 if reshard_after_forward else len(units)
                 reductions = len(units) * (2 if reduce_every_microbatch else 1)
                 assert measured[groups][name]["calls"] == {"all_gather": gathers, "reduce_scatter": reductions,
                                                            "all_reduce": reductions if int(groups) > 1 else 0}, (rank, groups, name)  # fmt: skip
@@ -66,7 +68,8 @@ def test_the_estimate_counts_the_bytes_the_real_collectives_move(tmp_path, tiny_
 @pytest.mark.slow
 def test_the_full_size_count_matches_the_collectives_of_a_fake_8_gpu_update():
     """The memory estimate's fake 8-GPU update of the full-size UNet (bf16 gathers, 2 microbatches reduced on
-    each): 78 units, each gathered twice per microbatch, 20.5 GB gathered and as much reduce-scattered (fp32)."""
+    each): 78 units, each gathered twice per microbatch but the root (once), 20.5 GB gathered and as much
+    reduce-scattered (fp32)."""
     from sdxl_trainer.estimates.collective_count import count_collectives
     from sdxl_trainer.estimates.fake_run import EstimateSettings
 
@@ -77,8 +80,8 @@ def test_the_full_size_count_matches_the_collectives_of_a_fake_8_gpu_update():
     units = sdxl_units(512)
     settings = speed(gpus=8, train_batch_size=1, resolution=512, reduce_every_microbatch=True)
     assert counted.bytes == collective_bytes(units, settings)
-    assert counted.calls == {"all_gather": len(units) * 2 * 2, "reduce_scatter": len(units) * 2, "all_reduce": 0}
-    assert len(units) == 78 and counted.bytes["all_gather"] == pytest.approx(20.54e9, rel=1e-3)
+    assert counted.calls == {"all_gather": (2 * len(units) - 1) * 2, "reduce_scatter": len(units) * 2, "all_reduce": 0}
+    assert len(units) == 78 and counted.bytes["all_gather"] == pytest.approx(20.51e9, rel=1e-3)
 
 
 def test_the_units_hold_every_parameter_and_flop_of_the_full_size_unet():
@@ -134,7 +137,10 @@ def test_a_slow_link_shows_in_the_update_and_the_advice():
     assert "waits for the link: try a larger --train_batch_size" in report and "--no-reshard_after_forward" in report
     assert "waits for the link" not in fast.report()
     once = estimate_speed(speed(gpus=2, train_batch_size=1, interconnect="eth100", reshard_after_forward=False))
-    assert once.collective_bytes["all_gather"] == slow.collective_bytes["all_gather"] // 2 and once.update_seconds < slow.update_seconds
+    # Full sharding gathers every unit for forward and again for backward, but the root (kept gathered) and, over 2
+    # microbatches, twice; without it each unit is gathered once per update.
+    root = next(unit for unit in sdxl_units(1024) if unit.name == "root").padded_values(2) * 2 * 2
+    assert slow.collective_bytes["all_gather"] == 2 * (2 * once.collective_bytes["all_gather"] - root) and once.update_seconds < slow.update_seconds
 
 
 def test_hsdp_gathers_inside_each_machine_and_reduces_across():

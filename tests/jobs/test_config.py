@@ -129,6 +129,49 @@ def test_missing_required(capsys):
     assert "missing required options: --data_dir" in err
 
 
+def test_a_flag_given_twice_with_another_value_is_warned_about_and_the_last_value_taken(capsys):
+    """Last wins, as argparse users expect (a launch script's flags followed by "$@" are overridden that way),
+    but never silently: the warning names the flag and both values."""
+    config = parse(["--data_dir", "d", "--steps", "3", "--shuffle", "--extra_dirs", "a", "--steps", "5", "--no-shuffle", "--extra_dirs", "a", "b"])
+    assert config.steps == 5 and config.shuffle is False and config.extra_dirs == [Path("a"), Path("b")]
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: --steps is given twice (3, then 5): using the last, 5",
+        "warning: --shuffle is given twice (--shuffle, then --no-shuffle): using the last, --no-shuffle",
+        "warning: --extra_dirs is given twice (a, then a b): using the last, a b",
+    ]
+    assert parse(["--data_dir", "d", "--steps", "3", "--steps", "3"]).steps == 3  # the same value twice: nothing to choose between
+    assert capsys.readouterr().err == ""
+
+
+def test_a_path_flag_refuses_a_url_instead_of_making_a_local_folder_of_it(tmp_path, capsys, monkeypatch):
+    """Path("s3://bucket/x") is the local path s3:/bucket/x: a flag that takes a file or folder refuses a URL,
+    from the command line and from a TOML file, naming the flag; the trainer's --output_dir says what to do."""
+    from sdxl_trainer.jobs.train_config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    err = parse_error(capsys, ["--data_dir", "s3://bucket/data"])
+    assert err.endswith("error: argument --data_dir: s3://bucket/data is a URL: this flag takes a local path\n")
+    err = parse_error(capsys, ["--data_dir", "d", "--extra_dirs", "a", "gs://bucket/b"])
+    assert err.endswith("error: argument --extra_dirs: gs://bucket/b is a URL: this flag takes a local path\n")
+    err = parse_error(capsys, ["--config", str(toml_file(tmp_path, 'data_dir = "s3://bucket/data"\n'))])
+    assert err.endswith("data_dir = 's3://bucket/data' is a URL: this flag takes a local path\n")
+    with pytest.raises(SystemExit) as refused:
+        parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--output_dir", "s3://bucket/runs"])
+    assert refused.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].endswith(
+        "error: argument --output_dir: s3://bucket/runs: run folders in object storage are not supported yet (checkpoints, exports and "
+        "logs are written as files); give a local --output_dir and copy the run folder to the bucket (aws s3 sync, rclone; docs/object_storage.md)"
+    )
+    assert list(tmp_path.iterdir()) == [tmp_path / "config.toml"]  # no s3: folder
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--load_saved_state", "s3://bucket/runs/run/checkpoints/update_00000010"])
+    assert (
+        "--load_saved_state s3://bucket/runs/run/checkpoints/update_00000010: checkpoints in object storage are not read; copy the "
+        "run folder to a local one (aws s3 sync, rclone) and resume from there (docs/object_storage.md)"
+    ) in capsys.readouterr().err
+
+
 def test_required_given_by_toml_only(tmp_path):
     assert parse(["--config", str(toml_file(tmp_path, 'data_dir = "d"\n'))]).data_dir == Path("d")
 

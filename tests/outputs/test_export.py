@@ -166,6 +166,78 @@ def test_the_single_file_is_never_written_into_the_pipeline_it_converts(tiny_pip
     assert sorted(path.relative_to(pipeline) for path in pipeline.rglob("*")) == before
 
 
+def test_the_single_file_tool_refuses_object_storage_instead_of_writing_a_local_s3_folder(tiny_pipeline_dir, tmp_path, capsys, monkeypatch):
+    """--output s3://... was the local path s3:/bucket/...: the tool wrote there and said "Wrote s3:/...", so on a
+    cloud node the model stayed on the scratch disk. Refused now, before anything loads, with what to do."""
+    import sdxl_to_single_file
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", "s3://bucket/models/tuned.safetensors"])
+    assert refused.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.endswith(
+        "error: argument --output: s3://bucket/models/tuned.safetensors: writing to object storage is not supported yet; write a local file "
+        "and copy it to the bucket (aws s3 cp, rclone)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_single_file_tool_replaces_only_a_file_it_wrote_unless_told_to(tiny_pipeline_dir, tmp_path, capsys):
+    """An existing --output is replaced when its metadata says this project's single-file writer made it (a
+    re-run, or the trainer's --save_single_file); any other file (another model, a LoRA, not safetensors at all)
+    only with --overwrite. The refusal comes before anything loads and leaves the file as it was."""
+    import sdxl_to_single_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from sdxl_trainer.runtime.tensor_files import WRITER_KEY
+
+    output = tmp_path / "model.safetensors"
+    save_file({"weight": torch.ones(2)}, str(output), metadata={"format": "pt", "modelspec.title": "someone else's model"})
+    unrelated = output.read_bytes()
+    argv = ["--pipeline", str(tiny_pipeline_dir), "--output", str(output)]
+    for content in (unrelated, b"not a safetensors file"):
+        output.write_bytes(content)
+        with pytest.raises(SystemExit) as refused:
+            sdxl_to_single_file.main(argv)
+        assert refused.value.code == 2
+        assert (
+            f"--output {output} exists and was not written by this tool (its metadata has no {WRITER_KEY} = single_file): choose another "
+            "name, or add --overwrite to replace it"
+        ) in capsys.readouterr().err
+        assert output.read_bytes() == content
+    assert sdxl_to_single_file.main([*argv, "--overwrite"]) == 0
+    with safe_open(str(output), framework="pt") as handle:
+        assert handle.metadata()[WRITER_KEY] == "single_file" and "model.diffusion_model.input_blocks.0.0.weight" in handle.keys()
+    assert sdxl_to_single_file.main([*argv, "--save_precision", "fp32"]) == 0  # its own file: replaced
+    with safe_open(str(output), framework="pt") as handle:
+        assert handle.get_tensor("model.diffusion_model.input_blocks.0.0.weight").dtype == torch.float32
+
+
+def test_an_export_names_its_base_model_as_users_know_it_not_by_a_local_path(tiny_pipeline_dir, fp16_export, single_file_base, tmp_path):
+    """model_index.json's _name_or_path (and the UNet's and VAE's configs') recorded where the base model lay on
+    the machine that exported it: the export names it by what users know, the hub id or the file or folder name
+    (a folder of the Hugging Face cache by its model id)."""
+    from sdxl_trainer.outputs.export import save_pipeline
+
+    for base, export, name in ((tiny_pipeline_dir, tmp_path / "pipeline", "tiny_sdxl"), (single_file_base, fp16_export, "base.safetensors")):
+        if base == tiny_pipeline_dir:
+            save_pipeline({}, str(base), export, "fp32", model_title="test")
+        assert json.loads((export / "model_index.json").read_text())["_name_or_path"] == name
+        for component in ("unet", "vae"):
+            assert json.loads((export / component / "config.json").read_text())["_name_or_path"] == name
+        assert not [path for path in export.rglob("*.json") if str(base.parent) in path.read_text()]
+    from sdxl_trainer.outputs.export import known_model_name
+
+    snapshot = tmp_path / "hub" / "models--stabilityai--stable-diffusion-xl-base-1.0" / "snapshots" / "462165984030d82259a11f4367a4eed129e94a7b"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "my_models" / "sdxl_base").mkdir(parents=True)
+    assert known_model_name(str(snapshot)) == "stabilityai/stable-diffusion-xl-base-1.0"
+    assert known_model_name(str(tmp_path / "my_models" / "sdxl_base") + "/") == "sdxl_base"
+    assert known_model_name("stabilityai/stable-diffusion-xl-base-1.0") == "stabilityai/stable-diffusion-xl-base-1.0"  # a hub id stays
+
+
 # ---- non-finite weights -----------------------------------------------------------------------------------
 
 

@@ -66,6 +66,7 @@ def main(mode: str, pipeline_dir: str, output_dir: str) -> None:
         if mode == "killed" and update + 1 == 3:
             killing.save_in_background(position)
     saving.wait()
+    killing.wait()  # the kill happens: a process that reached its end first would exit before its writer got there
     weights = full_weights(unet)
     if world.is_main:
         save_file({key: value.contiguous() for key, value in weights.items()}, output / f"{mode}.safetensors")

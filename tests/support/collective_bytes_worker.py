@@ -1,6 +1,6 @@
 """Run under the launcher by test_speed_estimate.py: the tiny UNet, sharded with the trainer's shard_unet (over
 all ranks, and as HSDP in replicate groups), trains one update of 2 microbatches through TrainStep per
-layout of its collectives, while CollectiveBytes counts what they move. Writes rank{N}.json: per replicate
+layout of its collectives (and --reduce_dtype bf16), while CollectiveBytes counts what they move. Writes rank{N}.json: per replicate
 group count and layout, the bytes and calls by kind."""
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from sdxl_trainer.distributed.world import device_mesh, init_distributed, shutdo
 from sdxl_trainer.estimates.collective_count import CollectiveBytes
 from sdxl_trainer.optimizers.build import build_optimizer
 
-LAYOUTS = {  # name: (reshard_after_forward, reduce_every_microbatch)
-    "full_shard_reduce_every_microbatch": (True, True),
-    "full_shard_reduce_once": (True, False),
-    "shard_grad_op_reduce_once": (False, False),
+LAYOUTS = {  # name: (reshard_after_forward, reduce_every_microbatch, reduce_dtype)
+    "full_shard_reduce_every_microbatch": (True, True, torch.float32),
+    "full_shard_reduce_once": (True, False, torch.float32),
+    "shard_grad_op_reduce_once": (False, False, torch.float32),
+    "full_shard_reduce_every_microbatch_in_bf16": (True, True, torch.bfloat16),
 }
 
 
@@ -37,11 +38,12 @@ def main(pipeline_dir: str, output_dir: str, replicate_groups: str) -> None:
     shutdown_distributed()
 
 
-def counted_update(pipeline_dir: str, world, mesh, reshard_after_forward: bool, reduce_every_microbatch: bool) -> dict:
+def counted_update(pipeline_dir: str, world, mesh, reshard_after_forward: bool, reduce_every_microbatch: bool, reduce_dtype: torch.dtype) -> dict:
     unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
-    shard_unet(unet, mesh, param_dtype=None, reshard_after_forward=reshard_after_forward)
+    shard_unet(unet, mesh, param_dtype=None, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
     optimizer = build_optimizer("adamw", unet.parameters(), 1e-4, 1e-2, (0.9, None), 1e-8)
-    step = make_train_step(unet, optimizer, Path(pipeline_dir), reduce_every_microbatch=reduce_every_microbatch)
+    step = make_train_step(unet, optimizer, Path(pipeline_dir), reduce_every_microbatch=reduce_every_microbatch,
+                           gather_once_per_update=not reshard_after_forward)  # as the trainer builds it
     microbatches = rank_batch(unet, world, 0) + rank_batch(unet, world, 1)
     with CollectiveBytes() as counted:
         step(microbatches, epoch=0)

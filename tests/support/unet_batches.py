@@ -51,7 +51,7 @@ def empty_prompt_for(unet: UNet2DConditionModel) -> tuple[torch.Tensor, torch.Te
 
 def make_train_step(
     unet, optimizer, pipeline_dir: Path, settings: NoiseSettings | None = None, max_grad_norm: float = 1.0, ema=None, prediction_type="epsilon",
-    reduce_every_microbatch: bool = False,
+    reduce_every_microbatch: bool = False, gather_once_per_update: bool = False,
 ) -> TrainStep:
     constant_rate = LearningRateSchedule("constant", float(optimizer.param_groups[0]["lr"]), warmup_updates=0, total_updates=1)
     return TrainStep(
@@ -65,6 +65,7 @@ def make_train_step(
         max_grad_norm=max_grad_norm,
         ema=ema,
         reduce_every_microbatch=reduce_every_microbatch,
+        gather_once_per_update=gather_once_per_update,
     )
 
 

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from sdxl_trainer.cache.reader import read_empty_prompt
 from sdxl_trainer.distributed.fsdp import shard_unet
+from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 from sdxl_trainer.evaluation.metrics import METRICS, MetricWeights, load_image_metrics
 from sdxl_trainer.evaluation.sampling import GenerationSettings, gather_images, generate
@@ -63,15 +64,15 @@ def main(pipeline_dir: str, cache_dir: str, weights_dir: str, data_dir: str, out
     report["decoded_references"] = validator.decoded_reference_count
 
     before = gather_images(validator.generate(pipeline, negative), world.device)
-    saved = [parameter.to_local().clone() for parameter in unet.parameters()]
+    saved = [local_shard(parameter).clone() for parameter in unet.parameters()]
     with torch.no_grad():
         for parameter in unet.parameters():  # every rank changes its own shard
-            parameter.to_local().mul_(1.05)
+            local_shard(parameter).mul_(1.05)
     changed = gather_images(validator.generate(pipeline, negative), world.device)
     report["loss_changed_weights"] = validation_loss(unet, dataset, holdout.loss_items, scheduler, holdout.seed, world.device, batch_size=2)
     with torch.no_grad():
         for parameter, local in zip(unet.parameters(), saved):
-            parameter.to_local().copy_(local)
+            local_shard(parameter).copy_(local)
     restored = gather_images(validator.generate(pipeline, negative), world.device)
 
     if score == "score":  # mixed precision as on GPUs: bf16 compute over fp32 shards (the VAE decodes in fp32)

@@ -45,6 +45,26 @@ def test_the_key_fixes_the_rounding_and_another_key_redraws_it():
     assert abs(errors.mean().item()) < 0.02 * errors.abs().mean().item()  # unbiased, unlike truncation
 
 
+def test_every_shape_dtype_and_layout_rounds_through_one_compiled_graph():
+    """A long run (or a test session) rounds tensors of every dimensionality, weights' dtype and layout: each
+    kind once a graph of its own, the eighth kind hit Dynamo's recompile limit, a hard error under fullgraph
+    (the suite's Lion and Adafactor resume tests failed so). Positions stay row-major: a tensor rounds as its
+    flattened copy does."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    shapes = [(7,), (3, 5), (2, 3, 4), (2, 3, 2, 2), (4, 4), (1, 9, 2)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in shapes:
+            values = torch.randn(shape, dtype=dtype)
+            for layout in (values, values.transpose(0, -1), values[..., :1]):
+                rounded = round_to_bf16(layout, rounding_key(step=3, stream=1))
+                assert rounded.shape == layout.shape
+                assert torch.equal(rounded.reshape(-1), round_to_bf16(layout.reshape(-1).clone(), rounding_key(step=3, stream=1)))
+    # one graph for every length, and Dynamo's own one for a length of 1 (it specialises sizes 0 and 1)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 def test_updates_below_half_a_bf16_step_land_in_expectation(optimizer_name):

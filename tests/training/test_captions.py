@@ -100,7 +100,7 @@ def test_a_caches_caption_prefix_is_in_its_embeddings_and_around_every_varied_ca
     variation = CaptionVariation(shuffle_tags=True, tag_dropout=0.5)
     varied = StepCaptionEncoder((None, None), dataset.caption_texts, variation, 5, 1, torch.device("cpu"), framing=dataset.framed)
     for epoch in range(20):
-        for item, caption in enumerate(varied.captions_for(list(range(len(dataset))), epoch)):
+        for item, caption in enumerate(varied.draws.captions_for(list(range(len(dataset))), epoch)):
             framed = caption.startswith("ohwx, ") and caption.endswith(" by someone")
             assert framed == bool(from_prefixed[item]) and caption.count("ohwx") == framed, caption
 
@@ -173,7 +173,7 @@ def test_each_cache_can_vary_its_captions_its_own_way(tmp_path, tag_cache, capsy
     encoder = StepCaptionEncoder((None, None), dataset.caption_texts, lambda item: variations[dataset.cache_index[item]], 5, 1, torch.device("cpu"))
     changed = Counter()
     for epoch in range(20):
-        for item, caption in enumerate(encoder.captions_for(list(range(len(dataset))), epoch)):
+        for item, caption in enumerate(encoder.draws.captions_for(list(range(len(dataset))), epoch)):
             written = dataset.caption_texts[item].split("\n")
             assert caption.split(", ")[0] == "sample"  # --keep_tokens 1 in both
             changed[int(dataset.cache_index[item])] += caption not in written

@@ -472,7 +472,7 @@ def test_copies_of_an_item_get_their_own_noise_and_caption():
     assert not torch.equal(copies.noise[0], copies.noise[1])
     captions = ["a, b"] * 3 + ["tag1, tag2, tag3, tag4, tag5, tag6"] + ["c"] * 6
     encoder = StepCaptionEncoder((None, None), captions, CaptionVariation(shuffle_tags=True), 5, 1, torch.device("cpu"))
-    first, second = encoder.captions_for([3, 13], epoch=0)
+    first, second = encoder.draws.captions_for([3, 13], epoch=0)
     assert sorted(first.split(", ")) == sorted(second.split(", ")) == sorted(captions[3].split(", ")) and first != second
 
 

@@ -1,116 +1,147 @@
-"""What makes a GPU's host wait, counted over updates of the tiny model through the trainer's own path (the data
-stream with its draws, TrainStep, the monitor's logging, the ranks' stop agreement): every read of a tensor's value on the host (.item(),
-.tolist(), a truth value, int() / float(), .numpy(), .cpu(), nonzero). On a GPU each read of a device tensor
-stops the host until the GPU has caught up, and the GPU then idles while the host prepares what comes next.
+"""What makes a GPU's host wait, counted over the trainer's own run (its build and loop: data stream, TrainStep,
+monitor, the stop agreement, garbage collection) on the tiny model: every read of a tensor's value on the host
+(.item(), .tolist(), a truth value, int() / float(), .numpy(), .cpu(), nonzero), every collective over the
+trainer's gloo group of host-side values, and every Python garbage collection (estimates/host_work.py). On a
+GPU each read of a device tensor stops the host until the GPU has caught up, and the GPU then idles while the
+host prepares what comes next; a host collective waits for the slowest rank.
 
-Here everything is on the CPU, so a read is told apart by where it happens: the monitor's one read of the
-figures of the updates since it last logged (UpdateResult.read_together), on updates that log and on no
-other, and reads of tensors that live on the host by design (the monitor's peak-memory figures and the stop
-agreement's flag, both over gloo groups), listed below with why. Any other read fails the test, with its place.
-On a GPU, CUDA's sync debug mode also refuses every wait on the updates that do not log.
+An update that does not log (--log_every_n_updates) must do none of these: no read, no host collective, no
+automatic garbage collection. One that logs reads the figures of the updates since the last log in one
+transfer (UpdateResult.read_together) and makes one exchange between the ranks (peak memory and the stop
+flag: all_gather_floats). Here everything is on the CPU, so a read is told apart by its place. On a GPU (the
+battery: GPU_CHECK_PARTS=host_waits), CUDA's sync debug mode also refuses every wait in the updates that do
+not log, wherever it is.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections import defaultdict
-from typing import Iterator
+import json
 
-import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from diffusers import UNet2DConditionModel
-from torch.overrides import TorchFunctionMode
-from unet_batches import make_train_step
+from conftest import REPO_ROOT, run_processes, trainer_flags
+from counted_runs import CountedUpdate, count_trainer_updates
 
-from sdxl_trainer.distributed.fsdp import prepare_unet
-from sdxl_trainer.distributed.stop_request import StopRequest
-from sdxl_trainer.monitoring.metrics_writer import MetricsWriter
-from sdxl_trainer.monitoring.monitor import TrainingMonitor
-from sdxl_trainer.optimizers.build import build_optimizer
-from sdxl_trainer.training.data_options import DataSettings
-from sdxl_trainer.training.ema import ShardedEMA
-from sdxl_trainer.training.holdout import SplitSettings
-from sdxl_trainer.training.noise_settings import NoiseSettings
-from sdxl_trainer.training.sample_draws import SampleDraws
-from sdxl_trainer.training.stream import DataPosition
-from sdxl_trainer.training.training_data import load_training_data
+from sdxl_trainer.optimizers.build import OPTIMIZERS
 
-HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero"}
-# Where a read is allowed: (file, function) of the code that reads.
-THE_LOGS_READ = ("step.py", "read_together")  # the figures of the updates since the last log, one transfer
-# Allocator peaks gathered, and the stop flag all-reduced, over gloo groups: CPU tensors, no GPU.
-HOST_SIDE = {("memory_peaks.py", "gather_floats"), ("stop_request.py", "agreed")}
+THE_LOGS_READS = {"step.py:read_together": 1, "world.py:all_gather_floats": 1}  # the device's figures; the ranks' host values
+# torch's loss-scale update on a CPU device, in Python (its ShardedGradScaler): on a GPU it is one kernel, no read.
+CPU_DEVICE_READS = {"sharded_grad_scaler.py:_amp_update_scale_cpu_"}
+LOG_EVERY, GC_EVERY, UPDATES = 3, 2, 7
 
 
-@contextlib.contextmanager
-def no_device_syncs(device: torch.device, refused: bool) -> Iterator[None]:
-    """On a GPU (the battery runs this file there: GPU_CHECK_PARTS=host_waits) with `refused`, CUDA raises at any
-    operation that makes the host wait for the device, wherever it is: a read, a blocking copy, a synchronize.
-    Off the GPU there is nothing to refuse; HostReads tells the reads apart by their place."""
-    if device.type != "cuda" or not refused:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+def counted_run_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, *extra: str) -> list[str]:
+    return trainer_flags(
+        sample_cache_dir, tiny_pipeline_dir, output_dir, "run", "--log_every_n_updates", str(LOG_EVERY), "--gc_every_n_updates", str(GC_EVERY),
+        "--max_train_updates", str(UPDATES), "--gradient_accumulation_steps", "2", "--use_ema", "--no-validation_loss",
+        "--dataloader_num_workers", "1", *extra,
+    )  # fmt: skip
 
 
-class HostReads(TorchFunctionMode):
-    """Every host read of a tensor, by the file and function that made it."""
+def assert_only_updates_that_log_wait(updates: list[CountedUpdate]) -> None:
+    assert [update.update for update in updates] == list(range(2, UPDATES))
+    for update in updates:
+        update.reads = {place: count for place, count in update.reads.items() if place not in CPU_DEVICE_READS}
+        if update.logs:
+            assert update.reads == THE_LOGS_READS, f"update {update.update} logs: {update.reads}"
+            assert update.host_collectives == 1, f"update {update.update} logs: {update.host_collectives} host collectives"
+        else:
+            assert update.reads == {}, f"update {update.update} does not log, yet reads: {update.reads}"
+            assert update.host_collectives == 0, f"update {update.update} does not log, yet {update.host_collectives} host collectives"
+        assert update.garbage_collections.get("automatic", 0) == 0, f"update {update.update}: {update.garbage_collections}"
+        assert update.garbage_collections.get("between updates", 0) == (1 if update.update % GC_EVERY == 0 else 0), update
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.places: list[tuple[str, str, int]] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in HOST_READS:
-            caller = sys._getframe(1)
-            self.places.append((caller.f_code.co_filename.rsplit("/", 1)[-1], caller.f_code.co_name, caller.f_lineno))
-        return func(*args, **(kwargs or {}))
+@pytest.mark.slow  # a trainer run in this process each (the 8-bit step compiles on the first)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_only_updates_that_log_wait_with_every_optimizer(world, sample_cache_dir, tiny_pipeline_dir, tmp_path, optimizer):
+    assert_only_updates_that_log_wait(count_trainer_updates(counted_run_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--optimizer", optimizer), world))
 
 
-@pytest.mark.slow  # the first update compiles the 8-bit step (seconds to minutes on a CPU)
-@pytest.mark.parametrize("optimizer_name", ["adamw8bit", "adamw"])
-def test_only_updates_that_log_read_the_device_once_and_never_inside_a_microbatch(world, tiny_pipeline_dir, sample_cache_dir, tmp_path, optimizer_name):
-    seed, settings, log_every = 4, NoiseSettings(conditional_dropout_percent=0.1, noise_offset=0.05, ip_noise_gamma=0.1), 3
-    data = load_training_data(
-        DataSettings([str(sample_cache_dir)], None, None, flip_aug=False, loss_masks=False, per_rank_batch=2, gradient_accumulation_steps=2,
-                     num_epochs=4, max_updates=0, num_workers=0, split=SplitSettings(0.0, 0.0, 0, 0), captions_in_memory=False),
-        tmp_path / "run", seed, world_size=1, is_main=True,
-    )
-    stream = data.stream(DataPosition.epoch_start(0), 0, rank=0, device=world.device, draws=SampleDraws(seed, settings))
-    unet = prepare_unet(UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet"), world, param_dtype=None)
-    optimizer = build_optimizer(optimizer_name, unet.parameters(), 1e-4, 1e-2, (0.9, None), 1e-8)
-    step = make_train_step(unet, optimizer, tiny_pipeline_dir, settings, ema=ShardedEMA(unet, decay=0.99, on_cpu=False))
-    host_group = dist.new_group(backend="gloo")  # as train_build makes it
-    monitor = TrainingMonitor(MetricsWriter(tmp_path / "tensorboard", True), stream.num_updates, 0, world.device, True, host_group, every_n_updates=log_every)
-    stop = StopRequest(announce=False, host_group=host_group)
-    reads_per_update, results = [], []
-    for number, update in zip(range(7), stream):
-        assert all("noise" in batch for batch in update.microbatches)  # drawn where the batch was read
-        logs = (number + 1) % log_every == 0
-        with HostReads() as reads, no_device_syncs(world.device, number > 0 and not logs):
-            result = step(update.microbatches, update.epoch)
-            monitor.log_update(step.updates_done, update.epoch, result)
-            assert not stop.agreed()
-        reads_per_update.append(reads.places)
-        results.append(result)
-    monitor.close()
-    stop.restore_handlers()
-    assert len(reads_per_update) == 7
-    # The first update builds the optimizer's layout from its state (the 8-bit step counts: one read, once).
-    for update, places in enumerate(reads_per_update[1:], start=2):
-        by_place = defaultdict(int)
-        for file, function, _ in places:
-            by_place[(file, function)] += 1
-        unexpected = {place: count for place, count in by_place.items() if place != THE_LOGS_READ and place not in HOST_SIDE}
-        assert unexpected == {}, f"update {update}: host reads outside the log's one read: {sorted(set(places))}"
-        assert by_place[THE_LOGS_READ] == (1 if update % log_every == 0 else 0), f"update {update}: {sorted(set(places))}"
-    # What the log read holds: every update's figures up to the last log, none after it.
-    assert [result.is_read for result in results] == [True] * 6 + [False]
-    assert all(result.stepped and np.isfinite(result.loss) and result.grad_norm > 0 for result in results[:6])
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [
+    ("--ema_on_cpu",),
+    ("--mixed_precision", "fp16"),
+    ("--encode_captions_each_step", "--shuffle_caption"),
+    ("--encode_captions_each_step", "--train_text_encoder"),
+], ids=["ema_on_cpu", "fp16", "caption_mode", "trained_text_encoders"])  # fmt: skip
+def test_only_updates_that_log_wait_on_every_path(world, sample_cache_dir, tiny_pipeline_dir, tmp_path, variant):
+    assert_only_updates_that_log_wait(count_trainer_updates(counted_run_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, *variant), world))
+
+
+@pytest.mark.multiprocess
+def test_only_updates_that_log_wait_on_two_processes(sample_cache_dir, tiny_pipeline_dir, tmp_path):
+    """FSDP2 over 2 ranks: the same, on every rank (each writes its counts)."""
+    flags = counted_run_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path)
+    run_processes(2, REPO_ROOT / "tests" / "support" / "host_waits_worker.py", [str(tmp_path / "counts"), *flags])
+    for rank in range(2):
+        counted = json.loads((tmp_path / "counts" / f"rank{rank}.json").read_text())
+        assert_only_updates_that_log_wait([CountedUpdate(**update) for update in counted])
+
+
+def test_garbage_is_collected_between_updates_on_every_rank_and_never_inside_one():
+    """Python's automatic collection starts wherever allocations cross its threshold: inside an update, on each
+    rank at its own moment. With the trainer's setting it is off, and the young generations are collected
+    after every N updates (the same updates on every rank); 0 leaves the automatic collection as it was."""
+    import gc
+
+    from sdxl_trainer.estimates.host_work import HostWork
+    from sdxl_trainer.runtime.garbage_collection import CollectBetweenUpdates
+
+    def updates_with_cyclic_garbage(collect: CollectBetweenUpdates) -> list[dict]:
+        counted = []
+        for update in range(1, 5):
+            with HostWork(by_part=False) as counts:
+                for _ in range(5000):  # an update's Python garbage, reference cycles included
+                    cycle = []
+                    cycle.append(cycle)
+                collect.after_update(update)
+            counted.append(dict(counts.garbage_collections))
+        collect.close()
+        return counted
+
+    assert gc.isenabled()
+    automatic = updates_with_cyclic_garbage(CollectBetweenUpdates(0))
+    assert all(counts.get("automatic", 0) > 0 for counts in automatic), automatic
+    between = updates_with_cyclic_garbage(CollectBetweenUpdates(2))
+    assert between == [{}, {"between updates": 1}, {}, {"between updates": 1}]
+    assert gc.isenabled()  # given back
+
+
+def test_the_ema_on_the_cpu_copies_the_weights_without_waiting_and_averages_as_on_the_device():
+    """--ema_on_cpu: each update's weights go to the host in one non-blocking copy (into pinned buffers on a GPU
+    machine) and are averaged in at the next update or when the average is read; a blocking copy of every shard
+    made the host wait for each update to finish. The average is bit for bit the one kept on the device."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sdxl_trainer.training.ema import ShardedEMA
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.non_blocking, self.moved_blocking = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._foreach_copy_.default and kwargs.get("non_blocking", args[2] if len(args) > 2 else False):
+                self.non_blocking += 1
+            if func is torch.ops.aten._to_copy.default and "device" in kwargs and not kwargs.get("non_blocking", False):
+                self.moved_blocking += 1
+            return func(*args, **kwargs)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    on_device, on_host = ShardedEMA(model, 0.9, on_cpu=False), ShardedEMA(model, 0.9, on_cpu=True)
+    verdicts = [True, False, True, True]
+    for verdict in verdicts:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter))
+        finite = torch.tensor(verdict)
+        on_device.update(finite)
+        with Copies() as copies:
+            on_host.update(finite)
+        assert (copies.non_blocking, copies.moved_blocking) == (1, 0)
+    assert on_host.updates == on_device.updates == len(verdicts)
+    for name, weights in on_device.state_dict()["weights"].items():
+        assert torch.equal(on_host.state_dict()["weights"][name], weights), name
