@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import re
 import sys
 import time
@@ -91,10 +92,22 @@ def _add_argument(parser: Any, field: dataclasses.Field, annotation: Any) -> Non
     elif typing.get_origin(base) is list:
         kwargs["nargs"] = "+"
         item_type = typing.get_args(base)[0]
-        kwargs["type"] = parse_bool if item_type is bool else _path_type(field) if item_type is Path else item_type
+        kwargs["type"] = parse_bool if item_type is bool else finite_float if item_type is float else _path_type(field) if item_type is Path else item_type
     else:
-        kwargs["type"] = _path_type(field) if base is Path else base
+        kwargs["type"] = finite_float if base is float else _path_type(field) if base is Path else base
     parser.add_argument(f"--{field.name}", **kwargs)
+
+
+NOT_FINITE = "is not a finite number"
+
+
+def finite_float(text: str) -> float:
+    """A float flag's value (or a list item's): no option means anything at infinity or NaN (an infinite learning
+    rate trained a UNet of non-finite values), so `inf`, `nan` and what overflows to them (1e999) are refused."""
+    value = float(text)  # a ValueError is argparse's own "invalid float value" line
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} {NOT_FINITE}")
+    return value
 
 
 def parse_bool(text: str) -> bool:
@@ -159,8 +172,13 @@ def _coerce(value: Any, annotation: Any, name: str, source: str, field: dataclas
         if wrong:
             expected = "str" if item_type is Path else "number" if item_type is float else item_type.__name__
             raise ValueError(f"{source}: {name} items must be of type {expected}, got {wrong!r}")
+        not_finite = [item for item in value if item_type is float and not math.isfinite(item)]
+        if not_finite:
+            raise ValueError(f"{source}: {name} = {value!r}: {not_finite[0]!r} {NOT_FINITE}")
         return [_toml_path(item, field, name, source) if item_type is Path else item_type(item) for item in value]
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
+    if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):  # TOML's inf and nan
+            raise ValueError(f"{source}: {name} = {value!r} {NOT_FINITE}")
         return float(value)
     if base is Path and isinstance(value, str):
         return _toml_path(value, field, name, source)

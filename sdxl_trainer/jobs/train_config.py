@@ -49,7 +49,16 @@ class RunOptions:
         "--output_dir and copy the run folder to the bucket (aws s3 sync, rclone; docs/object_storage.md)",
     )
     project_name: str = option("sdxl_finetune", help="name of this run's folder inside --output_dir")
-    set_seed: int | None = option(None, help="seed for data order, noise and dropout; None = a random seed, recorded in the run's config.json")
+    set_seed: int | None = option(
+        None,
+        help="seed for data order, noise and dropout, and of every rank's torch, NumPy and Python global generators (seed + rank), "
+        "0 to 2^63-1; None = a random seed, recorded in the run's config.json",
+    )
+
+    def problems(self) -> list[str]:
+        if self.set_seed is not None and not 0 <= self.set_seed < 2**63:
+            return [f"--set_seed must be from 0 to 2^63-1 (the data order's generators take no negative seed), got {self.set_seed}"]
+        return []
 
 
 @dataclass(kw_only=True)
