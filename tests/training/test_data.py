@@ -4,6 +4,7 @@ cached dataset's per-item micro-conditioning."""
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
