@@ -167,8 +167,11 @@ def test_missing_credentials_get_a_message_that_names_the_fix(s3, s3_sample_cach
     with pytest.raises(CacheError, match=rf"reading {s3_sample_cache}/{CACHE_INFO_FILE} failed: no credentials found.*AWS_ACCESS_KEY_ID"):
         read_cache_info(s3_sample_cache)
     capsys.readouterr()
-    assert cache_to(f"s3://{BUCKET}/without_credentials", tiny_pipeline_dir) == 2
-    assert "refused: writing s3://caches/without_credentials/locks/w0000of0001.lock failed: no credentials found" in capsys.readouterr().out
+    # the cache folder's check (a non-empty folder without cache_info.json is refused) meets the missing credentials first
+    with pytest.raises(SystemExit) as refused:
+        cache_to(f"s3://{BUCKET}/without_credentials", tiny_pipeline_dir)
+    assert refused.value.code == 2
+    assert "checking s3://caches/without_credentials/cache_info.json failed: no credentials found" in capsys.readouterr().err
 
 
 def test_one_process_per_worker_holds_a_lease_and_a_stale_one_is_taken_over(s3):
