@@ -29,16 +29,12 @@ import torch  # noqa: E402
 
 from benchmarks.lib.results import device_name, write_json  # noqa: E402
 from benchmarks.lib.steps import StepSettings, build_trainer  # noqa: E402
+from benchmarks.lib.timing import synchronize  # noqa: E402
 from benchmarks.lib.unets import MODEL_HELP, UNET_BUILDERS  # noqa: E402
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed  # noqa: E402
 from sdxl_trainer.state.checkpointer import Checkpointer, CheckpointOptions, RunFacts  # noqa: E402
 from sdxl_trainer.training.ema import ShardedEMA  # noqa: E402
 from sdxl_trainer.training.stream import DataPosition  # noqa: E402
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> int:
