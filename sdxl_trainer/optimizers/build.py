@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 import torch
 
@@ -116,6 +116,12 @@ def build_optimizer(
 
 def _all_parameters(parameters: list) -> list[torch.Tensor]:
     return [parameter for entry in parameters for parameter in (entry["params"] if isinstance(entry, dict) else [entry])]
+
+
+def evaluation_weights_of(optimizer: torch.optim.Optimizer) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
+    """How to get the weights to evaluate and export from an optimizer that trains other weights than those
+    (schedule-free AdamW: ScheduleFreeAdamW.evaluation_weights); None where they are the trained weights."""
+    return optimizer.evaluation_weights if isinstance(optimizer, ScheduleFreeAdamW) else None
 
 
 def local_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
