@@ -335,5 +335,5 @@ def speed_settings(config: TrainConfig) -> SpeedSettings:
         compute_bytes=gpu_compute_dtype(config).itemsize,
         gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
         reduce_every_microbatch=reduce_every_microbatch(config, GPUS[config.gpu].memory_gib), gpu=config.gpu, interconnect=config.interconnect,
-        reduce_bytes=DTYPE_OF_NAME[config.reduce_dtype].itemsize,
+        reduce_bytes=DTYPE_OF_NAME[config.reduce_dtype].itemsize, optimizer=config.optimizer,
     )  # fmt: skip
