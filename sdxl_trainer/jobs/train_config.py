@@ -22,7 +22,7 @@ from sdxl_trainer.evaluation.metrics import MetricWeights
 from sdxl_trainer.evaluation.sampling import GenerationSettings
 from sdxl_trainer.models.options import ModelOptions
 from sdxl_trainer.monitoring.monitor import LoggingOptions
-from sdxl_trainer.optimizers.build import SCHEDULE_FREE_SCHEDULES, OptimizerOptions
+from sdxl_trainer.optimizers.build import PRODIGY_MIN_LEARNING_RATE, SCHEDULE_FREE_SCHEDULES, OptimizerOptions
 from sdxl_trainer.outputs.export import ExportOptions, ExportSettings
 from sdxl_trainer.state.checkpointer import CheckpointOptions, RunFacts
 from sdxl_trainer.training.captions import CaptionOptions, CaptionVariation
@@ -116,6 +116,11 @@ class TrainConfig(
             )
         if self.learning_rate == 0 and self.train_text_encoder:
             problems.append("the UNet always trains here: kohya's --learning_rate 0 (text encoders alone) is not supported; give the UNet a rate")
+        if self.optimizer == "prodigy" and any(rate < PRODIGY_MIN_LEARNING_RATE for rate in self.text_encoder_rates().values()):
+            problems.append(
+                "--optimizer prodigy: --learning_rate_te1 / --learning_rate_te2 multiply its estimated step size as --learning_rate "
+                f"does: pass about 1.0 (0 keeps an encoder frozen), got {self.learning_rate_te1} / {self.learning_rate_te2}"
+            )
         if self.optimizer == "adamw_schedulefree" and self.learning_rate_scheduler not in SCHEDULE_FREE_SCHEDULES:
             problems.append(
                 f"--optimizer adamw_schedulefree averages its weights instead of decaying the rate: use --learning_rate_scheduler "

@@ -87,3 +87,33 @@ def test_param_groups_at_one_rate_or_at_0_give_prodigyopts_update(first_group_ra
     other rates step at d x their rate, which prodigyopt refuses.)"""
     start, target = start_and_target(2)
 
+
+    def trained_in_groups(optimizer_class) -> list[torch.Tensor]:
+        parameters = [torch.nn.Parameter(weight.clone()) for weight in start]
+        optimizer = optimizer_class([{"params": parameters[:1], "lr": first_group_rate}, {"params": parameters[1:], "lr": 1.0}])
+        for _ in range(UPDATES_RUN):
+            for parameter, goal in zip(parameters, target):
+                parameter.grad = 2 * (parameter.detach() - goal)
+            optimizer.step()
+        return [parameter.detach() for parameter in parameters]
+
+    ours, theirs = trained_in_groups(Prodigy), trained_in_groups(ReferenceProdigy)
+    for our_weight, their_weight in zip(ours, theirs):
+        torch.testing.assert_close(our_weight, their_weight, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours[0], start[0]) == (first_group_rate == 0.0)
+    assert not torch.equal(ours[1], start[1])
+
+
+def test_prodigy_refuses_adamws_learning_rate_and_takes_its_own_settings():
+    from sdxl_trainer.jobs.train_config import TrainConfig
+
+    def config(*flags: str) -> TrainConfig:
+        return parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--optimizer", "prodigy", *flags])
+
+    with pytest.raises(SystemExit):
+        config()  # --learning_rate 1e-5, the default
+    with pytest.raises(SystemExit):  # the text encoders' rates multiply d too
+        config("--learning_rate", "1", "--encode_captions_each_step", "--train_text_encoder", "--learning_rate_te1", "1e-5")
+    settings = config("--learning_rate", "1", "--prodigy_d_coef", "0.5", "--prodigy_growth_rate", "1.02", "--prodigy_safeguard_warmup").prodigy_settings()
+    assert settings == ProdigySettings(d0=1e-6, d_coef=0.5, growth_rate=1.02, use_bias_correction=False, safeguard_warmup=True)
+    assert config("--learning_rate", "1").prodigy_settings().growth_rate == float("inf")

@@ -62,7 +62,7 @@ def test_schedule_free_adamw_gives_schedulefrees_trained_and_evaluation_weights(
     for our_x, their_x, our_y in zip(evaluated, theirs, trained_weights):
         assert not torch.equal(our_x, our_y)
         torch.testing.assert_close(our_x, their_x.detach(), rtol=1e-6, atol=1e-7)
-    assert all(torch.equal(parameter, weights) for parameter, weights in zip(ours, trained_weights))  # asking for x leaves y
+    assert all(torch.equal(parameter, y) for parameter, y in zip(ours, trained_weights))  # asking for x leaves y
     group, shared = their_optimizer.param_groups[0], optimizer.state[ours[0]][SHARED]
     assert shared[UPDATES].item() == group["k"] == UPDATES_RUN  # every update counts, the first (at rate 0) too
     assert shared[WEIGHT_SUM].item() == pytest.approx(group["weight_sum"], rel=1e-12)
