@@ -45,9 +45,10 @@ class Prodigy(StepsIfFinite, torch.optim.Optimizer):
 
     d is one number for all parameters, so its sums run over every parameter of every rank: each rank sums over
     its local shards, and one all-reduce per update (over FSDP2's shard groups; nothing with one process) adds
-    them up on the device. prodigyopt reads each parameter's sums on the host (a wait per tensor), and under
-    FSDP adds its running numerator once per rank. Here nothing is read on the host: d, its numerator and the
-    update count live on the device, in every parameter's state as one shared tensor (SHARED).
+    them up on the device. prodigyopt reads each parameter's sums on the host (a wait per tensor), and on
+    FSDP2's DTensors, unless told they are sharded, each rank would estimate a d of its own. Here nothing is read
+    on the host: d, its numerator and the update count live on the device, in every parameter's state as one
+    shared tensor (SHARED).
 
     Every other operation is elementwise and runs on flat runs of many local shards (as Lion). Two passes: the
     moments, the running sum s and the estimate's sums; then, once d is known, the weights. A skipped update
