@@ -19,8 +19,10 @@ What it adds up, per FSDP2 unit of the UNet as distributed/fsdp.shard_unet wraps
 - overlap: one stream computes, one communicates (in the order the collectives are issued); a unit computes
   once its weights are gathered, and the next unit's gather starts as soon as the link is free once this
   unit's compute has started (FSDP2's prefetch); a unit's reduce-scatter follows its backward.
-- the optimizer step: the larger of the 8-bit AdamW step's memory traffic (16 bytes a value of the rank's shard)
-  at the GPU's bandwidth and the host time measured on the H200 (its step is host-bound).
+- the optimizer step: the larger of its memory traffic (STEP_BYTES a value of the rank's shard: 16 for the 8-bit
+  AdamW) at the GPU's bandwidth and the host time measured on the H200 for the 8-bit AdamW step (host-bound; the
+  other optimizers' host time is not measured, and this floor stands in for it). Prodigy's all-reduce of two
+  numbers per update is latency only, not counted.
 Nothing else (data loading, logging, saves) is counted: the battery's end-to-end part measures that.
 """
 
@@ -109,6 +111,7 @@ class SpeedSettings:
     gpu: str
     interconnect: str
     reduce_bytes: int = 4  # 4 (fp32) or 2 (bf16): what the gradients are reduce-scattered in (--reduce_dtype)
+    optimizer: str = "adamw8bit"  # --optimizer: its step's memory traffic (STEP_BYTES)
 
     @property
     def shard_group(self) -> int:
@@ -229,11 +232,24 @@ def microbatch_compute(settings: SpeedSettings, flop_per_image: float) -> Comput
                         f"scaled by peak bf16 FLOP/s to the {settings.gpu}; host floor its batch-1 time ({by_batch[min(by_batch)] * 1000:.0f} ms)")
 
 
+# Bytes each optimizer's step reads and writes per value of the rank's shard, with fp32 weights and gradients: the
+# weights read and written (8) and the gradient read (4), and its state read and written.
+STEP_BYTES = {
+    "adamw8bit": 16,  # two 1-byte moments (their scales, one fp32 per 256 values, left out)
+    "adamw": 28,  # two fp32 moments
+    "adafactor": 20,  # factored moments (a few values per row and column), the gradient read twice more for the update
+    "lion": 20,  # one fp32 momentum
+    "prodigy": 52,  # first pass: three fp32 moments and p0 read (36); second: the weights and two moments again (16)
+    "adamw_schedulefree": 28,  # z and the second moment, fp32
+}
+
+
 def optimizer_seconds(settings: SpeedSettings, values: int) -> float:
-    """The 8-bit AdamW step over a rank's shard of `values`: its memory traffic at 70% of the GPU's bandwidth,
-    or the host time the H200 measured for it (the least of its rows), whichever is longer."""
+    """The optimizer step over a rank's shard of `values`: its memory traffic (STEP_BYTES) at 70% of the GPU's
+    bandwidth, or the host time the H200 measured for the 8-bit AdamW step (the least of its rows), whichever
+    is longer."""
     host = min(row["optimizer_seconds"] for row in _h200_trainer_rows() if row["optimizer_seconds"])
-    return max(16 * values / settings.shard_group / (GPUS[settings.gpu].memory_bandwidth * 0.7), host)
+    return max(STEP_BYTES[settings.optimizer] * values / settings.shard_group / (GPUS[settings.gpu].memory_bandwidth * 0.7), host)
 
 
 @dataclass

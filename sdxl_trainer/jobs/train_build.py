@@ -36,7 +36,7 @@ from sdxl_trainer.jobs.train_config import (
 from sdxl_trainer.models.components import TEXT_ENCODER_NAMES, text_encoder_label
 from sdxl_trainer.models.encoders import load_text_encoders
 from sdxl_trainer.models.single_file import config_source, load_unet
-from sdxl_trainer.optimizers.build import build_optimizer
+from sdxl_trainer.optimizers.build import build_optimizer, evaluation_weights_of
 from sdxl_trainer.outputs.export import Exporter, ExportError
 from sdxl_trainer.monitoring.metrics_writer import MetricsWriter, WANDB_ID_FILE, WandbSettings
 from sdxl_trainer.monitoring.monitor import TrainingMonitor
@@ -184,9 +184,11 @@ def build_run(config: TrainConfig, world: World) -> Run:
     scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
     optimizer = build_optimizer(
         config.optimizer, models.parameter_groups(config.learning_rate, config.text_encoder_rates()), config.learning_rate, config.weight_decay,
-        (config.adam_beta1, config.adam_beta2), config.adam_epsilon,
+        (config.adam_beta1, config.adam_beta2), config.adam_epsilon, config.prodigy_settings(),
     )
-    ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
+    # Validation, samples, exports and the EMA see the optimizer's evaluation weights where it keeps them apart (schedule-free).
+    models.evaluate_with(evaluation_weights_of(optimizer))
+    ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu, evaluation_weights=models.evaluation_weights) if config.use_ema else None
     position = resume(config, world, resume_dir, saved, models, optimizer, ema, run_dir, data.identity)
     first_update = saved.update if saved else 0
     draws = SampleDraws(seed, config.noise_settings())

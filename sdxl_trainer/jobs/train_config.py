@@ -22,7 +22,7 @@ from sdxl_trainer.evaluation.metrics import MetricWeights
 from sdxl_trainer.evaluation.sampling import GenerationSettings
 from sdxl_trainer.models.options import ModelOptions
 from sdxl_trainer.monitoring.monitor import LoggingOptions
-from sdxl_trainer.optimizers.build import OptimizerOptions
+from sdxl_trainer.optimizers.build import PRODIGY_MIN_LEARNING_RATE, SCHEDULE_FREE_SCHEDULES, OptimizerOptions
 from sdxl_trainer.outputs.export import ExportOptions, ExportSettings
 from sdxl_trainer.state.checkpointer import CheckpointOptions, RunFacts
 from sdxl_trainer.training.captions import CaptionOptions, CaptionVariation
@@ -111,7 +111,7 @@ class TrainConfig(
         "train_batch_size": "images per GPU per microbatch",
         "gradient_accumulation_steps": "microbatches per optimizer update",
         "learning_rate": "peak learning rate",
-        "optimizer": "adamw8bit, adamw, adafactor or lion",
+        "optimizer": "adamw8bit, adamw, adafactor, lion, prodigy or adamw_schedulefree",
         "num_train_epochs": "passes over the data",
         "max_train_updates": "or a number of optimizer updates instead (0 = off)",
         "save_model_every_n_epochs": "export the model (and save state) every N epochs; 0 = only at the end",
@@ -130,6 +130,16 @@ class TrainConfig(
             )
         if self.learning_rate == 0 and self.train_text_encoder:
             problems.append("the UNet always trains here: kohya's --learning_rate 0 (text encoders alone) is not supported; give the UNet a rate")
+        if self.optimizer == "prodigy" and any(rate < PRODIGY_MIN_LEARNING_RATE for rate in self.text_encoder_rates().values()):
+            problems.append(
+                "--optimizer prodigy: --learning_rate_te1 / --learning_rate_te2 multiply its estimated step size as --learning_rate "
+                f"does: pass about 1.0 (0 keeps an encoder frozen), got {self.learning_rate_te1} / {self.learning_rate_te2}"
+            )
+        if self.optimizer == "adamw_schedulefree" and self.learning_rate_scheduler not in SCHEDULE_FREE_SCHEDULES:
+            problems.append(
+                f"--optimizer adamw_schedulefree averages its weights instead of decaying the rate: use --learning_rate_scheduler "
+                f"constant_with_warmup (or constant), got {self.learning_rate_scheduler}"
+            )
         if self.learning_rate_scheduler == "polynomial" and self.polynomial_lr_end >= self.learning_rate:
             problems.append(f"--polynomial_lr_end ({self.polynomial_lr_end}) must be below --learning_rate ({self.learning_rate})")
         return problems + self._caption_variation_problems() + self._run_folder_problems()
@@ -344,5 +354,5 @@ def speed_settings(config: TrainConfig) -> SpeedSettings:
         compute_bytes=gpu_compute_dtype(config).itemsize,
         gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
         reduce_every_microbatch=reduce_every_microbatch(config, GPUS[config.gpu].memory_gib), gpu=config.gpu, interconnect=config.interconnect,
-        reduce_bytes=DTYPE_OF_NAME[config.reduce_dtype].itemsize,
+        reduce_bytes=DTYPE_OF_NAME[config.reduce_dtype].itemsize, optimizer=config.optimizer,
     )  # fmt: skip

@@ -89,6 +89,19 @@ def test_sharded_state_is_the_arithmetic_of_rank0s_shards():
     assert estimate.unet_parameters == sum(parameter.numel() for parameter in UNet2DConditionModel(**TINY_UNET_CONFIG).parameters())
 
 
+@pytest.mark.slow  # a fake-tensor run each
+@pytest.mark.parametrize(
+    ("optimizer", "fp32_copies", "shared_bytes"),
+    [("prodigy", 4, 4 * 8), ("adamw_schedulefree", 2, 3 * 8)],
+    ids=["prodigy: two moments, s and p0", "schedule-free: z and the second moment"],
+)
+def test_prodigy_and_schedule_free_state_is_the_arithmetic_of_rank0s_shards(optimizer, fp32_copies, shared_bytes):
+    """On 2 ranks their state is fp32 copies of rank 0's shards, and the float64 scalars every parameter shares
+    (Prodigy's step size, schedule-free's averaging weights), held once."""
+    estimate = fake_estimate(2, optimizer)
+    assert estimate.gpu_peak_by_category["optimizer state"] == fp32_copies * rank0_shard_bytes(2) + shared_bytes
+
+
 @pytest.fixture(scope="module")
 def two_ranks_8bit() -> MemoryEstimate:
     return estimate_memory(settings(2, "adamw8bit", gradient_accumulation_steps=1), TINY_UNET_CONFIG)

@@ -24,7 +24,8 @@ from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer, local_opt
 from sdxl_trainer.state.load import load_training_state
 from sdxl_trainer.training.ema import ShardedEMA
 
-LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4}
+# Prodigy's multiplies the step size it estimates (1.0 is its own value).
+LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4, "prodigy": 1.0, "adamw_schedulefree": 1e-3}
 
 
 def sharded_unet(pipeline_dir: Path, world, weights_dtype: torch.dtype = torch.float32) -> UNet2DConditionModel:
