@@ -13,6 +13,7 @@ import os
 import sys
 
 from sdxl_trainer.config import parse_config
+from sdxl_trainer.distributed.stop_request import StopRequest
 from sdxl_trainer.distributed.watchdog import JobWatchdog
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 from sdxl_trainer.jobs.train_build import EXPECTED_ERRORS, build_run, hold_run_folder
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print_speed_estimate(speed_settings(config))
         return 0
+    # Ctrl-C or a cluster's SIGTERM ends the start-up at once; once training begins it stops after a save.
+    stop = StopRequest(announce=os.environ.get("RANK", "0") == "0")
     world = init_distributed(config.replicate_groups)
     exempt_live_objects_from_garbage_collection()
     run_dir = config.output_dir / config.project_name
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         # 2. Build: every check before anything loads, then data, models, optimizer, train step, logging,
         # evaluator, checkpointer and exporter.
-        run = build_run(config, world)
+        run = build_run(config, world, stop)
         # 3. The loop: updates until the data stream ends, then the final state and the exported model.
         try:
             run_loop(run)

@@ -78,6 +78,7 @@ def rank_main(flags: list[str], output: Path) -> None:
     import torch.distributed as dist
 
     from sdxl_trainer.config import parse_config
+    from sdxl_trainer.distributed.stop_request import StopRequest
     from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
     from sdxl_trainer.estimates.host_work import CountedEveryUpdate
     from sdxl_trainer.jobs.train_build import build_run
@@ -86,7 +87,7 @@ def rank_main(flags: list[str], output: Path) -> None:
 
     config = parse_config(TrainConfig, flags)
     world = init_distributed(config.replicate_groups)
-    run = build_run(config, world)
+    run = build_run(config, world, StopRequest(announce=False))
     counted = CountedEveryUpdate(run.train_step)
     run.train_step = counted
     try:

@@ -1,4 +1,6 @@
-"""Graceful stop on SIGTERM / SIGINT: finish the current update, save state, exit 0.
+"""Graceful stop on SIGTERM / SIGINT: finish the current update, save state, exit 0. Before training begins
+(the start-up: rendezvous, checks, loading the data and the models) there is nothing to save, so a signal ends
+the process at once, with one line instead of a traceback from wherever the start-up was.
 
 A cluster pre-empting a job sends SIGTERM (SLURM: to every task), Ctrl-C sends SIGINT to the whole
 foreground process group, and torchrun forwards the signal it got to its workers a moment later. So a
@@ -17,24 +19,37 @@ import os
 import signal
 import time
 
-import torch.distributed as dist
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_GRACE_S = 3.0
 
 
+class StoppedDuringStartUp(SystemExit):
+    """A stop signal before the first update: the process ends with this line as its message (the job's
+    watchdog prints it once for every rank) and exit code 1, as any refusal to start does."""
+
+
 class StopRequest:
-    def __init__(self, announce: bool = True, host_group: dist.ProcessGroup | None = None) -> None:
-        """`announce`: say that the signal arrived (on one rank: every rank gets it, the fact is one).
-        `host_group`: the gloo group the ranks agree over (None: the default group, gloo where there is no GPU)."""
+    def __init__(self, announce: bool = True) -> None:
+        """Installs the handlers: from here until training_begins(), a stop signal ends the start-up at once
+        (StoppedDuringStartUp); after it, the stop is graceful. `announce`: say that the signal arrived (on one
+        rank: every rank gets it, the fact is one)."""
         self.announce = announce
-        self.host_group = host_group
         self.signal_name: str | None = None
         self._first_signal_at = 0.0
+        self._training = False
         self._previous_handlers = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def training_begins(self) -> None:
+        """From now on a signal finishes the current update and saves (the run has state worth saving)."""
+        self._training = True
 
     def _handle(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
         now = time.monotonic()
+        if not self._training:
+            raise StoppedDuringStartUp(
+                f"{signal.Signals(signum).name} received during start-up, before the first update: stopped there "
+                "(nothing was trained yet, so there was nothing to save)."
+            )
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
             self._first_signal_at = now

@@ -155,9 +155,10 @@ class Run:
         self.garbage.close()
 
 
-def build_run(config: TrainConfig, world: World) -> Run:
+def build_run(config: TrainConfig, world: World, stop: StopRequest) -> Run:
     """Check everything, then build the run from its parts: data, models, optimizer, train step, logging,
-    evaluator, checkpointer and exporter, each by its owner."""
+    evaluator, checkpointer and exporter, each by its owner. `stop`: the stop signals' handler, installed
+    before the start-up (which a signal ends at once); from the end of the build on, a signal stops gracefully."""
     run_dir = config.output_dir / config.project_name
     config, caches, resume_dir, saved = check_before_start(config, run_dir, world)
     # Only now the model libraries load (diffusers, transformers: seconds of CPU), which a refused start never waits for.
@@ -236,10 +237,11 @@ def build_run(config: TrainConfig, world: World) -> Run:
     )
     exporter = Exporter(config.export_settings(caches.vae_name_or_path), world, lambda: models.exported_weights_on_rank0(ema, world.is_main),
                         ema is not None, run_dir)
+    stop.training_begins()
     return Run(
         config=config, world=world, log_dir=log_dir, models=models, ema=ema, stream=stream, train_step=train_step, first_update=first_update,
         total_updates=total_updates, resumed=saved is not None, monitor=monitor, evaluator=evaluator, checkpointer=checkpointer, exporter=exporter,
-        stop=StopRequest(announce=world.is_main, host_group=host_group), garbage=CollectBetweenUpdates(config.gc_every_n_updates),
+        stop=stop, garbage=CollectBetweenUpdates(config.gc_every_n_updates),
     )
 
 

@@ -58,7 +58,7 @@ class TrainingMonitor:
         self.is_main = is_main
         self._epoch_losses: list[float] = []  # of this epoch's updates that stepped, as read so far
         self.progress = tqdm(total=total_updates, initial=first_update, desc="training", unit="update", disable=not is_main, dynamic_ncols=True)
-        self._host_group = host_group
+        self.host_group = host_group
 
     def say(self, message: str) -> None:
         """A message printed once (by rank 0), above the progress bar, and flushed: stdout into a pipe or a file (a
@@ -102,7 +102,7 @@ class TrainingMonitor:
         # Host-side values (the allocator's peak counters, the stop flag), gathered over a gloo group of CPU
         # tensors: the GPU is never waited for.
         reserved = peak_reserved_gib(self.device)
-        by_rank = all_gather_floats([peak_memory_gib(self.device), math.nan if reserved is None else reserved, float(stop_requested)], self._host_group)
+        by_rank = all_gather_floats([peak_memory_gib(self.device), math.nan if reserved is None else reserved, float(stop_requested)], self.host_group)
         memory = [row[0] for row in by_rank]
         reserved_by_rank = [row[1] for row in by_rank] if reserved is not None else []
         self.metrics.scalars(

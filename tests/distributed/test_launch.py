@@ -285,12 +285,30 @@ def test_a_stop_signal_is_announced_by_one_rank_only(capsys, stop_signal):
     """SIGINT (Ctrl-C) is announced as SIGTERM (a cluster's stop) is, and stops the same way."""
     for announce in (True, False):
         stop = StopRequest(announce=announce)
+        stop.training_begins()
         try:
             os.kill(os.getpid(), stop_signal)
         finally:
             stop.restore_handlers()
         assert stop.signal_name == stop_signal.name
         assert capsys.readouterr().out.count(f"{stop_signal.name} received: finishing the current update") == (1 if announce else 0)
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_during_start_up_ends_it_at_once_in_one_line(stop_signal):
+    """Before training begins there is nothing to save: the start-up ends where it was, with a line naming the
+    signal (the watchdog prints a SystemExit's message alone, no traceback)."""
+    stop = StopRequest(announce=True)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            os.kill(os.getpid(), stop_signal)
+            time.sleep(5)  # the handler runs at the next bytecode: never reached
+    finally:
+        stop.restore_handlers()
+    assert str(stopped.value.code) == (
+        f"{stop_signal.name} received during start-up, before the first update: stopped there (nothing was trained yet, so there was nothing to save)."
+    )
+    assert stop.signal_name is None  # not a request to stop after an update
 
 
 def test_objects_alive_after_the_imports_are_left_out_of_later_garbage_collections():

@@ -20,6 +20,7 @@ from trainer_runs import SCHEDULE_FLAGS, trainer_schedule
 
 from sdxl_trainer.state.checkpoint_layout import METADATA_FILE, TRAINER_STATE_FILE
 from sdxl_trainer.state.checkpoints_folder import checkpoint_name, complete_checkpoints, find_latest_checkpoint, remove_old_checkpoints
+from sdxl_trainer.state.run_folder import RUN_LOCK_FILE, RunFolderLock
 from sdxl_trainer.state.trainer_state import read_trainer_state
 from sdxl_trainer.training.epochs import EpochPlanner
 
@@ -317,6 +318,29 @@ def test_sigterm_saves_state_and_exits_zero_then_latest_resumes(tmp_path, sample
     resumed = run_processes(2, TRAINER, [*flags, "--max_train_updates", str(stopped_at + 1)])
     assert f"Resumed from {checkpoints / checkpoint_name(stopped_at)}" in resumed.stdout
     assert (tmp_path / "signalled" / UNET_FILE).is_file()
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_during_start_up_ends_it_in_one_line_and_leaves_the_run_folder_free(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    """Ctrl-C reaches every rank (the terminal's process group) while the run is still starting: nothing was
+    trained, so the ranks stop where they are, one line says so, and no checkpoint or lock is left behind."""
+    run_dir = tmp_path / "interrupted"
+    flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "interrupted", "--save_state_every_n_updates", "1")
+
+    def interrupt_every_rank_once_the_run_folder_is_held(ranks: list[multiprocessing.process.BaseProcess]) -> None:
+        deadline = time.monotonic() + 120
+        while not (run_dir / RUN_LOCK_FILE).exists() and time.monotonic() < deadline and all(rank.exitcode is None for rank in ranks):
+            time.sleep(0.05)
+        assert (run_dir / RUN_LOCK_FILE).exists(), "the run never took its folder"
+        for rank in ranks:
+            os.kill(rank.pid, signal.SIGINT)
+
+    stopped = run_processes(2, TRAINER, flags, expect_success=False, while_running=interrupt_every_rank_once_the_run_folder_is_held)
+    line = "SIGINT received during start-up, before the first update: stopped there (nothing was trained yet, so there was nothing to save)."
+    assert stopped.returncode == 1 and stopped.stderr.count(line) == 1, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
+    assert find_latest_checkpoint(run_dir / "checkpoints")[0] is None
+    RunFolderLock(run_dir).release()  # free: a new run may start
 
 
 # ---- data position -------------------------------------------------------------------------------------

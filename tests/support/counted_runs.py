@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from sdxl_trainer.config import parse_config
+from sdxl_trainer.distributed.stop_request import StopRequest
 from sdxl_trainer.distributed.world import World
 from sdxl_trainer.estimates.host_work import CountedEveryUpdate
 from sdxl_trainer.jobs.train_build import build_run
@@ -47,7 +48,7 @@ def count_trainer_updates(flags: list[str], world: World) -> list[CountedUpdate]
     """Train with `flags` (a full trainer command line), counting each update from its step to the next; the
     first update (which makes the optimizer's state and compiles) and the last (the run's end) are left out."""
     config = parse_config(TrainConfig, flags)
-    run = build_run(config, world)
+    run = build_run(config, world, StopRequest(announce=False))
     counted = _SyncsRefusedOnUpdatesThatDoNotLog(run.train_step, config.log_every_n_updates)
     run.train_step = counted
     try:
@@ -57,7 +58,7 @@ def count_trainer_updates(flags: list[str], world: World) -> list[CountedUpdate]
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("default")
         run.close()
-    host_group = run.stop.host_group.group_name
+    host_group = run.monitor.host_group.group_name
     return [
         CountedUpdate(
             update=number,
