@@ -30,7 +30,8 @@ from typing import NamedTuple
 
 import torch
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
-from torchao.optim.subclass_8bit import OptimState8bit
+from torch.distributed.tensor import DTensor
+from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import StepsIfFinite, fp32_zeros_like, runs_of_at_most
@@ -116,6 +117,24 @@ def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
     torch._foreach_copy_(targets, _unflatten(flat, targets))
 
 
+def _views_of_one_buffer(buffer: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Tensors of these shapes laid end to end in the flat `buffer`, each a view into it."""
+    views, offset = [], 0
+    for shape in shapes:
+        views.append(buffer[offset : offset + shape.numel()].view(shape))
+        offset += shape.numel()
+    return views
+
+
+def _shaped_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (a state tensor for `param`'s local shard) as the state torchao makes for `param`: a DTensor
+    sharded as it is where it is one, on the shard's device (torchao's _new_buffer does the same)."""
+    if not isinstance(param, DTensor):
+        return local
+    sharded = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+    return sharded.to(local.device)  # from_local moves it to the mesh's device type: back where the shard is (CPU offload)
+
+
 def _share_one_buffer(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One flat buffer holding the values of `tensors`, each of which becomes a view into it (`set_`: the same
     tensor objects, so the optimizer's state, its checkpoints and a resume see them as before). A step then
@@ -176,6 +195,41 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
             return buffer
         return buffer.float()
 
+    def _quantizes(self, local: torch.Tensor) -> bool:
+        """Whether a local shard's moments are 8-bit: torchao's rule in _new_buffer (as bitsandbytes, shards of
+        4,096 values or more, in whole blocks)."""
+        return local.numel() >= 4096 and local.numel() % self.block_size == 0
+
+    def _new_states_in_flat_buffers(self, params: list[torch.Tensor], is_8bit: bool) -> tuple[torch.Tensor, ...]:
+        """Zero state for `params` (which have none yet) made as flat buffers, one per kind of state tensor (8-bit:
+        codes and scales of each moment; otherwise each fp32 moment), that the parameters' state tensors view:
+        the state torchao's _new_buffer makes, laid out as a chunk steps it. Made one tensor at a time and then
+        copied into a chunk's buffers (_share_one_buffer), the state would be allocated twice over on the first
+        update, and a memory tracker that does not see set_'s release counts both."""
+        locals_ = [local_shard(param) for param in params]
+        shapes = [local.shape for local in locals_]
+        device = locals_[0].device
+        total = sum(shape.numel() for shape in shapes)
+        moments = []  # per moment: its flat buffers, and each parameter's state tensor viewing them
+        for signed, code_values in ((True, get_qmap_signed()), (False, get_qmap_unsigned())):
+            if is_8bit:
+                codes = torch.zeros(total, dtype=torch.uint8, device=device)
+                scales = torch.zeros(total // self.block_size, dtype=torch.float32, device=device)
+                qmap = torch.tensor(code_values, dtype=torch.float32, device=device)
+                scale_shapes = [torch.Size([shape.numel() // self.block_size]) for shape in shapes]
+                states = [
+                    OptimState8bit(code, scale, qmap, signed, dtype=local.dtype)  # torchao's state: its dtype the weights'
+                    for code, scale, local in zip(_views_of_one_buffer(codes, shapes), _views_of_one_buffer(scales, scale_shapes), locals_)
+                ]
+                moments.append(((codes, scales), states))
+            else:
+                flat = torch.zeros(total, dtype=torch.float32, device=device)
+                moments.append(((flat,), _views_of_one_buffer(flat, shapes)))
+        (avg_buffers, exp_avgs), (sq_buffers, exp_avg_sqs) = moments
+        for param, exp_avg, exp_avg_sq in zip(params, exp_avgs, exp_avg_sqs):
+            self.state[param].update(exp_avg=_shaped_like(param, exp_avg), exp_avg_sq=_shaped_like(param, exp_avg_sq))
+        return (*avg_buffers, *sq_buffers)
+
     @torch.no_grad()
     def step(self, closure=None, *, finite: torch.Tensor | None = None):  # noqa: ARG002 - torch.optim signature
         """The step, left undone (weights, moments, step counts) where `finite` (a bool scalar on the device) is
@@ -201,39 +255,56 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
                 and all(map(operator.is_, kept.weights, map(local_shard, params)))
                 and all(map(operator.is_, kept.moments, (self.state[param]["exp_avg"] for param in params)))):
             return kept
-        for param in params:
-            if not self.state[param]:
-                self.state[param].update(step=torch.tensor(0.0), exp_avg=self._new_buffer(param, True), exp_avg_sq=self._new_buffer(param, False))
         # Shards step together when they share the update count (all of them, unless some had no gradient on
-        # some update), the kind of state, the device and the dtypes.
+        # some update), the kind of state, the device and the dtypes. A shard without state yet has count 0.
         kinds = defaultdict(list)
-        for param, step in zip(params, torch.stack([self.state[param]["step"] for param in params]).tolist()):
-            state = self.state[param]
-            weights, exp_avg, exp_avg_sq = local_shard(param), local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
+        counts = [state["step"] for state in map(self.state.__getitem__, params) if state]
+        stored_counts = iter(torch.stack(counts).tolist() if counts else [])
+        for param in params:
+            state, weights = self.state[param], local_shard(param)
+            step = next(stored_counts) if state else 0.0
             if weights.numel() == 0:  # an uneven shard can leave a rank no values of this tensor
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=self._new_buffer(param, True), exp_avg_sq=self._new_buffer(param, False))
                 continue
-            is_8bit = isinstance(exp_avg, OptimState8bit)
-            kinds[(step, is_8bit, weights.device, weights.dtype, local_shard(param.grad).dtype)].append((param, weights, exp_avg, exp_avg_sq))
+            is_8bit = isinstance(local_shard(state["exp_avg"]), OptimState8bit) if state else self._quantizes(weights)
+            kinds[(step, is_8bit, weights.device, weights.dtype, local_shard(param.grad).dtype)].append((param, weights))
         batches = []
         for (step, is_8bit, _, _, _), shards in kinds.items():
             # One tensor holds the update counts of the batch's shards; each shard's state["step"] is its element
             # (a tensor of its own to load, save and count, as torchao's are).
             step_counts = torch.full((len(shards),), step, device=shards[0][1].device)
-            for number, (param, *_) in enumerate(shards):
-                self.state[param]["step"] = step_counts[number]
             chunks = []
-            for run in runs_of_at_most(shards, [weights.numel() for _, weights, _, _ in shards], CHUNK_VALUES):
-                run_params, weights, exp_avgs, exp_avg_sqs = (list(tensors) for tensors in zip(*run))
-                if is_8bit:
-                    states = ([state.codes for state in exp_avgs], [state.scale for state in exp_avgs],
-                              [state.codes for state in exp_avg_sqs], [state.scale for state in exp_avg_sqs])
-                    chunks.append(_Chunk(run_params, weights, tuple(map(_share_one_buffer, states)), (exp_avgs[0].qmap, exp_avg_sqs[0].qmap)))
-                else:
-                    chunks.append(_Chunk(run_params, weights, (_share_one_buffer(exp_avgs), _share_one_buffer(exp_avg_sqs)), ()))
+            for run in runs_of_at_most(shards, [weights.numel() for _, weights in shards], CHUNK_VALUES):
+                run_params, weights = (list(tensors) for tensors in zip(*run))
+                chunks.append(self._chunk(run_params, weights, is_8bit))
+            for number, (param, _) in enumerate(shards):
+                self.state[param]["step"] = step_counts[number]
             batches.append(_Batch(step_counts, is_8bit, chunks))
         layout = _Layout(params, tuple(map(local_shard, params)), tuple(self.state[param]["exp_avg"] for param in params), batches)
         self._layouts[group_number] = layout
         return layout
+
+    def _chunk(self, params: list[torch.Tensor], weights: list[torch.Tensor], is_8bit: bool) -> _Chunk:
+        """The chunk of these shards, their state in its flat buffers: made there if none of them has state yet,
+        else copied there (a shard without state yet gets torchao's first)."""
+        if not any(self.state[param] for param in params):
+            buffers = self._new_states_in_flat_buffers(params, is_8bit)
+        else:
+            for param in params:
+                if not self.state[param]:
+                    self.state[param].update(exp_avg=self._new_buffer(param, True), exp_avg_sq=self._new_buffer(param, False))
+            exp_avgs = [local_shard(self.state[param]["exp_avg"]) for param in params]
+            exp_avg_sqs = [local_shard(self.state[param]["exp_avg_sq"]) for param in params]
+            if is_8bit:
+                parts = ([state.codes for state in exp_avgs], [state.scale for state in exp_avgs],
+                         [state.codes for state in exp_avg_sqs], [state.scale for state in exp_avg_sqs])
+            else:
+                parts = (exp_avgs, exp_avg_sqs)
+            buffers = tuple(map(_share_one_buffer, parts))
+        first = self.state[params[0]]
+        code_values = (local_shard(first["exp_avg"]).qmap, local_shard(first["exp_avg_sq"]).qmap) if is_8bit else ()
+        return _Chunk(params, weights, buffers, code_values)
 
     def _step_batch(self, batch: _Batch, group: dict, first_chunk: int, finite: torch.Tensor) -> int:
         """Step one batch's chunks where `finite`; returns their number. `first_chunk` numbers them within the
@@ -261,3 +332,6 @@ class AdamWFp32Moments(AdamW8bit):
 
     def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:  # noqa: ARG002 - moments are never quantised
         return fp32_zeros_like(p)
+
+    def _quantizes(self, local: torch.Tensor) -> bool:  # noqa: ARG002 - moments are never quantised
+        return False

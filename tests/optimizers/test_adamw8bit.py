@@ -15,10 +15,13 @@ import pytest
 import torch
 from conftest import REPO_ROOT, run_processes
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torchao.optim.subclass_8bit import OptimState8bit
 
 import sdxl_trainer.optimizers.adamw8bit
-from sdxl_trainer.optimizers.adamw8bit import AdamW8bit
+from sdxl_trainer.optimizers.adamw8bit import AdamW8bit, AdamWFp32Moments
+from sdxl_trainer.optimizers.build import local_optimizer_state_bytes
 
 SETTINGS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 # Values of order 1 computed by the two: an ulp or two apart (see above).
@@ -123,3 +126,46 @@ def test_the_trainers_adamw8bit_is_the_multi_tensor_one():
 
     built = build_optimizer("adamw8bit", parameters(), 1e-4, 1e-2, (0.9, None), 1e-8)
     assert type(built) is AdamW8bit and built.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+class _NewStorageBytes(TorchDispatchMode):
+    """Bytes of every storage an operator makes (not one it writes into or views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {tensor.untyped_storage().data_ptr() for tensor in tree_flatten((args, kwargs))[0] if type(tensor) is torch.Tensor}
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and type(tensor) is torch.Tensor and tensor.untyped_storage().data_ptr() not in inputs:
+                self.made += tensor.untyped_storage().nbytes()
+        return out
+
+
+@pytest.mark.parametrize("optimizer_class", [AdamW8bit, AdamWFp32Moments])
+def test_the_first_update_makes_the_state_once_in_its_chunks_buffers(optimizer_class):
+    """The state is made in the chunks' flat buffers, each state tensor a view: made per tensor and then copied
+    into the buffers it took twice its size on the first update (and the memory estimate counted both)."""
+    params = [torch.nn.Parameter(torch.zeros(256, 256)) for _ in range(4)]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer = optimizer_class(params, **SETTINGS)
+    with _NewStorageBytes() as made:
+        layout = optimizer._layout(0, optimizer.param_groups[0])
+    state_bytes = local_optimizer_state_bytes(optimizer)
+    assert 0.95 * state_bytes < made.made < 1.05 * state_bytes  # besides the state: code tables and update counts
+    (chunk,) = layout.batches[0].chunks
+    buffers = {buffer.untyped_storage().data_ptr() for buffer in chunk.states}
+    for state in optimizer.state.values():
+        for moment in (state["exp_avg"], state["exp_avg_sq"]):
+            parts = (moment.codes, moment.scale) if isinstance(moment, OptimState8bit) else (moment,)
+            assert {part.untyped_storage().data_ptr() for part in parts} <= buffers
+    reference = TorchaoAdamW8bit(params, **SETTINGS) if optimizer_class is AdamW8bit else None
+    if reference is not None:  # the state torchao would make: type, dtype, shapes, zeros, code tables
+        made_state = optimizer.state[params[0]]["exp_avg_sq"]
+        expected = reference._new_buffer(params[0], False)
+        assert type(made_state) is type(expected) and made_state.dtype == expected.dtype and made_state.signed == expected.signed
+        for name in ("codes", "scale", "qmap"):
+            assert torch.equal(getattr(made_state, name), getattr(expected, name))
