@@ -172,7 +172,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
     optimizer = build_optimizer(
         config.optimizer, models.parameter_groups(config.learning_rate, config.text_encoder_rates()), config.learning_rate, config.weight_decay,
-        (config.adam_beta1, config.adam_beta2), config.adam_epsilon,
+        (config.adam_beta1, config.adam_beta2), config.adam_epsilon, came_beta3=config.came_beta3,
     )
     ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
     position = resume(config, world, resume_dir, saved, models, optimizer, ema, run_dir)

@@ -97,7 +97,7 @@ class TrainConfig(
         "train_batch_size": "images per GPU per microbatch",
         "gradient_accumulation_steps": "microbatches per optimizer update",
         "learning_rate": "peak learning rate",
-        "optimizer": "adamw8bit, adamw, adafactor or lion",
+        "optimizer": "adamw8bit, adamw, adafactor, lion or came",
         "num_train_epochs": "passes over the data",
         "max_train_updates": "or a number of optimizer updates instead (0 = off)",
         "save_model_every_n_epochs": "export the model (and save state) every N epochs; 0 = only at the end",
@@ -330,5 +330,5 @@ def speed_settings(config: TrainConfig) -> SpeedSettings:
         compute_bytes=gpu_compute_dtype(config).itemsize,
         gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
         reduce_every_microbatch=reduce_every_microbatch(config, GPUS[config.gpu].memory_gib), gpu=config.gpu, interconnect=config.interconnect,
-        reduce_bytes=DTYPE_OF_NAME[config.reduce_dtype].itemsize,
+        reduce_bytes=DTYPE_OF_NAME[config.reduce_dtype].itemsize, optimizer=config.optimizer,
     )  # fmt: skip

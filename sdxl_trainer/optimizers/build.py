@@ -12,28 +12,34 @@ from sdxl_trainer.config import option
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.adafactor import Adafactor
 from sdxl_trainer.optimizers.adamw import ShardAdamW
+from sdxl_trainer.optimizers.came import CAME
 from sdxl_trainer.optimizers.lion import Lion
 
-OPTIMIZERS = ("adamw8bit", "adamw", "adafactor", "lion")
+OPTIMIZERS = ("adamw8bit", "adamw", "adafactor", "lion", "came")
 
 
 # beta2 when --adam_beta2 is not given: AdamW's usual value, and the Lion paper's (Chen et al. 2023, 0.99:
 # Lion's update is the sign of an interpolation, and 0.999 makes its momentum too slow).
-DEFAULT_BETA2 = {"adamw8bit": 0.999, "adamw": 0.999, "lion": 0.99}
+DEFAULT_BETA2 = {"adamw8bit": 0.999, "adamw": 0.999, "lion": 0.99, "came": 0.999}
 
 @dataclass(kw_only=True)
 class OptimizerOptions:
     """Optimizer"""
 
-    optimizer: Literal["adamw8bit", "adamw", "adafactor", "lion"] = option(
+    optimizer: Literal["adamw8bit", "adamw", "adafactor", "lion", "came"] = option(
         "adamw8bit",
         help="adamw8bit = 8-bit AdamW (torchao's state, 2 bytes per weight, stepped many tensors per kernel); adamw = fp32 AdamW (8 bytes); "
         "adafactor = factored second moments, no momentum (least memory); lion = sign updates, one fp32 momentum "
-        "(4 bytes; use a 3-10x lower --learning_rate)",
+        "(4 bytes; use a 3-10x lower --learning_rate); came = Adafactor's factored moments and an fp32 momentum scaled by its "
+        "factored confidence (4 bytes; its statistics start at zero without bias correction, so early updates run larger than "
+        "--learning_rate: keep a warm-up)",
     )
     learning_rate: float = option(1e-5, help="peak learning rate")
-    adam_beta1: float = option(0.9, help="beta1 of AdamW and Lion")
-    adam_beta2: float | None = option(None, help="beta2 of AdamW and Lion; None = the optimizer's own default: 0.999 for AdamW, 0.99 for Lion (the paper's)")
+    adam_beta1: float = option(0.9, help="beta1 of AdamW, Lion and CAME (its momentum)")
+    adam_beta2: float | None = option(
+        None, help="beta2 of AdamW, Lion and CAME (its second moments); None = the optimizer's own default: 0.999 for AdamW and CAME, 0.99 for Lion (the paper's)"
+    )
+    came_beta3: float = option(0.9999, help="CAME's third beta: the decay of its instability statistics (the momentum's deviation from each update)")
     adam_epsilon: float = option(1e-8, help="AdamW's epsilon, added to the root of the second moment (keeps tiny moments from blowing up the step)")
     weight_decay: float = option(1e-2, help="decoupled weight decay of every optimizer")
 
@@ -44,7 +50,7 @@ class OptimizerOptions:
                 problems.append(f"--{name} must be > 0, got {getattr(self, name)}")
         if self.weight_decay < 0:
             problems.append(f"--weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("adam_beta1", "adam_beta2"):
+        for name in ("adam_beta1", "adam_beta2", "came_beta3"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1:
                 problems.append(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         return problems
@@ -52,9 +58,11 @@ class OptimizerOptions:
 
 def build_optimizer(
     name: str, parameters: Iterable[torch.nn.Parameter] | list[dict], learning_rate: float, weight_decay: float, betas: tuple[float, float | None], eps: float,
+    came_beta3: float = 0.9999,
 ) -> torch.optim.Optimizer:
     """`parameters`: parameters, or param groups (dicts with their own "lr"). betas and eps apply to the
-    AdamW variants; Lion uses betas; Adafactor uses neither. A beta2 of None takes the optimizer's default
+    AdamW variants; Lion uses betas; CAME uses betas and came_beta3 (its epsilons are the paper's); Adafactor
+    uses none of them. A beta2 of None takes the optimizer's default
     (DEFAULT_BETA2). Every optimizer here takes the update's verdict on the device (StepsIfFinite), also with
     fp16's loss scaling (TrainStep)."""
     parameters = list(parameters)
@@ -73,6 +81,8 @@ def build_optimizer(
         return Adafactor(parameters, lr=learning_rate, weight_decay=weight_decay)
     if name == "lion":
         return Lion(parameters, lr=learning_rate, betas=betas, weight_decay=weight_decay)
+    if name == "came":
+        return CAME(parameters, lr=learning_rate, betas=(*betas, came_beta3), weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}: choose one of {OPTIMIZERS}")
 
 

@@ -353,6 +353,8 @@ STATED: dict[str, list[str]] = {
         # arithmetic from the encoders' and the UNet's parameter counts; FLOP counted (design.md §10)
         "every GPU: 1.6 GB in bf16", "forward is 0.44% of the", "about 8.2 GB more over all GPUs with adamw8bit (4.1 GB each on 2)",
         "4.8 GiB each instead of 9.6",
+        # each optimizer's state for SDXL's UNet, made by the optimizers' own code (tests/optimizers/test_optimizers.py)
+        "| 5.2 GB |", "| 20.5 GB |", "| 0.02 GB |", "| 10.3 GB |",
     ],
     "docs/troubleshooting.md": ["wait up to 30 s", "about 7 GB more for a pipeline copy"],  # a limit; arithmetic
     "docs/validation.md": ["(about 7 GB in bf16)", "10% + 10% holds out 10%, not 20%", "always downloads 3.9 GB"],
