@@ -25,6 +25,7 @@ from sdxl_trainer.monitoring.monitor import LoggingOptions
 from sdxl_trainer.optimizers.build import OptimizerOptions
 from sdxl_trainer.outputs.export import ExportOptions, ExportSettings
 from sdxl_trainer.state.checkpointer import CheckpointOptions, RunFacts
+from sdxl_trainer.training.block_rates import BlockRateOptions
 from sdxl_trainer.training.captions import CaptionOptions, CaptionVariation
 from sdxl_trainer.training.data_options import DataOptions, DataSettings
 from sdxl_trainer.training.ema import EMAOptions
@@ -81,8 +82,8 @@ class EstimateOptions:
 
 @dataclass(kw_only=True)
 class TrainConfig(
-    RunOptions, DataOptions, ModelOptions, ResolutionOptions, OptimizerOptions, ScheduleOptions, ObjectiveOptions, CaptionOptions, StepOptions,
-    EMAOptions, ComputeOptions, EvaluationOptions, CheckpointOptions, ExportOptions, LoggingOptions, EstimateOptions,
+    RunOptions, DataOptions, ModelOptions, ResolutionOptions, OptimizerOptions, BlockRateOptions, ScheduleOptions, ObjectiveOptions, CaptionOptions,
+    StepOptions, EMAOptions, ComputeOptions, EvaluationOptions, CheckpointOptions, ExportOptions, LoggingOptions, EstimateOptions,
 ):
     """Every option of sdxl_FSDP_train.py. Each section is defined, and checks its own options, beside the component
     that uses them (DataOptions in training/data_options.py, ObjectiveOptions in training/objective_options.py, ...); this class
@@ -210,7 +211,7 @@ class TrainConfig(
     def run_facts(self, world_size: int) -> RunFacts:
         return RunFacts(
             self.optimizer, self.weights_dtype, self.use_ema, self.train_text_encoder, self.frozen_text_encoder(),
-            self.train_batch_size * world_size, self.gradient_accumulation_steps,
+            self.train_batch_size * world_size, self.gradient_accumulation_steps, self.frozen_unet_blocks(),
         )
 
     def evaluation_settings(self) -> EvaluationSettings:

@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import REPO_ROOT, run_processes
 from safetensors.torch import load_file
-from unet_batches import assert_clipped_as_torch
+from unet_batches import TINY_BLOCK_RATES, assert_clipped_as_torch, assert_each_block_moved_by_its_rate
 
 from sdxl_trainer.optimizers.build import OPTIMIZERS
 
@@ -94,3 +94,8 @@ def test_ema_is_sharded(reports):
         assert report["ema_local_bytes"] == report["param_local_bytes"]  # fp32 copy of this rank's shard only
     assert reports[0]["ema_local_bytes"] + reports[1]["ema_local_bytes"] > 1.9 * reports[0]["ema_local_bytes"] > 0
 
+
+def test_each_block_of_the_sharded_unet_moves_by_its_own_rate(reports):
+    """--block_lr's param groups hold FSDP2's DTensor shards; two blocks were frozen before sharding."""
+    for report in reports:
+        assert_each_block_moved_by_its_rate(report["block_rate_changes"], TINY_BLOCK_RATES)

@@ -5,7 +5,9 @@
   all-reduces of one Adafactor and one CAME step;
 - per factored optimizer (Adafactor, CAME): the largest difference between weights stepped as shards
   (uneven ones, and an empty one on rank 1) and the same weights stepped whole in one process;
-- the share of the EMA this rank holds."""
+- the share of the EMA this rank holds;
+- the largest change of each UNet block's weights after one AdamW update with a param group of FSDP2 shards per
+  block (--block_lr's groups), two blocks frozen before sharding."""
 
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from unet_batches import clipping_against_torch, make_train_step, save_training_state, saved_state_of, synthetic_batch
+from unet_batches import (
+    TINY_BLOCK_RATES, clipping_against_torch, largest_change_per_block, make_train_step, save_training_state, saved_state_of, synthetic_batch,
+)
 
 from sdxl_trainer.distributed.fsdp import local_parameter_bytes, shard_unet
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer, local_optimizer_state_bytes
 from sdxl_trainer.state.load import load_training_state
+from sdxl_trainer.training.block_rates import freeze_zero_rate_blocks
 from sdxl_trainer.training.ema import ShardedEMA
 
 LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4, "came": 1e-4}
@@ -131,6 +136,13 @@ def shards_against_whole(name: str, world) -> float:
     return max((a - b).abs().max().item() for a, b in zip(sharded, whole)) / scale
 
 
+def block_rate_changes(pipeline_dir: Path, world) -> list[float]:
+    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
+    freeze_zero_rate_blocks(unet, TINY_BLOCK_RATES)
+    shard_unet(unet, world.mesh, param_dtype=None)
+    return largest_change_per_block(unet, pipeline_dir, TINY_BLOCK_RATES, rank_batch(unet, world, 0)[0])
+
+
 def main(pipeline_dir: str, output_dir: str) -> None:
     world = init_distributed()
     pipeline, output = Path(pipeline_dir), Path(output_dir)
@@ -155,6 +167,7 @@ def main(pipeline_dir: str, output_dir: str) -> None:
     report["ema_local_bytes"] = sum(shadow.numel() * shadow.element_size() for shadow in ema.shadow)
     report["param_local_bytes"] = local_parameter_bytes(unet)
     report["clipping"] = clipping_against_torch(unet, seed=world.rank)
+    report["block_rate_changes"] = block_rate_changes(pipeline, world)
     (output / f"rank{world.rank}.json").write_text(json.dumps(report))
     shutdown_distributed()
 
