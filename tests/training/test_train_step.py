@@ -420,6 +420,17 @@ def test_beta2_defaults_to_each_optimizers_own(optimizer, beta2):
     assert explicit.param_groups[0]["betas"] == (0.9, 0.95)
 
 
+def test_came_takes_the_adam_betas_and_its_own_third():
+    from sdxl_trainer.jobs.train_config import TrainConfig
+    from sdxl_trainer.optimizers.build import build_optimizer
+
+    parameters = [torch.nn.Parameter(torch.zeros(4))]
+    assert build_optimizer("came", parameters, 1e-4, 0.0, (0.9, None), 1e-8).param_groups[0]["betas"] == (0.9, 0.999, 0.9999)  # the paper's
+    config = parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--optimizer", "came", "--adam_beta2", "0.99", "--came_beta3", "0.999"])
+    built = build_optimizer("came", parameters, 1e-4, 0.0, (config.adam_beta1, config.adam_beta2), 1e-8, came_beta3=config.came_beta3)
+    assert built.param_groups[0]["betas"] == (0.9, 0.99, 0.999)
+
+
 def test_no_two_samples_share_their_noise_across_epochs_and_items():
     """torch's CPU generator keeps 32 bits of a seed; with the old linear seed, item i+2 in epoch e+2 drew
     exactly item i's noise of epoch e."""
