@@ -326,6 +326,9 @@ class SpeedEstimate:
             lines.append(f"  {share:.0%} of the update waits for the link: try " + "; ".join(advice) + ".")
         lines.append(f"  compute from {self.compute_source} (per unit: by FLOP; a placeholder until the GPU battery measures units)"
                      + (f"; link {settings.interconnect}: {link.source}" if settings.gpus > 1 else ""))
+        if settings.optimizer == "came":
+            lines.append(f"  optimizer: CAME's step by its operators counted per tensor, at the host time per kernel of {H200_PROFILES.name}'s "
+                         "update (likely an upper bound: that update's Python is heavier; CAME has not run on a GPU)")
         return "\n".join(lines)
 
 

@@ -239,3 +239,4 @@ def test_came_is_priced_by_its_own_step_and_the_flag_reaches_the_estimate():
     assert estimate_speed(came).optimizer_seconds != estimate_speed(speed()).optimizer_seconds
     config = parse_config(TrainConfig, ["--config", str(REPO_ROOT / "configs" / "2x24gb_consumer.toml"), "--estimate_speed", "--optimizer", "came"])
     assert speed_settings(config).optimizer == "came"
+    assert "optimizer: CAME's step by its operators counted per tensor" in estimate_speed(speed_settings(config)).report()
