@@ -23,12 +23,13 @@ from sdxl_trainer.distributed.fsdp import prepare_unet
 from sdxl_trainer.jobs.train_build import block_rate_problems
 from sdxl_trainer.jobs.train_config import TrainConfig
 from sdxl_trainer.models.sdxl import SDXL_UNET_CONFIG
-from sdxl_trainer.models.tiny import TINY_UNET_CONFIG
+from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
+from sdxl_trainer.models.tiny import TINY_UNET_CONFIG, build_tiny_text_encoders
 from sdxl_trainer.optimizers.build import build_optimizer
 from sdxl_trainer.state.checkpointer import resume_problems
 from sdxl_trainer.state.load import load_training_state
 from sdxl_trainer.training.block_rates import block_count_problem, freeze_zero_rate_blocks, unet_block_count, unet_blocks
-from sdxl_trainer.training.lr_schedule import LearningRateSchedule
+from sdxl_trainer.training.lr_schedule import LR_SCALE, LearningRateSchedule, set_learning_rate
 from sdxl_trainer.training.trained_models import TrainedModels
 
 
@@ -118,6 +119,21 @@ def test_the_schedule_scales_every_block_and_a_resume_continues_exactly(world, t
     step([batch(unet, 1)], epoch=0)
     assert rates(optimizer) == pytest.approx([rate * schedule.factor(1) for rate in trained_rates], rel=1e-12)
     assert all(torch.equal(straight[name], parameter) for name, parameter in unet.named_parameters())
+
+
+def test_trained_text_encoders_keep_their_own_rates_beside_the_blocks():
+    """--block_lr with --train_text_encoder: a group per trained block, then each encoder's group at
+    --learning_rate_te1 / te2; the schedule's factor scales them all."""
+    unet = UNet2DConditionModel(**TINY_UNET_CONFIG)
+    models = TrainedModels(unet, dict(zip(TEXT_ENCODER_NAMES, build_tiny_text_encoders())))
+    learning_rate, encoder_rates = 1e-3, {"text_encoder": 2e-4, "text_encoder_2": 5e-5}
+    optimizer = torch.optim.SGD(models.parameter_groups(learning_rate, encoder_rates, TINY_RATES), lr=learning_rate)
+    set_learning_rate(optimizer, 0.5 * learning_rate)
+    trained_blocks = [rate for rate in TINY_RATES if rate]
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.5 * rate for rate in [*trained_blocks, 2e-4, 5e-5]], rel=1e-12)
+    assert [group[LR_SCALE] for group in optimizer.param_groups] == pytest.approx([rate / learning_rate for rate in [*trained_blocks, 2e-4, 5e-5]])
+    encoders = [parameter for name in TEXT_ENCODER_NAMES for parameter in getattr(models, name).parameters() if parameter.requires_grad]
+    assert [parameter for group in optimizer.param_groups[-2:] for parameter in group["params"]] == encoders
 
 
 def test_the_rates_must_match_the_unets_blocks_before_anything_loads(tiny_pipeline_dir, sample_cache_dir, tmp_path):
