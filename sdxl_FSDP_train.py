@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = config.output_dir / config.project_name
     # Rank 0's console also goes to train.log in the run folder; any error on any rank ends every process of
     # the job with its message (the watchdog); one run at a time holds the run folder.
-    with ConsoleLog(run_dir / "train.log", world.is_main), JobWatchdog(world.rank, world.world_size, EXPECTED_ERRORS), hold_run_folder(run_dir, world):
+    with (
+        ConsoleLog(run_dir / "train.log", world.is_main) as console_log,
+        JobWatchdog(world.rank, world.world_size, EXPECTED_ERRORS, log_only=console_log.write_to_file_only),
+        hold_run_folder(run_dir, world),
+    ):
         # 2. Build: every check before anything loads, then data, models, optimizer, train step, logging,
         # evaluator, checkpointer and exporter.
         run = build_run(config, world)

@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
             f"; {report.skipped} unchanged layers skipped (equal to --base's in {', '.join(sorted(extraction.compared_in))}, the coarser of the two files' dtypes)"
             if report.skipped else ""
         )
-        print(f"{component}: {report.layers} layers; the LoRA keeps {report.kept:.1%} of their weight change (squared Frobenius norm){skipped}")
+        padded = (
+            f"; {report.padded} unchanged attention projections written as zeros, so that diffusers and A1111 apply each attention layer whole"
+            if report.padded else ""
+        )
+        print(f"{component}: {report.layers} layers; the LoRA keeps {report.kept:.1%} of their weight change (squared Frobenius norm){skipped}{padded}")
     for component, largest in extraction.skipped_text_encoders.items():
         print(f"{component}: left out, its largest weight change {largest:.3g} is at most --min_diff {config.min_diff:g}")
     if extraction.left_out:

@@ -9,9 +9,10 @@ What it builds (nothing is downloaded): a random-weight pipeline with SDXL's ful
 the tests' tiny one), IMAGES random images with captions at the resolution, and their cache, made by
 sdxl_process_data_dir.sh. Then each variant runs `NUM_PROCESSES=1 bash train.sh FLAGS` for UPDATES updates
 with validation, samples and the export off, and a state save at SAVE_AT. Per variant it reports:
-- ms per update over updates MEASURE_FROM..UPDATES but the save's (the wall time between their train/loss
-  events), and images/s;
-- the save's pause: that update's time less the median update's;
+- ms per update over updates MEASURE_FROM..UPDATES but the save's (the wall time between the train/loss
+  events of the updates that log: every LOG_EVERY, the trainer's default cadence, so the host runs ahead
+  between logs as in users' runs), and images/s;
+- the save's pause: the interval holding the update after the save less as many median updates;
 - the GPU's busy share over the measured window (nvidia-smi's utilization, sampled every 100 ms; GPU only);
 - the step benchmark's ms per update for the same batch and settings, and the time outside the step.
 A variant that fails (a crash, no log) is named and makes the script exit 1 after the others ran.
@@ -131,9 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny test pipeline at 256 px on whatever device there is (CPU), for a smoke run")
     parser.add_argument("--images", type=int, default=32, help="images in the cache")
     parser.add_argument("--resolution", type=int, default=None, help="square image side in px (default 1024; 256 with --tiny)")
-    parser.add_argument("--updates", type=int, default=24, help="updates per variant (--max_train_updates)")
-    parser.add_argument("--measure_from", type=int, default=4, help="updates before the measured window (compiles, allocator warm-up)")
-    parser.add_argument("--save_at", type=int, default=12, help="the update after which state is saved once (its pause is reported)")
+    parser.add_argument("--updates", type=int, default=40, help="updates per variant (--max_train_updates)")
+    parser.add_argument("--measure_from", type=int, default=10, help="updates before the measured window (compiles, allocator warm-up)")
+    parser.add_argument("--save_at", type=int, default=20, help="the update after which state is saved once (its pause is reported)")
+    parser.add_argument("--log_every", type=int, default=10,
+                        help="the runs' --log_every_n_updates (the trainer's default): the log's wall times are read at these updates")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS", help="a variant to run instead of the defaults (repeatable)")
     parser.add_argument("--step_benchmark", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the trainer's step alone per variant (train_throughput.py's trainer path, in a fresh process)")
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = work / "runs" / name
             command = ["bash", "train.sh", *shlex.split(flags), *shlex.split(RUN_FLAGS), "--cached_dataset_dirs", str(work / "cache"),
                        "--pretrained_model_name_or_path", str(work / "pipeline"), "--max_train_updates", str(args.updates),
-                       "--save_state_every_n_updates", str(args.save_at), "--checkpoints_total_limit", "1",
+                       "--save_state_every_n_updates", str(args.save_at), "--checkpoints_total_limit", "1", "--log_every_n_updates", str(args.log_every),
                        "--output_dir", str(work / "runs"), "--project_name", name]
             print(f"=== {name}: {' '.join(command)}", flush=True)
             with GpuBusy() if gpu else nullcontext() as busy:
@@ -178,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
                 if not (run_dir / "tensorboard").is_dir():
                     raise FileNotFoundError(f"{run_dir / 'tensorboard'} was not written")
                 times = update_times(run_dir / "tensorboard")
-                result.ms_per_update, result.save_pause_s, result.updates_measured = ms_per_update(times, args.measure_from, args.save_at)
+                timing = ms_per_update(times, args.measure_from, args.save_at)
+                result.ms_per_update, result.save_pause_s, result.updates_measured = timing.ms_per_update, timing.save_pause_s, timing.updates_measured
                 batch = _images_per_update(run_dir)
                 result.images_per_second = batch / result.ms_per_update * 1000
                 if busy is not None:
-                    result.gpu_busy_share = busy.share(times[args.measure_from], times[max(times)])
+                    result.gpu_busy_share = busy.share(timing.window_start, times[max(times)])
             except (KeyError, ValueError, FileNotFoundError, statistics.StatisticsError) as error:
                 result.failure = f"no timing in its log ({type(error).__name__}: {error})"
             if code != 0:
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {result.name} | {_number(result.ms_per_update)} | {_number(result.images_per_second, 2)} | {_number(result.step_ms_per_update)} | "
               f"{_number(result.outside_step_ms)} | {_number(result.gpu_busy_share and 100 * result.gpu_busy_share)}% | {_number(result.save_pause_s, 1)} |")
     if args.json:
-        figures = {"resolution": resolution, "tiny": args.tiny, "updates": args.updates, "measure_from": args.measure_from,
+        figures = {"resolution": resolution, "tiny": args.tiny, "updates": args.updates, "measure_from": args.measure_from, "log_every": args.log_every,
                    "variants": [asdict(result) for result in results]}  # fmt: skip
         write_json(args.json, figures, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if failed:

@@ -21,6 +21,8 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
+import re
 import sys
 import time
 import tomllib
@@ -33,11 +35,37 @@ ConfigT = TypeVar("ConfigT")
 REQUIRED = dataclasses.MISSING
 
 
-def option(default: Any = REQUIRED, help: str = "", **kwargs: Any) -> Any:
-    """A config field with its help text. Leave `default` out for a required field."""
+def option(default: Any = REQUIRED, help: str = "", url_refusal: str = "", **kwargs: Any) -> Any:
+    """A config field with its help text. Leave `default` out for a required field. A Path field refuses a URL
+    (local_path); `url_refusal` says why and what to do instead, where a general "takes a local path" is not enough."""
+    metadata = {"help": help, "url_refusal": url_refusal}
     if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help}, **kwargs)
-    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata, **kwargs)
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # s3://, gs://, https://...
+NO_UPLOAD = "writing to object storage is not supported yet; write a local file and copy it to the bucket (aws s3 cp, rclone)"
+
+
+def local_path(text: str, url_refusal: str = "") -> Path:
+    """A Path flag's value. A URL is refused (ValueError): Path("s3://bucket/x") would be the local folder
+    s3:/bucket/x, and everything meant for the bucket would be written there."""
+    if URL.match(text):
+        raise ValueError(f"{text}: {url_refusal}" if url_refusal else f"{text} is a URL: this flag takes a local path")
+    return Path(text)
+
+
+def _path_type(field: dataclasses.Field) -> Any:
+    """argparse's type for a Path field: local_path, its refusal the field's own."""
+
+    def parse(text: str) -> Path:
+        try:
+            return local_path(text, field.metadata.get("url_refusal", ""))
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
 
 
 def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
@@ -63,10 +91,23 @@ def _add_argument(parser: Any, field: dataclasses.Field, annotation: Any) -> Non
         kwargs["type"] = type(typing.get_args(base)[0])
     elif typing.get_origin(base) is list:
         kwargs["nargs"] = "+"
-        kwargs["type"] = parse_bool if typing.get_args(base)[0] is bool else typing.get_args(base)[0]
+        item_type = typing.get_args(base)[0]
+        kwargs["type"] = parse_bool if item_type is bool else finite_float if item_type is float else _path_type(field) if item_type is Path else item_type
     else:
-        kwargs["type"] = base
+        kwargs["type"] = finite_float if base is float else _path_type(field) if base is Path else base
     parser.add_argument(f"--{field.name}", **kwargs)
+
+
+NOT_FINITE = "is not a finite number"
+
+
+def finite_float(text: str) -> float:
+    """A float flag's value (or a list item's): no option means anything at infinity or NaN (an infinite learning
+    rate trained a UNet of non-finite values), so `inf`, `nan` and what overflows to them (1e999) are refused."""
+    value = float(text)  # a ValueError is argparse's own "invalid float value" line
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} {NOT_FINITE}")
+    return value
 
 
 def parse_bool(text: str) -> bool:
@@ -100,11 +141,18 @@ def _records(value: Any, record_class: type, name: str, source: str) -> list:
         missing = [key for key, field in fields.items() if key not in table and field.default is REQUIRED and field.default_factory is REQUIRED]  # type: ignore[misc]
         if missing:
             raise ValueError(f"{where}: missing {', '.join(missing)}")
-        records.append(record_class(**{key: _coerce(item, hints[key], key, where) for key, item in table.items()}))
+        records.append(record_class(**{key: _coerce(item, hints[key], key, where, fields[key]) for key, item in table.items()}))
     return records
 
 
-def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
+def _toml_path(text: str, field: dataclasses.Field, name: str, source: str) -> Path:
+    try:
+        return local_path(text, field.metadata.get("url_refusal", ""))
+    except ValueError as error:
+        raise ValueError(f"{source}: {name} = {text!r}{str(error).removeprefix(text)}") from None
+
+
+def _coerce(value: Any, annotation: Any, name: str, source: str, field: dataclasses.Field) -> Any:
     """Convert a TOML value to the field's type, or explain the mismatch."""
     base, optional = _unwrap_optional(annotation)
     if value is None and optional:
@@ -124,11 +172,16 @@ def _coerce(value: Any, annotation: Any, name: str, source: str) -> Any:
         if wrong:
             expected = "str" if item_type is Path else "number" if item_type is float else item_type.__name__
             raise ValueError(f"{source}: {name} items must be of type {expected}, got {wrong!r}")
-        return [item_type(item) for item in value]
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        not_finite = [item for item in value if item_type is float and not math.isfinite(item)]
+        if not_finite:
+            raise ValueError(f"{source}: {name} = {value!r}: {not_finite[0]!r} {NOT_FINITE}")
+        return [_toml_path(item, field, name, source) if item_type is Path else item_type(item) for item in value]
+    if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):  # TOML's inf and nan
+            raise ValueError(f"{source}: {name} = {value!r} {NOT_FINITE}")
         return float(value)
     if base is Path and isinstance(value, str):
-        return Path(value)
+        return _toml_path(value, field, name, source)
     if not isinstance(value, base) or (base is int and isinstance(value, bool)):
         raise ValueError(f"{source}: {name} = {value!r} should be of type {getattr(base, '__name__', base)}")
     return value
@@ -213,6 +266,42 @@ def _help_text(description: str, config_class: type) -> str:
     return f"{description.rstrip()}\n\nCommon options (every option follows, by section; also in docs/flags.md):\n{listed}"
 
 
+class _RecordingNamespace(argparse.Namespace):
+    """argparse's result, recording every value each flag was given, in order, into `given` (flag name -> values):
+    argparse keeps only the last."""
+
+    RECORD = "_given"
+
+    def __init__(self, given: dict[str, list[Any]]) -> None:
+        super().__init__()
+        object.__setattr__(self, self.RECORD, given)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        getattr(self, self.RECORD).setdefault(name, []).append(value)
+        super().__setattr__(name, value)
+
+
+def _repeated_flag_warnings(parser: argparse.ArgumentParser, given: dict[str, list[Any]]) -> list[str]:
+    """A warning for each flag given twice or more with different values. The last value counts, as argparse users
+    expect: a launch script's own flags followed by "$@" are overridden that way (STYLE.md: thin launch scripts).
+    Refusing would break every such wrapper; saying nothing would hide an edit made to the wrong copy of a flag."""
+    actions = {action.dest: action for action in parser._actions}
+    warnings = []
+    for name, values in given.items():
+        shown = [_shown(actions[name], value) for value in values if value is not argparse.SUPPRESS]
+        if len(set(shown)) > 1:
+            flag = actions[name].option_strings[0]
+            warnings.append(f"warning: {flag} is given {'twice' if len(shown) == 2 else f'{len(shown)} times'} ({', then '.join(shown)}): using the last, {shown[-1]}")
+    return warnings
+
+
+def _shown(action: argparse.Action, value: Any) -> str:
+    """A flag's value as it was typed: a list's items, or for a boolean flag the spelling used (--x / --no-x)."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return action.option_strings[0] if value else action.option_strings[1]
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, description: str = "", quiet: bool = False) -> ConfigT:
     """Build `config_class` from defaults, then `--config FILE.toml`, then command-line flags. With `quiet`
     (every process of a job but one), a bad configuration is left to that one to print (see _QuietParser)."""
@@ -223,16 +312,20 @@ def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, des
         usage="%(prog)s [-h] [--config FILE.toml] [--option VALUE ...]",
         description=_help_text(description, config_class), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", type=Path, default=None, metavar="FILE.toml", help="TOML file with any of the options below; flags override it")
+    parser.add_argument("--config", type=Path, default=argparse.SUPPRESS, metavar="FILE.toml", help="TOML file with any of the options below; flags override it")
     for section, section_fields in sections(config_class):
         group = parser.add_argument_group(section) if section else parser
         for field in section_fields:
             if record_type(hints[field.name]) is None:
                 _add_argument(group, field, hints[field.name])
-    cli = vars(parser.parse_args(argv))
+    given: dict[str, list[Any]] = {}
+    cli = vars(parser.parse_args(argv, _RecordingNamespace(given)))
+    cli.pop(_RecordingNamespace.RECORD)
+    for warning in _repeated_flag_warnings(parser, given):
+        parser._print_message(warning + "\n", sys.stderr)
 
     values: dict[str, Any] = {}
-    config_path = cli.pop("config")
+    config_path = cli.pop("config", None)
     if config_path is not None:
         try:
             with open(config_path, "rb") as handle:
@@ -247,7 +340,8 @@ def parse_config(config_class: type[ConfigT], argv: list[str] | None = None, des
             hint = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
             parser.error(f"{config_path}: unknown keys {unknown}{hint}; see --help for the valid names")
         try:
-            values.update({key: _coerce(value, hints[key], key, str(config_path)) for key, value in from_file.items()})
+            by_name = {field.name: field for field in fields}
+            values.update({key: _coerce(value, hints[key], key, str(config_path), by_name[key]) for key, value in from_file.items()})
         except ValueError as error:
             parser.error(str(error))
     values.update(cli)

@@ -187,15 +187,17 @@ def pytest_runtest_call(item: pytest.Item):
 def run_processes(
     num_processes: int, script: Path, args: list[str], timeout: float = 600, expect_success: bool = True, prefix: tuple[str, ...] = (),
     through_launcher: bool = False, while_running: Callable[[list[multiprocessing.process.BaseProcess]], None] | None = None,
+    merge_output: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run `script` on num_processes CPU processes (gloo), as train.sh does: forked from the session's warm
     launcher (warm_launch.py), or `through_launcher`, or with a `prefix` that wraps the launcher, with torchrun.
-    `while_running` (warm launcher only) gets the ranks' processes while they run."""
+    `while_running` (warm launcher only) gets the ranks' processes while they run; `merge_output` (warm launcher
+    only) gives stdout and stderr as one stream in the result's stdout, in the order written, as in a log of `2>&1`."""
     if through_launcher or prefix:
         command = [*prefix, *launcher_command(num_processes, script, args)]
         result = subprocess.run(command, cwd=REPO_ROOT, env=process_env(), capture_output=True, text=True, timeout=timeout)
     else:
-        result = warm_launcher().run(num_processes, script, args, process_env(), REPO_ROOT, timeout, while_running)
+        result = warm_launcher().run(num_processes, script, args, process_env(), REPO_ROOT, timeout, while_running, merge_output)
     if expect_success:
         assert result.returncode == 0, f"{script.name} failed on {num_processes} processes:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result

@@ -3,10 +3,12 @@ TensorBoard folder), and the GPU's busy share while it ran (nvidia-smi, sampled 
 
 from __future__ import annotations
 
+import math
 import statistics
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -19,13 +21,32 @@ def update_times(tensorboard_dir: Path) -> dict[int, float]:
     return {event.step: event.wall_time for event in accumulator.Scalars("train/loss")}
 
 
-def ms_per_update(times: dict[int, float], measure_from: int, save_at: int) -> tuple[float, float | None, int]:
-    """(ms per update over the updates after `measure_from` but the one after the state save at `save_at`, the
-    save's pause in s (that update less the median one; None if it is not in the window), updates measured)."""
-    durations = {update: times[update] - times[update - 1] for update in sorted(times) if update - 1 in times and update > measure_from}
-    steady = [seconds for update, seconds in durations.items() if update != save_at + 1]  # the save follows update save_at
-    pause = durations[save_at + 1] - statistics.median(steady) if save_at + 1 in durations and steady else None
-    return 1000 * statistics.fmean(steady), pause, len(steady)
+@dataclass
+class RunTiming:
+    ms_per_update: float  # over the measured window, the save's interval left out
+    save_pause_s: float | None  # the save's interval less as many median updates; None if it is not in the window
+    updates_measured: int
+    window_start: float  # wall time of the window's first logged update
+
+
+def ms_per_update(times: dict[int, float], measure_from: int, save_at: int) -> RunTiming:
+    """Timing from the logged updates' wall times (a run logs every --log_every_n_updates updates, and its last):
+    the intervals between consecutive logged updates from the first at or after `measure_from`, each spread over
+    the updates it holds; the interval holding the update after the state save at `save_at` is the save's."""
+    logged = sorted(update for update in times if update >= measure_from)
+    intervals = list(zip(logged, logged[1:]))
+    if not intervals:
+        raise ValueError(f"fewer than two logged updates from update {measure_from} on (logged: {sorted(times)})")
+    saves = [(first, last) for first, last in intervals if first < save_at + 1 <= last]
+    steady = [(first, last) for first, last in intervals if (first, last) not in saves]
+    updates = sum(last - first for first, last in steady)
+    seconds = sum(times[last] - times[first] for first, last in steady)
+    per_update = [(times[last] - times[first]) / (last - first) for first, last in steady]
+    pause = None
+    if saves and per_update:
+        first, last = saves[0]
+        pause = times[last] - times[first] - (last - first) * statistics.median(per_update)
+    return RunTiming(1000 * seconds / updates if updates else math.nan, pause, updates, times[logged[0]])
 
 
 class GpuBusy:

@@ -62,6 +62,7 @@ class StepSettings:
     compile: bool = False  # regional torch.compile of each transformer and ResNet block (compile_repeated_blocks)
     recompile_limit: int | None = None  # with compile: Dynamo's graphs per compiled forward; None = as compile_repeated_blocks sets it
     cpu_offload: bool = False  # the trainer's --cpu_offload (the trainer path only)
+    reduce_dtype: torch.dtype = torch.float32  # the trainer's --reduce_dtype: what FSDP2 reduce-scatters gradients in (the trainer path only)
 
     def with_row(self, batch_size: int, gradient_checkpointing: bool) -> StepSettings:
         return dataclasses.replace(self, batch_size=batch_size, gradient_checkpointing=gradient_checkpointing)
@@ -75,6 +76,7 @@ class BuiltPath:
     model: torch.nn.Module
     step: Step
     monitor: TrainingMonitor | None = None
+    train_step: TrainStep | None = None  # the trainer's path: its TrainStep (optimizer, counters), for what saves its state
 
     @property
     def throughput(self) -> Throughput | None:
@@ -122,7 +124,7 @@ def build_trainer(settings: StepSettings, world: World, cache_dir: Path | None =
     its run folder (TensorBoard, the held-out items) beside the cache."""
     unet = prepare_unet(
         new_unet(settings.model, settings.weights_dtype, settings.gradient_checkpointing, world.device), world, param_dtype(settings.compute_dtype),
-        compile_blocks=settings.compile, cpu_offload=settings.cpu_offload,
+        compile_blocks=settings.compile, cpu_offload=settings.cpu_offload, reduce_dtype=settings.reduce_dtype,
     )  # fmt: skip
     if settings.recompile_limit is not None:
         torch._dynamo.config.recompile_limit = settings.recompile_limit
@@ -138,8 +140,8 @@ def build_trainer(settings: StepSettings, world: World, cache_dir: Path | None =
         scaler=loss_scaler(settings, world),
     )
     if cache_dir is None:
-        batch = new_batch(unet, settings.resolution, settings.batch_size, world.device)
-        return BuiltPath(unet, lambda index: train_step([batch], epoch=index))
+        batch = new_batch(unet, settings.resolution, settings.batch_size, world.device, world.rank)
+        return BuiltPath(unet, lambda index: train_step([batch], epoch=index), train_step=train_step)
     return _reading_like_the_trainer(unet, train_step, settings, world, cache_dir)
 
 
@@ -181,7 +183,7 @@ def build_plain_loop(settings: StepSettings, world: World, sharded: bool) -> Bui
     scaler = loss_scaler(settings, world)
     autocast = not sharded and settings.compute_dtype != torch.float32
     scheduler = noise_scheduler()
-    batch = new_batch(unet, settings.resolution, settings.batch_size, world.device)
+    batch = new_batch(unet, settings.resolution, settings.batch_size, world.device, world.rank)
 
     def step(index: int) -> None:
         with torch.autocast(world.device.type, dtype=settings.compute_dtype, enabled=autocast):

@@ -41,11 +41,13 @@ def new_unet(model: str, weights_dtype: str, gradient_checkpointing: bool, devic
     return unet.train()
 
 
-def new_batch(unet: UNet2DConditionModel, resolution: int, batch_size: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+def new_batch(unet: UNet2DConditionModel, resolution: int, batch_size: int, device: torch.device | str, rank: int = 0) -> dict[str, torch.Tensor]:
     """Latents of resolution/8 per side, caption embeddings of 77 tokens, pooled embeddings and 6 time ids,
-    their widths from the UNet's config; every key on `device`, item indices too, as the trainer moves them."""
+    their widths from the UNet's config; every key on `device`, item indices too, as the trainer moves them.
+    Each rank its own items (as the trainer's ranks read their own share): gradients differ between ranks,
+    so their reduction rounds as it does in training."""
     latent_side = resolution // 8
-    batch = synthetic_batch(unet, list(range(batch_size)), SEED, height=latent_side, width=latent_side)
+    batch = synthetic_batch(unet, list(range(rank * batch_size, (rank + 1) * batch_size)), SEED, height=latent_side, width=latent_side)
     return {key: value.to(device) for key, value in batch.items()}
 
 

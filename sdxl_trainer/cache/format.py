@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,6 +68,10 @@ DAMAGED_DIR = "damaged"
 
 
 LOCK_DIR = "locks"
+
+
+LOCK_NAME = re.compile(r"^w\d{4,}of\d{4,}\.lock$")  # locks/<worker>.lock
+STAGING_NAME = re.compile(r"^\..+\.tmp$")  # a local file being written (local_store.staging_path)
 
 
 TENSOR_KEYS = ("latents", "prompt_embeds", "pooled_prompt_embeds")
@@ -172,6 +177,27 @@ def write_cache_info(cache_dir: CacheLocation, settings: CacheSettings) -> None:
             f"{store} was made with other settings ({'; '.join(differences)}). Its items would not match "
             "the new ones, so nothing was written: choose a new --cache_dir, or delete this one to rebuild it."
         )
+
+
+def foreign_contents_problem(cache_dir: CacheLocation) -> str | None:
+    """Why the caching script must not write into cache_dir (None: it may): it holds something but no
+    cache_info.json, which a cache's first worker writes before anything else but its lock, so it is a model folder
+    or the user's own files (whose manifest/*.parquet a re-run would move to damaged/ as unreadable parts). A folder
+    holding only workers' locks and staging files is a first run stopped before cache_info.json: a cache."""
+    store = open_store(cache_dir)
+    if store.exists(CACHE_INFO_FILE):
+        return None
+    entries = [name for name in store.entries("") if not STAGING_NAME.match(name)]
+    foreign = [name for name in entries if name != LOCK_DIR or not store.is_folder(LOCK_DIR)]
+    if LOCK_DIR in entries and store.is_folder(LOCK_DIR):
+        foreign += [f"{LOCK_DIR}/{name}" for name in store.entries(LOCK_DIR) if not LOCK_NAME.match(name)]
+    if not foreign:
+        return None
+    listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    return (
+        f"--cache_dir {cache_dir} is not empty but holds no {CACHE_INFO_FILE}, so it is no cache (it holds {listed}): give a new or "
+        "empty folder, or an existing cache"
+    )
 
 
 def read_cache_info(cache_dir: CacheLocation) -> CacheSettings:

@@ -57,6 +57,11 @@ class LocalStore:
         except FileNotFoundError:
             return None
 
+    def entries(self, folder: str) -> list[str]:
+        """Sorted names of what `folder` holds directly (files and folders, hidden ones too); [] if it is no folder."""
+        path = self.root / folder
+        return sorted(child.name for child in path.iterdir()) if path.is_dir() else []
+
     def names(self, folder: str, suffix: str) -> list[str]:
         """Sorted names (relative to the root) of the files in `folder` ending in `suffix`; temporary files excluded."""
         return sorted(f"{folder}/{path.name}" for path in (self.root / folder).glob(f"[!.]*{suffix}"))

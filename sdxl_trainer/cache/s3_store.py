@@ -122,6 +122,10 @@ class RemoteStore:
         except FileNotFoundError:
             return []
 
+    def entries(self, folder: str) -> list[str]:
+        """Sorted names of what `folder` holds directly (objects and prefixes below it), as a folder's entries."""
+        return sorted(key.rstrip("/").rsplit("/", 1)[-1] for key in self._call("listing", folder, lambda: self._list(folder)))
+
     def names(self, folder: str, suffix: str) -> list[str]:
         found = self._call("listing", folder, lambda: self._list(folder))
         return sorted(f"{folder}/{key.rsplit('/', 1)[1]}" for key in found if key.endswith(suffix) and not key.rsplit("/", 1)[1].startswith("."))

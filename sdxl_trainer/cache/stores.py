@@ -12,6 +12,7 @@ fails is a StorageError naming the object (and the endpoint, for a timeout).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from sdxl_trainer.cache.local_store import LocalStore
@@ -20,6 +21,14 @@ from sdxl_trainer.cache.s3_store import REMOTE_PREFIX, RemoteStore
 
 def is_remote(location: str | Path) -> bool:
     return str(location).startswith(REMOTE_PREFIX)
+
+
+def cache_identity(location: str | Path) -> str:
+    """One name per cache however it is written: a local folder's real path (symlinks resolved, no trailing /), an
+    s3:// URL without repeated or trailing slashes."""
+    if is_remote(location):
+        return REMOTE_PREFIX + re.sub("/+", "/", str(location)[len(REMOTE_PREFIX):]).strip("/")
+    return str(Path(location).expanduser().resolve())
 
 
 def open_store(location: str | Path | LocalStore | RemoteStore) -> LocalStore | RemoteStore:

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import socket
 import sys
 import threading
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -46,7 +49,10 @@ EXIT_CODE = 1
 
 def _end_process(message: str, store: dist.Store | None = None) -> None:
     """Print (if there is something to say), tell the other ranks through `store` that it is said, kill this
-    rank's worker processes, and exit now (no cleanup that could wait on other ranks)."""
+    rank's worker processes, and exit now (no cleanup that could wait on other ranks). What the run printed
+    before goes out first: stdout into a pipe or file is held in a buffer, and the message (on stderr, not
+    buffered) came out above the lines it refers to (the save a stop names) in a log of both."""
+    _flush(sys.stdout)
     if message:
         print(message, file=sys.stderr, flush=True)
     if store is not None:
@@ -56,17 +62,36 @@ def _end_process(message: str, store: dist.Store | None = None) -> None:
             pass
     for child in multiprocessing.active_children():
         child.kill()
-    sys.stdout.flush()
+    _flush(sys.stdout)
     os._exit(EXIT_CODE)
 
 
+def lost_another_rank(error: BaseException) -> bool:
+    """Whether `error` is a collective (or the rendezvous store) failing because another process of the job is
+    gone: torch's distributed errors, or gloo's closed connection as a plain RuntimeError."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(words in text for words in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+    )
+
+
+def _flush(stream) -> None:
+    try:
+        stream.flush()
+    except (OSError, ValueError):  # a closed pipe or file: the process ends all the same
+        pass
+
+
 class JobWatchdog:
-    def __init__(self, rank: int, world_size: int, expected_errors: tuple[type[BaseException], ...] = ()):
+    def __init__(self, rank: int, world_size: int, expected_errors: tuple[type[BaseException], ...] = (),
+                 log_only: Callable[[str], Path | None] | None = None):
         """`expected_errors`: exception classes whose message says everything (a full disk, a damaged cache);
-        any other exception is printed with its traceback."""
+        any other exception is printed with its traceback. `log_only(text)`: writes text into the run's log file
+        only, not the console, and returns the file (None where there is none): ConsoleLog.write_to_file_only."""
         self.rank = rank
         self.world_size = world_size
         self.expected_errors = expected_errors
+        self.log_only = log_only
         # Under a launcher (torchrun sets TORCHELASTIC_RUN_ID), a launcher that died would leave this rank
         # training on as an orphan. A process started without one (train.sh with one process) is a program
         # like any other: it goes on when the shell that started it ends (nohup, a closed terminal).
@@ -92,6 +117,9 @@ class JobWatchdog:
             # without an active exception", SIGABRT) after a run that finished well.
             self._thread.join(timeout=STORE_TIMEOUT.total_seconds() + POLL_S)
             return False
+        # What this rank printed goes out before any rank's message (stdout into a pipe or file is buffered; the first
+        # failing rank prints once the others have ended, which is after this).
+        _flush(sys.stdout)
         message = self.describe(error)
         failed_rank = self.rank
         if self._store is not None:
@@ -105,10 +133,28 @@ class JobWatchdog:
             # A new line first: a progress bar may hold the current one.
             if isinstance(error, SystemExit) or self.world_size == 1:
                 _end_process(f"\n{message}", self._store)
+            if lost_another_rank(error):
+                _end_process(f"\n{self._lost_rank_message(error, message)}", self._store)
             _end_process(f"\n[rank {self.rank}] The whole job is stopping (exit code {EXIT_CODE}) after this error:\n{message}", self._store)
         # Every rank reaches the same refusal or stop (SystemExit) alike; the first one prints it.
         self._end_after_another_rank(failed_rank, quietly=isinstance(error, SystemExit))
         return False  # not reached
+
+    def _lost_rank_message(self, error: BaseException, details: str) -> str:
+        """A collective failed because another rank is gone (killed with SIGKILL, as the kernel's out-of-memory
+        killer does, or crashed): that rank printed nothing, and the launcher names it in the line that matters.
+        So this rank says so in one line, and its traceback (some 70 lines, all about the collective) goes into
+        the run's log, or after that line where this rank keeps none."""
+        # gloo's first line: "[.../pair.cc:561] Connection closed by peer [127.0.0.1]:16259. This is typically caused by ..."
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", first_line).split(". ")[0][:160]
+        line = (
+            f"[rank {self.rank}] The whole job is stopping (exit code {EXIT_CODE}): a collective with the other ranks failed ({reason}), "
+            "so another rank has probably ended without a message of its own (the launcher names it; SIGKILL is often the "
+            "out-of-memory killer)"
+        )
+        logged = self.log_only(f"[rank {self.rank}] The traceback of the failed collective (the line after it says why):\n{details}") if self.log_only else None
+        return f"{line}; its traceback is in {logged}." if logged is not None else f"{line}. This rank's traceback:\n{details}"
 
     def describe(self, error: BaseException) -> str:
         if isinstance(error, SystemExit):

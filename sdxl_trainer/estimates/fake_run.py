@@ -41,7 +41,7 @@ from sdxl_trainer.distributed.world import World
 from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.models.encoders import TEXT_MAX_LENGTH, trainable_text_encoder
 from sdxl_trainer.models.sdxl import SDXL_SCHEDULER_CONFIG, build_full_size_text_encoders, sdxl_tokenizers
-from sdxl_trainer.optimizers.build import build_optimizer
+from sdxl_trainer.optimizers.build import build_optimizer, evaluation_weights_of
 from sdxl_trainer.training.captions import CaptionVariation, StepCaptionEncoder
 from sdxl_trainer.training.ema import ShardedEMA
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule
@@ -154,7 +154,7 @@ def build_estimate_run(settings: EstimateSettings, world: World, unet_config: di
         caption_encoder = StepCaptionEncoder((sdxl_tokenizers(), encoders), [ESTIMATE_CAPTION], CaptionVariation(), 0, 1, world.device, trains=True)
     groups = trained.parameter_groups(1e-5, dict.fromkeys(TEXT_ENCODER_NAMES, 1e-5)) if trained is not unet else unet.parameters()
     optimizer = build_optimizer(settings.optimizer, groups, 1e-5, 1e-2, (0.9, None), 1e-8)
-    ema = ShardedEMA(unet, 0.9999, on_cpu=settings.ema_on_cpu) if settings.use_ema else None
+    ema = ShardedEMA(unet, 0.9999, on_cpu=settings.ema_on_cpu, evaluation_weights=evaluation_weights_of(optimizer)) if settings.use_ema else None
     empty_prompt = (torch.zeros(TEXT_MAX_LENGTH, unet.config.cross_attention_dim), torch.zeros(_pooled_width(unet)))
     train_step = TrainStep(
         unet, optimizer, LearningRateSchedule("constant", 1e-5, 0, 1), _training_scheduler(),

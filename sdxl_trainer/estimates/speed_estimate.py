@@ -19,12 +19,13 @@ What it adds up, per FSDP2 unit of the UNet as distributed/fsdp.shard_unet wraps
 - overlap: one stream computes, one communicates (in the order the collectives are issued); a unit computes
   once its weights are gathered, and the next unit's gather starts as soon as the link is free once this
   unit's compute has started (FSDP2's prefetch); a unit's reduce-scatter follows its backward.
-- the optimizer step: the larger of the 8-bit AdamW step's memory traffic (16 bytes a value of the rank's shard)
-  at the GPU's bandwidth and the host time measured on the H200 (its step is host-bound). CAME's step has not
-  run on a GPU: the larger of its own memory traffic and its operators (counted per tensor, CAME_STEP_WORK) at
-  the host time per kernel of the H200's host-bound batch-1 update (that update's time over the kernels its
-  profile counted, H200_PROFILES); its all-reduces of column statistics (a few MB) are left out. The other
-  optimizers are costed as the 8-bit AdamW step (not measured apart).
+- the optimizer step: the larger of its memory traffic (STEP_BYTES a value of the rank's shard: 16 for the 8-bit
+  AdamW) at the GPU's bandwidth and the host time measured on the H200 for the 8-bit AdamW step (host-bound; the
+  other optimizers' host time is not measured, and this floor stands in for it). Prodigy's all-reduce of two
+  numbers per update is latency only, not counted. CAME's step has not run on a GPU: the larger of its own
+  memory traffic and its operators (counted per tensor, CAME_STEP_WORK) at the host time per kernel of the
+  H200's host-bound batch-1 update (that update's time over the kernels its profile counted, H200_PROFILES);
+  its all-reduces of column statistics (a few MB) are left out.
 Nothing else (data loading, logging, saves) is counted: the battery's end-to-end part measures that.
 """
 
@@ -114,7 +115,7 @@ class SpeedSettings:
     gpu: str
     interconnect: str
     reduce_bytes: int = 4  # 4 (fp32) or 2 (bf16): what the gradients are reduce-scattered in (--reduce_dtype)
-    optimizer: str = "adamw8bit"  # --optimizer: CAME's step is costed apart (optimizer_seconds), the others as 8-bit AdamW's
+    optimizer: str = "adamw8bit"  # --optimizer: its step's memory traffic (STEP_BYTES; CAME's costed apart, optimizer_seconds)
 
     @property
     def shard_group(self) -> int:
@@ -235,6 +236,18 @@ def microbatch_compute(settings: SpeedSettings, flop_per_image: float) -> Comput
                         f"scaled by peak bf16 FLOP/s to the {settings.gpu}; host floor its batch-1 time ({by_batch[min(by_batch)] * 1000:.0f} ms)")
 
 
+# Bytes each optimizer's step reads and writes per value of the rank's shard, with fp32 weights and gradients: the
+# weights read and written (8) and the gradient read (4), and its state read and written. CAME: CAME_STEP_WORK.
+STEP_BYTES = {
+    "adamw8bit": 16,  # two 1-byte moments (their scales, one fp32 per 256 values, left out)
+    "adamw": 28,  # two fp32 moments
+    "adafactor": 20,  # factored moments (a few values per row and column), the gradient read twice more for the update
+    "lion": 20,  # one fp32 momentum
+    "prodigy": 52,  # first pass: three fp32 moments and p0 read (36); second: the weights and two moments again (16)
+    "adamw_schedulefree": 28,  # z and the second moment, fp32
+}
+
+
 @dataclass(frozen=True)
 class StepWork:
     """What an eager optimizer step does per parameter tensor of a kind: operators dispatched (each launches a
@@ -260,14 +273,14 @@ def host_seconds_per_kernel() -> float:
 
 def optimizer_seconds(settings: SpeedSettings, shapes: list[tuple[int, ...]]) -> float:
     """The optimizer step over a rank's shards of parameters of these `shapes`: its memory traffic at 70% of
-    the GPU's bandwidth, or its host time, whichever is longer. The 8-bit AdamW step (and every optimizer
-    but CAME): 16 bytes a value, the host time the H200 measured (the least of its rows). CAME: its work
-    per tensor (CAME_STEP_WORK), its kernels at host_seconds_per_kernel; every rank steps every tensor."""
+    the GPU's bandwidth, or its host time, whichever is longer. Every optimizer but CAME: STEP_BYTES a value,
+    the host time the H200 measured for the 8-bit AdamW step (the least of its rows). CAME: its work per tensor
+    (CAME_STEP_WORK), its kernels at host_seconds_per_kernel; every rank steps every tensor."""
     values = sum(math.prod(shape) for shape in shapes)
     bandwidth = GPUS[settings.gpu].memory_bandwidth * 0.7
     if settings.optimizer != "came":
         host = min(row["optimizer_seconds"] for row in _h200_trainer_rows() if row["optimizer_seconds"])
-        return max(16 * values / settings.shard_group / bandwidth, host)
+        return max(STEP_BYTES[settings.optimizer] * values / settings.shard_group / bandwidth, host)
     work = [CAME_STEP_WORK["factored" if len(shape) >= 2 else "unfactored"] for shape in shapes]
     traffic = sum(kind.bytes_per_value * math.prod(shape) for kind, shape in zip(work, shapes)) / settings.shard_group
     kernels = CAME_OPS_PER_UPDATE + sum(kind.ops for kind in work)

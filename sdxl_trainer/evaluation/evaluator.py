@@ -285,13 +285,15 @@ class Evaluator:
                     encode_batch=encode,
                 )
 
-            if ema is None:
-                scores.update(loss())
-            else:
-                # val/loss is that of the weights that are exported and sampled from: the EMA's.
-                with ema.weights_in_model():
+            # Of the weights the optimizer has for evaluation (schedule-free AdamW's average; the trained ones otherwise).
+            with models.evaluation_weights_in_model():
+                if ema is None:
                     scores.update(loss())
-                scores["val/loss_raw"] = loss()["val/loss"]
+                else:
+                    # val/loss is that of the weights that are exported and sampled from: the EMA's.
+                    with ema.weights_in_model():
+                        scores.update(loss())
+                    scores["val/loss_raw"] = loss()["val/loss"]
         if images_due or samples_due:
             state = models.exported_weights_on_rank0(ema, self.world.is_main)
             source = self.source

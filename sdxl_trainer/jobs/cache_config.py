@@ -13,6 +13,7 @@ import torch
 
 from sdxl_trainer.cache.buckets import ResolutionOptions, categories
 from sdxl_trainer.cache.errors import StorageError
+from sdxl_trainer.cache.format import foreign_contents_problem
 from sdxl_trainer.cache.stores import is_remote
 from sdxl_trainer.config import option
 from sdxl_trainer.models.encoders import chunks_for
@@ -231,6 +232,10 @@ class CacheConfig(ModelOptions, ResolutionOptions):
                 f"and at most --max_resolution {self.max_resolution} (a multiple of 64), or 0 for no upscaling"
             )
         if not self.dry_run:
+            try:
+                problems += [problem] if (problem := foreign_contents_problem(self.cache_dir)) else []
+            except StorageError as error:
+                problems.append(f"--cache_dir: {error}")
             problems += weights_problems(
                 self.upscale_to_resolution, self.upscaler_weights, self.upscale_use_GFPGAN, self.gfpgan_weights, self.facexlib_weights_dir
             )

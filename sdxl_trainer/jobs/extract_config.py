@@ -10,16 +10,18 @@ from typing import Literal
 import torch
 from huggingface_hub import try_to_load_from_cache
 
-from sdxl_trainer.config import option
+from sdxl_trainer.config import NO_UPLOAD, option
 from sdxl_trainer.models.single_file import SDXL_CONFIG_SOURCE, hub_offline, is_single_file, model_location_problem
 from sdxl_trainer.models.weight_files import CONFIG_FILES
+from sdxl_trainer.outputs.lora_extract import LORA_WRITER
+from sdxl_trainer.outputs.output_guard import replace_problem
 
 
 @dataclass
 class ExtractConfig:
     base: str = option(help="the model the fine-tune started from: diffusers folder, single-file .safetensors or Hugging Face model id")
     tuned: str = option(help="the fine-tuned model (e.g. OUTPUT_DIR/PROJECT_NAME/pipeline or pipeline.safetensors), same kinds as --base")
-    output: Path = option(help="LoRA file to write (.safetensors); never one of the models, nor inside a model folder")
+    output: Path = option(help="LoRA file to write (.safetensors), a local file; never one of the models, nor inside a model folder", url_refusal=NO_UPLOAD)
     rank: int = option(help="rank (kohya's network_dim) of the Linear and 1x1-convolution layers: higher keeps more of the fine-tune, in a larger file")
     conv_rank: int = option(
         0, help="rank of the 3x3 convolutions (kohya's conv_dim); above 0 it also adds the ResNet blocks and up/downsamplers; 0 = transformer blocks only"
@@ -28,6 +30,10 @@ class ExtractConfig:
         0.01, help="a text encoder whose largest weight change is at most this is left out (not trained, or changed only by rounding); kohya's default"
     )
     save_precision: Literal["fp16", "bf16", "fp32"] = option("fp16", help="dtype of the LoRA's weights")
+    overwrite: bool = option(
+        False, help="replace an existing --output this tool did not write (a LoRA from elsewhere, or one written before the tools marked their "
+        "files); a LoRA it wrote is replaced without it"
+    )
     device: str = option(
         "auto", help="where each changed layer is factorised, one at a time: auto = the GPU when there is one (cuda), else cpu; or cpu, cuda, cuda:1..."
     )
@@ -102,4 +108,6 @@ class ExtractConfig:
                     problems.append(f"--output {self.output} is inside the --{flag} model folder {given}, which the extraction reads: write the LoRA outside it")
             elif output.resolve() == path.resolve() or (output.exists() and os.path.samefile(output, path)):
                 problems.append(f"--output {self.output} is the --{flag} file {given}: the LoRA would replace the model; choose another name")
+        if not problems and (problem := replace_problem(output, LORA_WRITER, self.overwrite)):
+            problems.append(problem)
         return problems

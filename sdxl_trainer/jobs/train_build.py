@@ -37,7 +37,7 @@ from sdxl_trainer.models.components import TEXT_ENCODER_NAMES, text_encoder_labe
 from sdxl_trainer.models.encoders import load_text_encoders
 from sdxl_trainer.models.single_file import config_source, load_unet
 from sdxl_trainer.models.weight_files import ModelFilesError, read_configs
-from sdxl_trainer.optimizers.build import build_optimizer
+from sdxl_trainer.optimizers.build import build_optimizer, evaluation_weights_of
 from sdxl_trainer.outputs.export import Exporter, ExportError
 from sdxl_trainer.monitoring.metrics_writer import MetricsWriter, WANDB_ID_FILE, WandbSettings
 from sdxl_trainer.monitoring.monitor import TrainingMonitor
@@ -45,8 +45,16 @@ from sdxl_trainer.runtime.garbage_collection import CollectBetweenUpdates, exemp
 from sdxl_trainer.runtime.quiet_libraries import hide_library_progress_bars
 from sdxl_trainer.state.checkpoint_layout import CheckpointError
 from sdxl_trainer.state.load import load_training_state
-from sdxl_trainer.state.trainer_state import read_trainer_state, TrainerState
-from sdxl_trainer.state.checkpointer import Checkpointer, find_resume_checkpoint, no_checkpoint_reason, prepare_checkpoints_dir, resume_problems
+from sdxl_trainer.state.rng_states import seed_global_generators
+from sdxl_trainer.state.trainer_state import DatasetIdentity, read_trainer_state, TrainerState
+from sdxl_trainer.state.checkpointer import (
+    Checkpointer,
+    changed_dataset_problem,
+    find_resume_checkpoint,
+    no_checkpoint_reason,
+    prepare_checkpoints_dir,
+    resume_problems,
+)
 from sdxl_trainer.state.run_folder import RunFolderBusy, RunFolderLock, continues_run, earlier_exports, earlier_run_problems, start_over
 from sdxl_trainer.training.block_rates import block_count_problem, freeze_zero_rate_blocks
 from sdxl_trainer.training.captions import StepCaptionEncoder
@@ -175,10 +183,14 @@ def build_run(config: TrainConfig, world: World) -> Run:
                 print(message)
         prepare_checkpoints_dir(run_dir / "checkpoints", saved.update if saved else None)
     seed = agree_on_seed(saved.seed if saved else config.set_seed, world.device)
-    torch.manual_seed(seed + world.rank)
+    seed_global_generators(seed + world.rank)  # a resume then restores the checkpoint's states over these
     compute_dtype = resolve_compute_dtype(config.mixed_precision, world.device, config.weights_dtype)
 
     data = load_training_data(config.data_settings(), run_dir, seed, world.world_size, world.is_main)
+    if saved is not None:
+        changed = changed_dataset_problem(resume_dir, saved, data.identity, config.accept_changed_dataset)
+        if changed:
+            raise SystemExit(f"Cannot start training: {changed}")
     empty_prompt = tuple(tensor.to(world.device) for tensor in caches.empty_prompt)  # read and checked by check_before_start
     models, caption_encoder = build_models(config, world, data.dataset, seed, compute_dtype, caches.caption_chunks)
     exempt_live_objects_from_garbage_collection()  # the model libraries' objects too, imported by now
@@ -187,10 +199,12 @@ def build_run(config: TrainConfig, world: World) -> Run:
     groups = models.parameter_groups(config.learning_rate, config.text_encoder_rates(), config.block_lr)
     optimizer = build_optimizer(
         config.optimizer, groups, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon,
-        came_beta3=config.came_beta3,
+        came_beta3=config.came_beta3, prodigy=config.prodigy_settings(),
     )
-    ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu) if config.use_ema else None
-    position = resume(config, world, resume_dir, saved, models, optimizer, ema, run_dir)
+    # Validation, samples, exports and the EMA see the optimizer's evaluation weights where it keeps them apart (schedule-free).
+    models.evaluate_with(evaluation_weights_of(optimizer))
+    ema = ShardedEMA(models.unet, config.ema_decay, on_cpu=config.ema_on_cpu, evaluation_weights=models.evaluation_weights) if config.use_ema else None
+    position = resume(config, world, resume_dir, saved, models, optimizer, ema, run_dir, data.identity)
     first_update = saved.update if saved else 0
     draws = SampleDraws(seed, config.noise_settings())
     # Caption mode's captions are varied and tokenized where the batch is read, as the noise is drawn.
@@ -233,7 +247,7 @@ def build_run(config: TrainConfig, world: World) -> Run:
     )
     checkpointer = Checkpointer(
         run_dir / "checkpoints", config, models.checkpointed, optimizer, ema, train_step, config.run_facts(world.world_size), seed, report=monitor.say,
-        last_saved_update=first_update if saved else None,
+        last_saved_update=first_update if saved else None, dataset=data.identity,
     )
     exporter = Exporter(config.export_settings(caches.vae_name_or_path), world, lambda: models.exported_weights_on_rank0(ema, world.is_main),
                         ema is not None, run_dir)
@@ -290,10 +304,12 @@ def build_models(config: TrainConfig, world: World, dataset: CachedDataset, seed
 
 
 def resume(config: TrainConfig, world: World, resume_dir: Path | None, saved: TrainerState | None, models: TrainedModels,
-           optimizer: torch.optim.Optimizer, ema: ShardedEMA | None, run_dir: Path) -> DataPosition:
+           optimizer: torch.optim.Optimizer, ema: ShardedEMA | None, run_dir: Path, dataset: DatasetIdentity) -> DataPosition:
     """Collective: load the checkpoint's state into the models, optimizer and EMA; returns where the data
     stands (the first epoch's start for a fresh run). DCP reshards on load, so the checkpoint may come from
-    another number of processes."""
+    another number of processes. On data other than the checkpoint's (`dataset`; accepted by
+    --accept_changed_dataset, else refused before), the checkpoint's epoch starts over: its position names items
+    by their place in the old data."""
     if resume_dir is None:
         if world.is_main and config.load_saved_state == "latest":
             print(f"No checkpoint in {run_dir / 'checkpoints'} ({no_checkpoint_reason(run_dir / 'checkpoints')}): starting from the base model.")
@@ -306,6 +322,18 @@ def resume(config: TrainConfig, world: World, resume_dir: Path | None, saved: Tr
             f"Resumed from {resume_dir} in {time.perf_counter() - started:.1f} s: update {saved.update}, epoch {position.epoch + 1} "
             f"after {position.updates_in_epoch} of its updates (saved on {saved.world_size} processes, now {world.world_size})."
         )
+    if saved.dataset is None:
+        if world.is_main:
+            print(f"{resume_dir} was saved before checkpoints recorded their data: a resume on other data cannot be told apart.")
+        return position
+    changes = saved.dataset.changes(dataset)
+    if changes:
+        position = DataPosition.epoch_start(position.epoch)
+        if world.is_main:
+            print(
+                f"--accept_changed_dataset: the data changed since {resume_dir} ({changes}), so epoch "
+                f"{position.epoch + 1} starts over on it; the update count and the learning-rate schedule go on from update {saved.update}."
+            )
     return position
 
 

@@ -22,7 +22,7 @@ from sdxl_trainer.evaluation.metrics import MetricWeights
 from sdxl_trainer.evaluation.sampling import GenerationSettings
 from sdxl_trainer.models.options import ModelOptions
 from sdxl_trainer.monitoring.monitor import LoggingOptions
-from sdxl_trainer.optimizers.build import OptimizerOptions
+from sdxl_trainer.optimizers.build import PRODIGY_MIN_LEARNING_RATE, SCHEDULE_FREE_SCHEDULES, OptimizerOptions
 from sdxl_trainer.outputs.export import ExportOptions, ExportSettings
 from sdxl_trainer.state.checkpointer import CheckpointOptions, RunFacts
 from sdxl_trainer.training.block_rates import BlockRateOptions
@@ -43,9 +43,23 @@ if TYPE_CHECKING:
 class RunOptions:
     """The run"""
 
-    output_dir: Path = option(Path("output"), help="runs are written to OUTPUT_DIR/PROJECT_NAME")
+    output_dir: Path = option(
+        Path("output"),
+        help="runs are written to OUTPUT_DIR/PROJECT_NAME, a local folder (the caches may be in object storage; docs/object_storage.md)",
+        url_refusal="run folders in object storage are not supported yet (checkpoints, exports and logs are written as files); give a local "
+        "--output_dir and copy the run folder to the bucket (aws s3 sync, rclone; docs/object_storage.md)",
+    )
     project_name: str = option("sdxl_finetune", help="name of this run's folder inside --output_dir")
-    set_seed: int | None = option(None, help="seed for data order, noise and dropout; None = a random seed, recorded in the run's config.json")
+    set_seed: int | None = option(
+        None,
+        help="seed for data order, noise and dropout, and of every rank's torch, NumPy and Python global generators (seed + rank), "
+        "0 to 2^63-1; None = a random seed, recorded in the run's config.json",
+    )
+
+    def problems(self) -> list[str]:
+        if self.set_seed is not None and not 0 <= self.set_seed < 2**63:
+            return [f"--set_seed must be from 0 to 2^63-1 (the data order's generators take no negative seed), got {self.set_seed}"]
+        return []
 
 
 @dataclass(kw_only=True)
@@ -98,7 +112,7 @@ class TrainConfig(
         "train_batch_size": "images per GPU per microbatch",
         "gradient_accumulation_steps": "microbatches per optimizer update",
         "learning_rate": "peak learning rate",
-        "optimizer": "adamw8bit, adamw, adafactor, lion or came",
+        "optimizer": "adamw8bit, adamw, adafactor, lion, came, prodigy or adamw_schedulefree",
         "num_train_epochs": "passes over the data",
         "max_train_updates": "or a number of optimizer updates instead (0 = off)",
         "save_model_every_n_epochs": "export the model (and save state) every N epochs; 0 = only at the end",
@@ -117,6 +131,16 @@ class TrainConfig(
             )
         if self.learning_rate == 0 and self.train_text_encoder:
             problems.append("the UNet always trains here: kohya's --learning_rate 0 (text encoders alone) is not supported; give the UNet a rate")
+        if self.optimizer == "prodigy" and any(rate < PRODIGY_MIN_LEARNING_RATE for rate in self.text_encoder_rates().values()):
+            problems.append(
+                "--optimizer prodigy: --learning_rate_te1 / --learning_rate_te2 multiply its estimated step size as --learning_rate "
+                f"does: pass about 1.0 (0 keeps an encoder frozen), got {self.learning_rate_te1} / {self.learning_rate_te2}"
+            )
+        if self.optimizer == "adamw_schedulefree" and self.learning_rate_scheduler not in SCHEDULE_FREE_SCHEDULES:
+            problems.append(
+                f"--optimizer adamw_schedulefree averages its weights instead of decaying the rate: use --learning_rate_scheduler "
+                f"constant_with_warmup (or constant), got {self.learning_rate_scheduler}"
+            )
         if self.learning_rate_scheduler == "polynomial" and self.polynomial_lr_end >= self.learning_rate:
             problems.append(f"--polynomial_lr_end ({self.polynomial_lr_end}) must be below --learning_rate ({self.learning_rate})")
         return problems + self._caption_variation_problems() + self._run_folder_problems()

@@ -8,6 +8,7 @@ import time
 
 from sdxl_trainer.jobs.train_build import Run
 from sdxl_trainer.state.checkpoint_layout import CheckpointError
+from sdxl_trainer.training.stream import DataPosition
 
 
 def run_loop(run: Run) -> None:
@@ -33,12 +34,7 @@ def run_loop(run: Run) -> None:
         stop_agreed = monitor.log_update(step.updates_done, update.epoch, result, stop_requested=run.stop.requested)
         # Checked when the update's figures have been read (when the monitor logs), so the host never waits for them.
         if result.is_read and result.skipped_in_a_row >= config.max_consecutive_skipped_updates:
-            checkpoint_dir = checkpointer.before_exit(update.position_after, even_without_save_state=True)
-            raise SystemExit(
-                f"Stopped at update {step.updates_done}: the last {result.skipped_in_a_row} updates all had a NaN/inf "
-                f"loss or gradient. State saved to {checkpoint_dir}. Lower --learning_rate, use --mixed_precision bf16 instead of fp16, "
-                "or check the cache with sdxl_process_data_dir.py --verify."
-            )
+            raise SystemExit(stop_after_skipped_updates(run, update.position_after, result.skipped_in_a_row))
         if stop_agreed:  # a stop requested on any rank, agreed in the log's exchange: every rank stops after this update
             try:
                 checkpoint_dir = checkpointer.before_exit(update.position_after, even_without_save_state=True)
@@ -60,6 +56,28 @@ def run_loop(run: Run) -> None:
     evaluator.at_run_end(step.updates_done, run.models, run.ema, monitor.metrics)
     finish(run)
     monitor.say(f"TensorBoard logs: {run.log_dir}   (view with: tensorboard --logdir {run.log_dir})")
+
+
+def stop_after_skipped_updates(run: Run, position: DataPosition, skipped: int) -> str:
+    """Collective: save the state of a run whose last `skipped` updates were all skipped, and say which checkpoint to
+    resume from. Skipped updates change no weight, so they all started from the weights of the update before them,
+    which may have blown the weights up with a finite loss: the one to resume from is the last checkpoint from before
+    that update, which the checkpoints saved since never rotated out (Checkpointer._saved)."""
+    stopped_at = run.train_step.updates_done
+    last_stepped = stopped_at - skipped  # the update whose weights every skipped one started from
+    state_dir = run.checkpointer.before_exit(position, even_without_save_state=True)
+    good = run.checkpointer.checkpoint_before_streak(last_stepped + 1)
+    resume = (
+        f"Resume from {good}, the last checkpoint from before update {last_stepped}, with a lower --learning_rate (--load_saved_state {good})"
+        if good is not None else
+        f"No checkpoint from before update {last_stepped} is in {run.checkpointer.checkpoints_dir} (with saves every update, "
+        "--checkpoints_total_limit 2 or more keeps one from before a blow-up): start again from the base model with a lower --learning_rate"
+    )
+    return (
+        f"Stopped at update {stopped_at}: the last {skipped} updates all had a NaN/inf loss or gradient and were skipped, so the weights are "
+        f"still those of update {last_stepped}, which they all started from. {resume}; or use --mixed_precision bf16 instead of fp16, or "
+        f"check the cache with sdxl_process_data_dir.py --verify. The state at the stop is in {state_dir} (its weights are the ones that failed)."
+    )
 
 
 def finish(run: Run) -> None:

@@ -26,6 +26,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors.torch import save_file
 
 from sdxl_trainer.runtime.files import make_shareable
+from sdxl_trainer.runtime.tensor_files import WRITER_KEY
 
 if TYPE_CHECKING:  # imported where models load: a start refused for a bad flag or cache need not import them
     from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
@@ -36,6 +37,7 @@ UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
 CLIP_L_PREFIX = "conditioner.embedders.0.transformer."
 CLIP_G_PREFIX = "conditioner.embedders.1.model."
+SINGLE_FILE_WRITER = "single_file"  # save_single_file's WRITER_KEY mark
 
 # Inside a ResNet block (UNet): diffusers name -> ldm name.
 UNET_RESNET_NAMES = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
@@ -292,7 +294,7 @@ def save_single_file(pipeline: StableDiffusionXLPipeline, output_file: Path, tit
     tmp_scheduler_file = scheduler_file.with_name(f".{scheduler_file.name}.tmp")
     state = {key: value.contiguous() for key, value in pipeline_to_single_file(pipeline).items()}
     try:
-        save_file(state, str(tmp_file), metadata={"format": "pt", **model_spec(pipeline, title)})
+        save_file(state, str(tmp_file), metadata={"format": "pt", **model_spec(pipeline, title), WRITER_KEY: SINGLE_FILE_WRITER})
         make_shareable(tmp_file)
         tmp_scheduler_file.write_text(pipeline.scheduler.to_json_string(), encoding="utf-8")
     except BaseException:

@@ -24,6 +24,15 @@ class ConsoleLog:
             sys.stdout, sys.stderr = (_Tee(stream, self._file) for stream in self._originals)
         return self
 
+    def write_to_file_only(self, text: str) -> Path | None:
+        """Append `text` to the file only, not the console (what a message there points to: a traceback); the
+        file, or None where there is none (not rank 0, or the disk refused a write)."""
+        if self._file is None or self._file.failed:
+            return None
+        self._file.write(text if text.endswith("\n") else text + "\n")
+        self._file.flush()
+        return None if self._file.failed else self.path
+
     def __exit__(self, *exc_info) -> None:
         if self._file is not None:
             sys.stdout, sys.stderr = self._originals
@@ -39,6 +48,11 @@ class _LogFile:
         self.path = path
         self._console = console
         self._file = open(path, "a", encoding="utf-8", buffering=1)
+
+    @property
+    def failed(self) -> bool:
+        """The disk refused a write: nothing more goes into the file."""
+        return self._file is None
 
     def write(self, text: str) -> None:
         self._guarded(lambda file: file.write(text))

@@ -4,6 +4,7 @@ epoch losses, throughput and every rank's peak memory."""
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,9 +61,11 @@ class TrainingMonitor:
         self._host_group = host_group
 
     def say(self, message: str) -> None:
-        """A message printed once (by rank 0), above the progress bar."""
+        """A message printed once (by rank 0), above the progress bar, and flushed: stdout into a pipe or a file (a
+        launcher's, `| tee`) holds it in a buffer otherwise, where another rank's message (a stop) can overtake it."""
         if self.is_main:
             tqdm.write(message)
+            sys.stdout.flush()
 
     def log_update(self, update: int, epoch: int, result: UpdateResult, stop_requested: bool = False) -> bool:
         """Called after every update. Its figures stay on the device until the scalars are written (every

@@ -4,7 +4,7 @@ tensors, their fp32 state, and the sums over shards that a factored optimizer ne
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -86,6 +86,16 @@ def runs_of_at_most(items: list, sizes: list[int], max_size: int) -> Iterable[li
         yield run
 
 
+def runs_by_kind(entries: list[_Entry], max_values: int) -> Iterable[list[_Entry]]:
+    """Runs of entries to flatten together: one dtype of weights and of gradients and one device each, at most
+    max_values values (a larger shard alone)."""
+    by_kind: dict[tuple, list[_Entry]] = {}
+    for entry in entries:
+        by_kind.setdefault((entry.weights.dtype, entry.grad.dtype, entry.weights.device), []).append(entry)
+    for kind_entries in by_kind.values():
+        yield from runs_of_at_most(kind_entries, [entry.weights.numel() for entry in kind_entries], max_values)
+
+
 def device_step_counts(entries: list[_Entry], verdict: torch.Tensor) -> dict[int, torch.Tensor]:
     """Each entry's step count (by its index) after adding this update's verdict (1 where it steps, 0 where it
     is skipped), on the device, for the entries whose state keeps one: no value is read on the host."""
@@ -106,6 +116,40 @@ def zero_where_not_finite(grads: list[torch.Tensor], verdict: torch.Tensor) -> N
         for run in runs_of_at_most(same_dtype, [grad.numel() for grad in same_dtype], ZERO_RUN_VALUES):
             flat = torch._C._nn.flatten_dense_tensors(run)
             torch._foreach_copy_(run, torch._C._nn.unflatten_dense_tensors(torch.where(verdict, flat, 0.0), run))
+
+
+def one_tensor_in_every_state(states: list[dict], key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The tensor that every state in `states` holds under `key`, one object for all: scalars an optimizer keeps
+    for a whole group or for all its parameters (Prodigy's step-size estimate, schedule-free AdamW's averaging
+    weights). Being per-parameter state, they are saved and restored through DCP with the rest (which leaves
+    param_groups out: state/save.py), and one operation updates them for every parameter. The first state's
+    (make() when none has one) is given to every state that holds another or none: a state loaded by torch's
+    load_state_dict gives each parameter its own copy, all equal."""
+    shared = next((state[key] for state in states if key in state), None)
+    if shared is None:
+        shared = make()
+    for state in states:
+        if state.get(key) is not shared:
+            state[key] = shared
+    return shared
+
+
+def shard_groups_of(entries: list[_Entry]) -> tuple[dist.ProcessGroup, ...]:
+    """The process groups over which the entries' rows are split (_row_shard_groups), the same for all of them."""
+    groups = {_row_shard_groups(entry.param) for entry in entries}
+    if len(groups) > 1:
+        raise ValueError("the parameters are sharded over different process groups: give each layout an optimizer of its own")
+    return groups.pop() if groups else ()
+
+
+def sum_over_all_shards(values: torch.Tensor, entries: list[_Entry]) -> torch.Tensor:
+    """`values` (this rank's sums over its shards of `entries`) summed over every rank that holds other rows, on
+    the device of the collective (with --cpu_offload the shards are in host memory, NCCL reduces on the GPU)."""
+    groups = shard_groups_of(entries)
+    if not groups:
+        return values
+    mesh_device = entries[0].param.device_mesh.device_type
+    return _sum_over_shards(values.to(mesh_device), groups).to(values.device)
 
 
 def fp32_zeros_like(param: torch.Tensor) -> torch.Tensor:

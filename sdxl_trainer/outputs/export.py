@@ -22,6 +22,7 @@ from sdxl_trainer.models.single_file import SDXL_CONFIG_SOURCE, hf_clip_names, l
 from sdxl_trainer.runtime.files import make_shareable, write_error_reason
 
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+HUB_CACHE_PREFIX = "models--"  # a model's folder in the Hugging Face cache: models--ORG--NAME
 
 @dataclass(kw_only=True)
 class ExportOptions:
@@ -132,6 +133,18 @@ class Exporter:
             self.export(self.run_dir / "pipeline")
 
 
+def known_model_name(name_or_path: str) -> str:
+    """A model as users know it: a Hugging Face model id as it is, a local file or folder by its name, a folder
+    of the Hugging Face cache (.../models--ORG--NAME/snapshots/REVISION) by its model id ORG/NAME."""
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        return name_or_path
+    path = Path(os.path.abspath(path))  # "." and a trailing slash named, symbolic links kept as the user named them
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith(HUB_CACHE_PREFIX):
+        return path.parent.parent.name.removeprefix(HUB_CACHE_PREFIX).replace("--", "/", 1)
+    return path.name
+
+
 def save_pipeline(
     trained_weights: ComponentWeights,
     base_model: str,
@@ -155,7 +168,12 @@ def save_pipeline(
     objective (v-prediction, zero terminal SNR), so the exported pipeline samples correctly as it is.
 
     Written to a temporary sibling folder and renamed, so an interrupted export never leaves a folder
-    that looks complete; an older export at output_dir is replaced only once the new one is whole."""
+    that looks complete; an older export at output_dir is replaced only once the new one is whole. Weights that
+    are not finite at save_precision are never written (ExportError naming the first such tensor)."""
+    problem = non_finite_weights(trained_weights, save_precision)
+    if problem:
+        written = " and ".join(str(path) for path in (output_dir, single_file) if path is not None)
+        raise ExportError(f"Not exporting the model to {written}: its weights are not finite. {problem}")
     pipeline = load_pipeline(base_model, single_file_config, SAVE_DTYPES[save_precision], vae_name_or_path)
     for name, state_dict in trained_weights.items():
         getattr(pipeline, name).load_state_dict(state_dict, strict=True)  # copies (and casts) into the base weights
@@ -164,6 +182,10 @@ def save_pipeline(
     # Caption dropout trained the encoded empty caption (as kohya, SimpleTuner and ComfyUI use it), so the
     # pipeline must encode "" too when no negative prompt is given, not substitute zeros (diffusers' default).
     pipeline.register_to_config(force_zeros_for_empty_prompt=False)
+    # diffusers records where each part was loaded from: this machine's paths, which mean nothing to whoever
+    # gets the export. Recorded instead: the names users know the base model (and a replaced VAE) by.
+    for part, source in ((pipeline, base_model), (pipeline.unet, base_model), (pipeline.vae, vae_name_or_path or base_model)):
+        part.register_to_config(_name_or_path=known_model_name(source))
     if output_dir is not None:
         _save_folder(pipeline, output_dir, fp16_variant=save_precision == "fp16")
     if single_file is not None:
@@ -171,6 +193,37 @@ def save_pipeline(
             save_single_file(pipeline, single_file, model_title)
         except Exception as error:  # noqa: BLE001 - as below
             raise ExportError(f"Could not export the model to {single_file} ({write_error_reason(error, single_file.parent)}); nothing there was replaced.") from error
+
+
+def non_finite_weights(trained_weights: ComponentWeights, save_precision: str) -> str:
+    """The first trained tensor holding a value that is not finite once cast to save_precision, said with what
+    to do about it; "" when every value is finite. A run whose weights diverged (an update that blew them up)
+    would otherwise export NaN/inf over the last good export."""
+    dtype = SAVE_DTYPES[save_precision]
+    for component, state_dict in trained_weights.items():
+        for name, tensor in state_dict.items():
+            if not tensor.is_floating_point():
+                continue
+            exported = tensor.to(dtype)
+            bad = int((~torch.isfinite(exported)).sum())
+            if not bad:
+                continue
+            label = "UNet" if component == "unet" else text_encoder_label(component) if component in TEXT_ENCODER_NAMES else component
+            count = f"all {tensor.numel():,}" if bad == tensor.numel() else f"{bad:,} of {tensor.numel():,}"
+            found = f"{label} tensor {name}: {count} values are NaN or inf at {save_precision}"
+            if torch.isfinite(tensor).all():  # the cast overflowed
+                largest = float(tensor.abs().max())
+                return (
+                    f"{found} (its trained values are finite, up to {largest:.3g}, beyond {save_precision}'s largest "
+                    f"({torch.finfo(dtype).max:.0f})). Nothing was written: export with --save_precision bf16 or fp32 if such values are "
+                    "right (an SDXL model's weights stay far below), else they diverged: resume from an earlier checkpoint "
+                    "(--load_saved_state) with a lower --learning_rate."
+                )
+            return (
+                f"{found}. Training diverged; nothing was written, so the earlier export there is kept. Resume from a checkpoint "
+                "saved before the divergence (--load_saved_state) with a lower --learning_rate."
+            )
+    return ""
 
 
 def _save_folder(pipeline, output_dir: Path, fp16_variant: bool) -> None:

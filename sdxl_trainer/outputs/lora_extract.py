@@ -18,6 +18,13 @@ Layers (kohya's `networks.lora` choice, so every loader that knows kohya files f
 - Never: norms, biases, embeddings, conv_in / conv_out and the time / added-condition embeddings, which
   kohya's LoRA has no keys for. `LoraExtraction.left_out` reports the largest change the file cannot carry.
 
+A text encoder's attention layer goes into the file whole: where only some of its q/k/v/out projections
+changed, the others get zero factors (adding exactly 0). Loaders apply a partial one badly: diffusers converts
+a text encoder's q/k/v keys only when an out_proj key is there (with an MLP key but no out_proj it drops q/k/v
+with a warning; with q/k/v alone load_lora_weights raises ValueError), and A1111 applies OpenCLIP-G's
+attention (one nn.MultiheadAttention, q/k/v fused) only when q, k, v and out_proj are all there. kohya and
+ComfyUI apply each key on its own, zeros included.
+
 Names: a UNet layer's name in the original (ldm/sgm) layout with dots as underscores after `lora_unet_`
 (single_file.py's map: `lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`); a text-encoder
 layer's Hugging Face name after `lora_te1_` (CLIP ViT-L) or `lora_te2_` (OpenCLIP bigG):
@@ -47,13 +54,16 @@ from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.models.single_file import hf_clip_name, model_spec_of, unet_ldm_names
 from sdxl_trainer.models.weight_files import COMPONENTS, ModelFilesError, ModelWeights, StoredWeight
 from sdxl_trainer.runtime.files import make_shareable
+from sdxl_trainer.runtime.tensor_files import WRITER_KEY
 
 UNET_ATTENTION_BLOCKS = ("Transformer2DModel",)
 UNET_CONV_BLOCKS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
 TEXT_ENCODER_BLOCKS = ("CLIPAttention", "CLIPMLP")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")  # a text encoder's attention layer (CLIPAttention)
 TEXT_ENCODER_PREFIXES = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 LORA_COMPONENTS = ("unet", *TEXT_ENCODER_PREFIXES)
 KOHYA_SDXL_VERSION = "sdxl_base_v1-0"  # kohya's ss_base_model_version for SDXL
+LORA_WRITER = "lora"  # the WRITER_KEY mark of an extracted LoRA
 # Two models with independent weights of equal spread differ by sqrt(2) = 141% of a layer's norm (as the tiny
 # pipelines of two seeds do); a fine-tune starts at 0% and moves its layers gradually. More than
 # UNRELATED_SHARE of the UNet's LoRA layers changed by more than LARGE_CHANGE: the tuned model was most
@@ -97,8 +107,9 @@ def low_rank_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torc
 
 @dataclass
 class ComponentReport:
-    layers: int = 0  # in the file
+    layers: int = 0  # changed layers, factored into the file
     skipped: int = 0  # unchanged (no key)
+    padded: int = 0  # unchanged attention projections written as zero factors, so that each attention layer is whole
     energy: float = 0.0  # squared Frobenius norm of the weight changes of its LoRA layers
     kept_energy: float = 0.0  # ... of their low-rank approximations
     relative_changes: list[float] = field(default_factory=list)  # per LoRA layer: |change| / |base weight| (Frobenius)
@@ -224,8 +235,36 @@ def extract_lora(
             report.layers += 1
             report.energy += energy
             report.kept_energy += kept * energy
+        if component in TEXT_ENCODER_NAMES and lora_layers:
+            report.padded = _complete_attention_layers(extraction.tensors, lora_layers, base_weights, dtype)
     extraction.left_out = sorted(left_out, key=lambda item: -item[1])[:5]
     return extraction
+
+
+def _complete_attention_layers(tensors: dict[str, torch.Tensor], lora_layers: dict[str, str], base_weights: dict[str, StoredWeight],
+                               dtype: torch.dtype) -> int:
+    """Give every attention layer of a text encoder that has some of its q/k/v/out projections in `tensors` the
+    others as zero factors of the same rank (module docstring: why). Returns how many were added."""
+    attention_layers: dict[str, list[str]] = {}  # attention module -> its projections' weight names
+    for name in lora_layers:
+        attention, _, projection = name.removesuffix(".weight").rpartition(".")
+        if projection in ATTENTION_PROJECTIONS:
+            attention_layers.setdefault(attention, []).append(name)
+    added = 0
+    for names in attention_layers.values():
+        present = [lora_layers[name] for name in names if f"{lora_layers[name]}.lora_down.weight" in tensors]
+        if not present:
+            continue
+        rank = tensors[f"{present[0]}.lora_down.weight"].shape[0]
+        for name in names:
+            prefix = lora_layers[name]
+            if f"{prefix}.lora_down.weight" not in tensors:
+                out_features, in_features = base_weights[name].shape
+                tensors[f"{prefix}.lora_up.weight"] = torch.zeros(out_features, rank, dtype=dtype)
+                tensors[f"{prefix}.lora_down.weight"] = torch.zeros(rank, in_features, dtype=dtype)
+                tensors[f"{prefix}.alpha"] = torch.tensor(float(rank), dtype=dtype)
+                added += 1
+    return added
 
 
 def lora_metadata(tuned: ModelWeights, rank: int, conv_rank: int, title: str) -> dict[str, str]:
@@ -242,6 +281,7 @@ def lora_metadata(tuned: ModelWeights, rank: int, conv_rank: int, title: str) ->
         "ss_base_model_version": KOHYA_SDXL_VERSION,
         "ss_v2": "False",
         **spec,
+        WRITER_KEY: LORA_WRITER,
     }
 
 

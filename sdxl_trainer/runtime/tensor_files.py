@@ -17,6 +17,9 @@ from typing import NamedTuple
 import torch
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+# The metadata key this project's writers mark their files with: which writer ("single_file", "lora"). The export
+# tools replace an existing output only where it carries their mark (or with --overwrite).
+WRITER_KEY = "sdxl_trainer.written_by"
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
@@ -103,3 +106,11 @@ class TensorFile:
             if handle.readinto(data.numpy()) != data.numel():
                 raise DamagedHeader(f"tensor {name}: the file was cut short while it was read")
         return data.view(entry.dtype).reshape(entry.shape)
+
+
+def written_by(path: Path) -> str | None:
+    """The WRITER_KEY mark in a safetensors file's metadata; None for a file without it, or no safetensors file."""
+    try:
+        return TensorFile(path).metadata.get(WRITER_KEY)
+    except (OSError, DamagedHeader):
+        return None

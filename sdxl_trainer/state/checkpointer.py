@@ -22,18 +22,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
-from sdxl_trainer.config import option
+from sdxl_trainer.config import URL, option
 from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.state.checkpoint_layout import ABANDONED_PREFIX, CHECKPOINT_NAME, CheckpointError
 from sdxl_trainer.state.checkpoints_folder import (
     checkpoint_name,
     find_latest_checkpoint,
+    intact_checkpoints,
+    last_checkpoint_before_streak,
     remove_old_checkpoints,
     set_aside_later_checkpoints,
 )
 from sdxl_trainer.state.dcp_json_index import JsonIndexWriter
 from sdxl_trainer.state.save import HasState, StagedState, Stateful, TensorStager, stage_training_state, write_staged_state
-from sdxl_trainer.state.trainer_state import TrainerState
+from sdxl_trainer.state.trainer_state import DatasetIdentity, TrainerState
 from sdxl_trainer.state.verify import Verification, verify_checkpoint
 
 
@@ -63,6 +65,12 @@ class CheckpointOptions:
         "is refused): its checkpoints are deleted, its exports, TensorBoard events, sample grid and W&B run id moved into "
         "OUTPUT_DIR/PROJECT_NAME/overwritten_<date-time>/; with --load_saved_state, a checkpoint of another run folder to start from",
     )
+    accept_changed_dataset: bool = option(
+        False,
+        help="resume on data other than the checkpoint's (other items, or the same in another order), which is refused without "
+        "it: the checkpoint's epoch then starts over on the new data (its data position names items by their place in the "
+        "old data), while the update count and the learning-rate schedule go on",
+    )
     delete_abandoned_branches: bool = option(
         False,
         help="with --overwrite_run, also delete checkpoints/abandoned_after_update_N_* (the later checkpoints that resuming from an "
@@ -74,12 +82,19 @@ class CheckpointOptions:
         for name in ("save_state_every_n_updates", "checkpoints_total_limit"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0 (0 turns it off)")
-        if self.load_saved_state not in (None, "latest") and not Path(self.load_saved_state).is_dir():
+        if self.load_saved_state is not None and URL.match(self.load_saved_state):
+            problems.append(
+                f"--load_saved_state {self.load_saved_state}: checkpoints in object storage are not read; copy the run folder to a local one "
+                "(aws s3 sync, rclone) and resume from there (docs/object_storage.md)"
+            )
+        elif self.load_saved_state not in (None, "latest") and not Path(self.load_saved_state).is_dir():
             problems.append(f"--load_saved_state {self.load_saved_state} is not a folder: give a checkpoint folder (OUTPUT_DIR/PROJECT_NAME/checkpoints/update_N) or 'latest'")
         if self.load_saved_state == "latest" and self.overwrite_run:
             problems.append("--overwrite_run starts the run over, --load_saved_state latest continues it: give one of them")
         if self.delete_abandoned_branches and not self.overwrite_run:
             problems.append("--delete_abandoned_branches only applies with --overwrite_run")
+        if self.accept_changed_dataset and self.load_saved_state is None:
+            problems.append("--accept_changed_dataset only applies with --load_saved_state")
         return problems
 
 
@@ -194,6 +209,22 @@ def resume_problems(saved: TrainerState, facts: RunFacts, set_seed: int | None) 
     return problems
 
 
+def changed_dataset_problem(checkpoint_dir: Path, saved: TrainerState, now: DatasetIdentity, accepted: bool) -> str:
+    """Why the checkpoint cannot resume on this data (other items, or the same ones in another order), "" if it can:
+    its data position names items by their place in the data. With `accepted` (--accept_changed_dataset), or for a
+    checkpoint saved before the data was recorded, nothing is refused (resume() says what it does instead)."""
+    changes = saved.dataset.changes(now) if saved.dataset is not None else ""
+    if not changes or accepted:
+        return ""
+    return (
+        f"{checkpoint_dir} was saved training on other data ({changes}). Its data position (the items epoch {saved.epoch + 1} has "
+        "trained, and those carried into it) names items by their place in the data, so on this data the rest of the epoch would "
+        "train some items twice and others not at all. Resume on the caches it trained on (the run's config.json lists them), or "
+        f"pass --accept_changed_dataset to go on with these: epoch {saved.epoch + 1} then starts over on them, the update count "
+        "and the learning-rate schedule go on."
+    )
+
+
 def prepare_checkpoints_dir(checkpoints_dir: Path, resumed_update: int | None) -> None:
     """Rank 0, before a resumed run: set this folder's checkpoints of later updates aside, so
     --checkpoints_total_limit and 'latest' follow the resumed run."""
@@ -220,11 +251,12 @@ class Checkpointer:
 
     def __init__(self, checkpoints_dir: Path, options: CheckpointOptions, model: nn.Module, optimizer: torch.optim.Optimizer, ema: Stateful | None,
                  step: CountsUpdates, run_facts: RunFacts, seed: int, report: Callable[[str], None], last_saved_update: int | None,
-                 writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter):
+                 dataset: DatasetIdentity | None = None, writer_factory: Callable[[Path], FileSystemWriter] = JsonIndexWriter):
         """Collective (makes the writer's process group). `model`: what the checkpoint holds with the optimizer
         state (TrainedModels.checkpointed); `step`: the train step, whose state_dict() gives the counters
-        (update, skipped updates, loss scaler) at a save, and updates_done the update count after each update; `run_facts` and `seed`: the rest of trainer_state.json; `report`
-        prints a message once (rank 0); `writer_factory`: DCP's writer for a folder."""
+        (update, skipped updates, loss scaler) at a save, and updates_done the update count after each update; `run_facts`, `seed`
+        and `dataset` (the data trained on; None: not recorded): the rest of trainer_state.json; `report` prints a message once (rank 0);
+        `writer_factory`: DCP's writer for a folder."""
         self.checkpoints_dir = checkpoints_dir
         self.options = options
         self.model = model
@@ -235,6 +267,7 @@ class Checkpointer:
         self.seed = seed
         self.report = report
         self.writer_factory = writer_factory
+        self.dataset = dataset
         self.last_saved_update = last_saved_update
         self.last_saved_dir: Path | None = None
         self._stager = TensorStager()
@@ -250,6 +283,7 @@ class Checkpointer:
         state = TrainerState(
             **self.step.state_dict(),
             **dataclasses.asdict(self.run_facts),
+            **(self.dataset.as_fields() if self.dataset is not None else {}),
             seed=self.seed,
             epoch=data["epoch"],
             updates_in_epoch=data["updates_in_epoch"],
@@ -265,7 +299,7 @@ class Checkpointer:
         staged = self._staged(position)
         checkpoint_dir = write_staged_state(self.checkpoints_dir / checkpoint_name(staged.trainer_state.update), staged, self._writer_group,
                                             self.writer_factory)
-        self._saved(checkpoint_dir, staged.trainer_state.update, f"in {time.perf_counter() - started:.1f} s")
+        self._saved(checkpoint_dir, staged.trainer_state, f"in {time.perf_counter() - started:.1f} s")
         return checkpoint_dir
 
     def save_in_background(self, position: HasState) -> None:
@@ -274,8 +308,12 @@ class Checkpointer:
         started = time.perf_counter()
         staged = self._staged(position)
         checkpoint_dir = self.checkpoints_dir / checkpoint_name(staged.trainer_state.update)
-        self._in_flight = _BackgroundSave(checkpoint_dir, staged.trainer_state.update, time.perf_counter() - started)
+        self._in_flight = _BackgroundSave(checkpoint_dir, staged.trainer_state, time.perf_counter() - started)
         self._in_flight.start(lambda: write_staged_state(checkpoint_dir, staged, self._writer_group, self.writer_factory))
+
+    def writing_in_background(self) -> bool:
+        """Whether a background save's writer is still writing (not collective)."""
+        return self._in_flight is not None and self._in_flight.writing()
 
     def wait(self) -> None:
         """Collective: the background save in flight ended (a failure is a warning: training goes on) and reported."""
@@ -288,13 +326,23 @@ class Checkpointer:
         elif error is not None:
             raise error
         else:
-            self._saved(save.checkpoint_dir, save.update, f"(the loop paused {save.staging_s:.1f} s to copy it; written in the background in {save.writing_s:.1f} s)")
+            self._saved(save.checkpoint_dir, save.state, f"(the loop paused {save.staging_s:.1f} s to copy it; written in the background in {save.writing_s:.1f} s)")
 
-    def _saved(self, checkpoint_dir: Path, update: int, how: str) -> None:
-        self.last_saved_update, self.last_saved_dir = update, checkpoint_dir
+    def _saved(self, checkpoint_dir: Path, state: TrainerState, how: str) -> None:
+        """A save is written: it is the newest, and the limit removes older ones. A save made while updates are being
+        skipped (the state's counter, read from the device at the save, never at an update) keeps the last good
+        checkpoint from before the streak besides the limit's (checkpoints_folder.remove_old_checkpoints)."""
+        self.last_saved_update, self.last_saved_dir = state.update, checkpoint_dir
         if dist.get_rank() == 0:
-            removed = remove_old_checkpoints(self.checkpoints_dir, self.options.checkpoints_total_limit, saved=checkpoint_dir)
+            streak = state.consecutive_skipped_updates
+            removed = remove_old_checkpoints(self.checkpoints_dir, self.options.checkpoints_total_limit, saved=checkpoint_dir,
+                                             streak_start=state.update - streak + 1 if streak else None)
             self.report(f"Saved state to {checkpoint_dir} {how}" + (f"; removed {len(removed)} older" if removed else "") + ".")
+
+    def checkpoint_before_streak(self, streak_start: int) -> Path | None:
+        """The newest intact checkpoint of this run from before the weights a streak of skipped updates starting at
+        update `streak_start` started from (checkpoints_folder.last_checkpoint_before_streak): the one to resume from."""
+        return last_checkpoint_before_streak(intact_checkpoints(self.checkpoints_dir, self._updates_done), streak_start)
 
     @property
     def _unsaved(self) -> bool:
@@ -323,9 +371,10 @@ class Checkpointer:
 class _BackgroundSave:
     """One save written by a thread of its own; join() gives the error it ended with (None: saved)."""
 
-    def __init__(self, checkpoint_dir: Path, update: int, staging_s: float):
+    def __init__(self, checkpoint_dir: Path, state: TrainerState, staging_s: float):
         self.checkpoint_dir = checkpoint_dir
-        self.update = update
+        self.state = state
+        self.update = state.update
         self.staging_s = staging_s
         self.writing_s = 0.0
         self._error: BaseException | None = None
@@ -343,6 +392,9 @@ class _BackgroundSave:
         # A daemon: a job that dies meanwhile does not wait for it; its .tmp folder is never taken for a checkpoint.
         self._thread = threading.Thread(target=run, name=f"state save {self.checkpoint_dir.name}", daemon=True)
         self._thread.start()
+
+    def writing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def join(self) -> BaseException | None:
         self._thread.join()

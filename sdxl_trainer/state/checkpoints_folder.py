@@ -65,20 +65,38 @@ def checkpoint_update(path: Path) -> int:
     return int(CHECKPOINT_NAME.match(path.name).group(1))
 
 
-def remove_old_checkpoints(checkpoints_dir: Path, keep: int, saved: Path | None = None) -> list[Path]:
+def intact_checkpoints(checkpoints_dir: Path, through_update: int | None = None) -> list[Path]:
+    """The complete checkpoints checkpoint_problem finds nothing wrong with, oldest first; with through_update,
+    only those of that update and before."""
+    return [
+        path for path in complete_checkpoints(checkpoints_dir)
+        if (through_update is None or checkpoint_update(path) <= through_update) and checkpoint_problem(path) is None
+    ]
+
+
+def last_checkpoint_before_streak(checkpoints: list[Path], streak_start: int) -> Path | None:
+    """Of `checkpoints` (oldest first), the newest whose weights an update that stepped started from: saved before
+    update streak_start - 1. Skipped updates change no weight, so the streak of skipped updates starting at
+    streak_start started from the weights of update streak_start - 1, which its checkpoint and every later one hold:
+    weights that gave a NaN/inf loss or gradient (an update with a finite loss can blow weights up)."""
+    before = [path for path in checkpoints if checkpoint_update(path) < streak_start - 1]
+    return before[-1] if before else None
+
+
+def remove_old_checkpoints(checkpoints_dir: Path, keep: int, saved: Path | None = None, streak_start: int | None = None) -> list[Path]:
     """Rank 0, after a save: delete all but the newest `keep` intact-looking checkpoints (keep 0 = keep all), and
     the `.tmp` folders of saves that died. Returns the deleted folders. Counted are the complete checkpoints that
     checkpoint_problem finds nothing wrong with, up to the update of `saved` (the save just made, never deleted):
     a damaged checkpoint is neither counted nor deleted (a damaged update_12 beside a new update_2 would
-    otherwise outrank, and so delete, every new save), nor is one of a later update, no part of this run's line."""
+    otherwise outrank, and so delete, every new save), nor is one of a later update, no part of this run's line.
+    `streak_start`: `saved` was made in a streak of skipped updates that began at this update; the last checkpoint
+    from before the weights the streak started from (last_checkpoint_before_streak) is kept besides the newest
+    `keep`, so saves of a run that diverged never rotate its last good checkpoint out."""
     removed = [path for path in checkpoints_dir.glob("update_*.tmp") if path.is_dir()]
     if keep > 0:
-        newest = checkpoint_update(saved) if saved is not None else None
-        counted = [
-            path for path in complete_checkpoints(checkpoints_dir)
-            if (newest is None or checkpoint_update(path) <= newest) and checkpoint_problem(path) is None
-        ]
-        removed += counted[:-keep]
+        counted = intact_checkpoints(checkpoints_dir, checkpoint_update(saved) if saved is not None else None)
+        good = last_checkpoint_before_streak(counted, streak_start) if streak_start is not None else None
+        removed += [path for path in counted[:-keep] if path != good]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed

@@ -23,6 +23,15 @@ def rng_file(checkpoint_dir: Path, rank: int) -> Path:
     return checkpoint_dir / rng_file_name(rank)
 
 
+def seed_global_generators(seed: int) -> None:
+    """Seed torch's (CPU and every GPU), NumPy's and Python's global generators, the ones a checkpoint saves and
+    restore_rng_states restores. The trainer's own draws use generators of their own; this makes a library that
+    draws from the global ones repeat with --set_seed too. NumPy's global generator takes 32 bits."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
 def current_rng_states() -> tuple[dict[str, np.ndarray], str]:
     """This process's torch / CUDA / numpy / Python RNG states, as arrays and a JSON note of the rest."""
     algorithm, numpy_keys, numpy_position, has_gauss, cached_gauss = np.random.get_state()

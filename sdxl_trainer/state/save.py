@@ -30,7 +30,7 @@ from sdxl_trainer.state.rng_states import current_rng_states, rng_file, write_rn
 from sdxl_trainer.state.trainer_state import TrainerState
 
 DISK_FULL_ADVICE = (
-    "Free disk space (a checkpoint takes the UNet's fp32 size x 3 with adamw, x 1.5 with adamw8bit, plus x 1 "
+    "Free disk space (a checkpoint takes the UNet's fp32 size x 3 with adamw or adamw_schedulefree, x 5 with prodigy, x 1.5 with adamw8bit, plus x 1 "
     "with --use_ema: about 16 GB for SDXL with adamw8bit), lower --checkpoints_total_limit, or point --output_dir elsewhere."
 )
 

@@ -11,6 +11,31 @@ from sdxl_trainer.state.checkpoint_layout import FORMAT_VERSION, RESUMABLE_FORMA
 
 
 @dataclass(frozen=True)
+class DatasetIdentity:
+    """The training data as a checkpoint records it: its items, and their order. A data position names items by
+    their place in the data (the items an epoch has trained, those carried into it), so on other items, or the
+    same ones in another order, it means other items."""
+
+    items: int  # in every cache together, held-out ones included
+    fingerprint: str  # SHA-256 of the items' names (cache position, image hash, path) in name order: the same items
+    order: str  # SHA-256 of the same names in the data's order: the same items in the same places
+
+    def changes(self, now: DatasetIdentity) -> str:
+        """What differs between this (the checkpoint's) data and `now`, in words; "" if nothing."""
+        if self.fingerprint != now.fingerprint:
+            if self.items != now.items:
+                return f"{self.items:,} items then, {now.items:,} now"
+            return f"{self.items:,} items then and now, but not the same ones (or the caches are listed in another order)"
+        if self.order != now.order:
+            return f"the same {self.items:,} items, in another order (a cache's manifest was written anew)"
+        return ""
+
+    def as_fields(self) -> dict[str, int | str]:
+        """As TrainerState's fields."""
+        return {"dataset_items": self.items, "dataset_fingerprint": self.fingerprint, "dataset_order": self.order}
+
+
+@dataclass(frozen=True)
 class TrainerState:
     """trainer_state.json: the run's counters and the facts a resume checks. Read strictly: an extra or
     mistyped field, or a missing one, is a damaged checkpoint; only a field added after FORMAT_VERSION 2
@@ -34,7 +59,16 @@ class TrainerState:
     frozen_text_encoder: str = ""  # the one of them kept frozen by a learning rate of 0 ("text_encoder" / "text_encoder_2"), "" if none
     weights_dtype: str = "fp32"  # of the trained weights (--weights_dtype)
     frozen_unet_blocks: str = ""  # the UNet blocks kept frozen by --block_lr 0, comma-separated ("" if none)
+    # The data the run trained on (DatasetIdentity); 0 and "" in a checkpoint saved before they were recorded.
+    dataset_items: int = 0
+    dataset_fingerprint: str = ""
+    dataset_order: str = ""
     format_version: int = FORMAT_VERSION
+
+    @property
+    def dataset(self) -> DatasetIdentity | None:
+        """The data the checkpoint's run trained on; None for a checkpoint saved before it was recorded."""
+        return DatasetIdentity(self.dataset_items, self.dataset_fingerprint, self.dataset_order) if self.dataset_fingerprint else None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"

@@ -8,8 +8,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from sdxl_trainer.cache.format import CacheLocation
+from sdxl_trainer.cache.stores import cache_identity
 from sdxl_trainer.config import option
 from sdxl_trainer.training.dataset import DatasetOptions
+from sdxl_trainer.training.epochs import MAX_EPOCHS
 from sdxl_trainer.training.holdout import SplitSettings
 
 
@@ -110,13 +112,35 @@ class DataOptions:
         sources = [record.validation_source_dir is not None for record in self.datasets]
         if any(sources) and not all(sources):
             problems.append("[[datasets]]: give validation_source_dir for every cache or for none (FID and LPIPS compare with all real images or all decoded latents)")
+        problems += self._repeated_caches()
         for name in ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1")
+        if self.num_train_epochs > MAX_EPOCHS:
+            problems.append(f"--num_train_epochs {self.num_train_epochs:,} is more than the {MAX_EPOCHS:,} epochs a run plans: lower it")
         if self.max_train_updates < 0:
             problems.append("--max_train_updates must be >= 0 (0 = --num_train_epochs decides)")
         if self.dataloader_num_workers < 0:
             problems.append(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+        return problems
+
+    def _repeated_caches(self) -> list[str]:
+        """One cache named twice (the same path, with a trailing /, through a symlink, or an s3:// URL written
+        another way) would be two datasets of the same items: the validation split would hold an item out under
+        one and train it under the other."""
+        problems: list[str] = []
+        first: dict[str, str] = {}  # cache identity -> the entry that named it first
+        entry = "[[datasets]] number" if self.datasets else "--cached_dataset_dirs entry"
+        for number, record in enumerate(self.dataset_records(), start=1):
+            identity = cache_identity(record.cache_dir)
+            if identity not in first:
+                first[identity] = f"{entry} {number} ({record.cache_dir})"
+                continue
+            problems.append(
+                f"{entry} {number} ({record.cache_dir}) names the same cache as {first[identity]}: {identity}. Give each cache once "
+                "(its validation items would be held out under one and trained under the other); for its items more often, "
+                f"{'repeats = N in its table' if self.datasets else '--dataset_repeats'}"
+            )
         return problems
 
 

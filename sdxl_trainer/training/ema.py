@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -20,6 +20,10 @@ from torch.distributed.tensor import DTensor
 from sdxl_trainer.config import option
 from sdxl_trainer.distributed.fsdp import parameter_names, reshard_units
 from sdxl_trainer.distributed.local_shard import local_shard
+from sdxl_trainer.optimizers.shards import runs_of_at_most
+
+# Values whose evaluation weights are made at once (fp32 temporaries of 64 MB), with evaluation_weights.
+EVALUATION_RUN_VALUES = 1 << 24
 
 
 @dataclass(kw_only=True)
@@ -51,8 +55,13 @@ class ShardedEMA:
     update, or when the average is read, by which time the copies are long done: the host never waits for
     the update to finish, where a blocking copy of every shard would have made it wait at every update."""
 
-    def __init__(self, model: nn.Module, decay: float, on_cpu: bool):
+    def __init__(self, model: nn.Module, decay: float, on_cpu: bool,
+                 evaluation_weights: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None):
+        """evaluation_weights: the weights to average, as fp32 local shards of the given parameters, where they are
+        not the parameters' own (schedule-free AdamW's averaged x: optimizers/build.evaluation_weights_of); None:
+        the parameters' weights."""
         self.decay = decay
+        self.evaluation_weights = evaluation_weights
         self.updates = 0
         self.on_cpu = on_cpu
         self.names = parameter_names(model)  # as the state dict names them (no checkpoint-wrapper prefix)
@@ -61,8 +70,10 @@ class ShardedEMA:
         device = torch.device("cpu") if on_cpu else None
         self.shadow = [local_shard(parameter).detach().to(device=device, dtype=torch.float32, copy=True) for parameter in self.parameters]
         pinned = on_cpu and torch.cuda.is_available()
-        # with on_cpu: the last update's weights and verdict on the host, not averaged in yet (_average_staged)
-        self._staged = [torch.empty_like(local_shard(parameter), device="cpu", pin_memory=pinned) for parameter in self.parameters] if on_cpu else []
+        # with on_cpu: the last update's weights and verdict on the host, not averaged in yet (_average_staged);
+        # evaluation weights are fp32 whatever the parameters' dtype
+        staged_dtype = torch.float32 if evaluation_weights is not None else None
+        self._staged = [torch.empty_like(local_shard(parameter), dtype=staged_dtype, device="cpu", pin_memory=pinned) for parameter in self.parameters] if on_cpu else []
         self._staged_verdict = torch.ones((), dtype=torch.bool, pin_memory=pinned)
         self._staged_weight_of_new: float | None = None  # None: nothing staged
         self._staged_copied = None  # a CUDA event after the copies, on a GPU machine
@@ -87,16 +98,35 @@ class ShardedEMA:
             self._average_staged()
             self._stage(weight_of_new, finite)
             return
-        current = [local_shard(parameter).detach().float() for parameter in self.parameters]
+        if self.evaluation_weights is not None:
+            for run in self._runs():
+                self._average_in([self.shadow[index] for index in run], self.evaluation_weights([self.parameters[index] for index in run]),
+                                 weight_of_new, finite)
+            return
+        self._average_in(self.shadow, [local_shard(parameter).detach().float() for parameter in self.parameters], weight_of_new, finite)
+
+    @staticmethod
+    def _average_in(shadow: list[torch.Tensor], current: list[torch.Tensor], weight_of_new: float, finite: torch.Tensor | None) -> None:
         if finite is None:
-            torch._foreach_lerp_(self.shadow, current, weight_of_new)
+            torch._foreach_lerp_(shadow, current, weight_of_new)
         else:
             # The same fp32 weight as the scalar's where finite, 0 (the average unchanged) where not.
-            torch._foreach_lerp_(self.shadow, current, finite.to(torch.float32) * weight_of_new)
+            torch._foreach_lerp_(shadow, current, finite.to(torch.float32) * weight_of_new)
+
+    def _runs(self) -> Iterator[list[int]]:
+        """The parameters' indices in runs whose evaluation weights are made at once: they are new fp32 tensors,
+        so all of them at once would be a whole fp32 copy of this rank's shards beside the average."""
+        indices = list(range(len(self.parameters)))
+        yield from runs_of_at_most(indices, [local_shard(parameter).numel() for parameter in self.parameters], EVALUATION_RUN_VALUES)
 
     def _stage(self, weight_of_new: float, finite: torch.Tensor | None) -> None:
         """This update's weights and verdict copied to the host, queued behind the update (non-blocking)."""
-        torch._foreach_copy_(self._staged, [local_shard(parameter).detach() for parameter in self.parameters], non_blocking=True)
+        if self.evaluation_weights is None:
+            torch._foreach_copy_(self._staged, [local_shard(parameter).detach() for parameter in self.parameters], non_blocking=True)
+        else:
+            for run in self._runs():
+                torch._foreach_copy_([self._staged[index] for index in run], self.evaluation_weights([self.parameters[index] for index in run]),
+                                     non_blocking=True)
         if finite is None:
             self._staged_verdict.fill_(True)
         else:

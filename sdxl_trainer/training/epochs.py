@@ -181,6 +181,43 @@ class EpochPlanner:
         return self.plan(epoch, carried_in, exclude=consumed)
 
 
+# What a run's plan holds. Every rank plans each epoch whole: the plan keeps one int64 a sample, and planning makes
+# several temporaries of the same length, so this many samples take several GB of every rank's memory for a moment.
+MAX_EPOCH_SAMPLES = 2**27
+# The run's epochs are counted up front, one number each (EpochPlanner.updates_per_epoch).
+MAX_EPOCHS = 1_000_000
+
+
+def too_many_samples(items_per_cache: np.ndarray, repeats: list[float] | None) -> str:
+    """Why an epoch of these caches (items, and repeats per cache) holds more samples than a plan can: "" if it
+    does not. Checked before anything is planned, which would otherwise grow every rank's memory without a word."""
+    repeats = repeats or [1.0] * len(items_per_cache)
+    per_cache = [math.ceil(int(items) * repeat) for items, repeat in zip(items_per_cache, repeats)]
+    if sum(per_cache) <= MAX_EPOCH_SAMPLES:
+        return ""
+    largest = int(np.argmax(per_cache))
+    return (
+        f"an epoch would hold {sum(per_cache):,} samples, more than the {MAX_EPOCH_SAMPLES:,} a plan holds (every rank plans each epoch "
+        f"whole); the largest part is cache number {largest + 1}: {int(items_per_cache[largest]):,} items x repeats {repeats[largest]:g}. "
+        "Lower its repeats (repeats in its [[datasets]] table, or --dataset_repeats), or train fewer items an epoch"
+    )
+
+
+def too_many_epochs(max_updates: int, bucket_items: dict[str, int], global_batch_size: int, accumulation_steps: int) -> str:
+    """Why --max_train_updates would take more epochs than MAX_EPOCHS at the first epoch's updates (`bucket_items`:
+    its samples per bucket); "" if not (0: off). --num_train_epochs is checked with the flags (DataOptions)."""
+    if not max_updates:
+        return ""
+    per_epoch = math.ceil(sum(count // global_batch_size for count in bucket_items.values()) / accumulation_steps)
+    epochs = math.ceil(max_updates / max(per_epoch, 1))
+    if epochs <= MAX_EPOCHS:
+        return ""
+    return (
+        f"--max_train_updates {max_updates:,} takes {epochs:,} epochs of {per_epoch:,} updates, more than the {MAX_EPOCHS:,} epochs a "
+        "run plans: lower --max_train_updates"
+    )
+
+
 def bucket_counts(bucket_sizes: np.ndarray, bucket_ids: np.ndarray, items: np.ndarray) -> dict[str, int]:
     """How many of `items` each bucket (as "WxH") holds."""
     _, first, counts = np.unique(bucket_ids[items], return_index=True, return_counts=True)

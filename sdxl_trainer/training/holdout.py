@@ -93,6 +93,7 @@ class ItemKeys(Sequence[str]):
 
     def __init__(self, cache_index: np.ndarray, digests: pa.Array | pa.ChunkedArray, paths: pa.Array | pa.ChunkedArray):
         self.cache_index, self.digests, self.paths = np.asarray(cache_index), digests, paths
+        self._fingerprints: dict[bool, str] = {}  # fingerprint(in_place), made once
 
     @classmethod
     def of(cls, names: ItemKeys | Sequence[str]) -> ItemKeys:
@@ -121,15 +122,20 @@ class ItemKeys(Sequence[str]):
         columns = pa.table({"cache": pa.array(as_text[position].astype(np.int32)), "digest": self.digests, "path": self.paths})
         return pc.sort_indices(columns, sort_keys=[("cache", "ascending"), ("digest", "ascending"), ("path", "ascending")]).to_numpy().astype(np.int64)
 
-    def fingerprint(self) -> str:
-        """SHA-256 of every name and a newline, in name order: the same for the same items in any manifest order."""
+    def fingerprint(self, in_place: bool = False) -> str:
+        """SHA-256 of every name and a newline, in name order: the same for the same items in any manifest order;
+        with `in_place`, in the data's order: the same only for the same items in the same places."""
+        if in_place in self._fingerprints:
+            return self._fingerprints[in_place]
         digest = hashlib.sha256()
+        rows = np.arange(len(self), dtype=np.int64) if in_place else self.order
         for start in range(0, len(self), self.FINGERPRINT_ROWS):
-            chosen = self.order[start:start + self.FINGERPRINT_ROWS]
+            chosen = rows[start:start + self.FINGERPRINT_ROWS]
             columns = (pa.array(self.cache_index[chosen]).cast(pa.string()), hex_text(self.digests.take(chosen)), self.paths.take(chosen))
             names = pc.binary_join_element_wise(*(column.cast(pa.large_string()) for column in columns), pa.scalar("/", pa.large_string()))
             digest.update("".join(f"{name}\n" for name in names.to_pylist()).encode("utf-8"))
-        return digest.hexdigest()
+        self._fingerprints[in_place] = digest.hexdigest()
+        return self._fingerprints[in_place]
 
     def find(self, names: list[str]) -> np.ndarray:
         """The sorted indices of the items named in `names` (a name found nowhere adds none)."""

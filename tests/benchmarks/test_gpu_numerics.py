@@ -26,3 +26,19 @@ def test_numerics_compare_each_precision_with_fp32(tmp_path):
     # bf16 weights move by whole bf16 steps (stochastic rounding), far from fp32's small update per weight.
     assert rows["bf16 weights"]["weight_change_error"] > rows["bf16"]["weight_change_error"]
     assert "largest loss difference" in result.stdout
+
+
+@pytest.mark.multiprocess
+def test_a_bf16_gradient_reduction_drifts_less_than_bf16_compute(tmp_path):
+    """--reduce_dtype bf16 on 2 processes, each training its own items: the reduce-scatter rounds the summed
+    gradients to bf16, which moves the update a little from bf16 compute's with fp32 reduction, and less than
+    bf16 compute moves it from fp32's. The losses stay as close to fp32's as bf16's are."""
+    output = tmp_path / "numerics.json"
+    run_processes(2, REPO_ROOT / "benchmarks" / "gpu_numerics.py",
+                  ["--model", "tiny", "--resolution", "32", "--updates", "4", "--optimizer", "adamw", "--output", str(output)], timeout=600)  # fmt: skip
+    rows = {row["precision"]: row for row in json.loads(output.read_text())["rows"]}
+    assert list(rows) == ["fp32", "bf16", "bf16 weights", "bf16 reduce"]
+    reduced, computed = rows["bf16 reduce"], rows["bf16"]
+    assert 0 < reduced["weight_change_error_vs_bf16"] < computed["weight_change_error"] / 4, (reduced, computed)
+    assert reduced["weight_change_error"] == pytest.approx(computed["weight_change_error"], rel=0.1)
+    assert reduced["max_loss_difference"] < 0.01

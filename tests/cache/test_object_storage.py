@@ -167,8 +167,11 @@ def test_missing_credentials_get_a_message_that_names_the_fix(s3, s3_sample_cach
     with pytest.raises(CacheError, match=rf"reading {s3_sample_cache}/{CACHE_INFO_FILE} failed: no credentials found.*AWS_ACCESS_KEY_ID"):
         read_cache_info(s3_sample_cache)
     capsys.readouterr()
-    assert cache_to(f"s3://{BUCKET}/without_credentials", tiny_pipeline_dir) == 2
-    assert "refused: writing s3://caches/without_credentials/locks/w0000of0001.lock failed: no credentials found" in capsys.readouterr().out
+    # the cache folder's check (a non-empty folder without cache_info.json is refused) meets the missing credentials first
+    with pytest.raises(SystemExit) as refused:
+        cache_to(f"s3://{BUCKET}/without_credentials", tiny_pipeline_dir)
+    assert refused.value.code == 2
+    assert "checking s3://caches/without_credentials/cache_info.json failed: no credentials found" in capsys.readouterr().err
 
 
 def test_one_process_per_worker_holds_a_lease_and_a_stale_one_is_taken_over(s3):
@@ -186,6 +189,29 @@ def test_one_process_per_worker_holds_a_lease_and_a_stale_one_is_taken_over(s3):
     taken = WorkerLock(url, "w0")
     assert json.loads(store.read_bytes("locks/w0.lock"))["holder"] != "process 1 on a killed machine"
     taken.release()
+
+
+def test_a_prefix_holding_other_objects_and_no_cache_info_is_refused_as_a_cache_dir(s3, tmp_path, capsys):
+    """As a folder (test_process_data_dir.py): the user's objects under the prefix are never written over or moved
+    to damaged/; a prefix holding only a worker's lease is a first run stopped before cache_info.json."""
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.cache_config import CacheConfig
+
+    argv = ["--data_dir", str(SAMPLE_DATASET), *SAMPLE_RESOLUTION_FLAGS, "--cache_dir"]
+    store = open_store(f"s3://{BUCKET}/my_files")
+    for name in ("manifest/inventory.parquet", "model_index.json"):
+        staged = store.staging_path(name)
+        staged.write_text("the user's")
+        store.publish(staged, name)
+    with pytest.raises(SystemExit):
+        parse_config(CacheConfig, [*argv, store.url])
+    assert (
+        f"--cache_dir {store.url} is not empty but holds no {CACHE_INFO_FILE}, so it is no cache (it holds manifest, model_index.json)"
+    ) in capsys.readouterr().err
+    started = f"s3://{BUCKET}/started"
+    lease = WorkerLock(started, "w0000of0001")  # as a killed first run leaves it
+    assert parse_config(CacheConfig, [*argv, started]).cache_dir == started
+    lease.release()
 
 
 def steal(store, name: str, holder: str = "process 1 on another machine") -> None:

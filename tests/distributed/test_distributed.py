@@ -11,7 +11,7 @@ import math
 import shutil
 
 import pytest
-from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars
+from conftest import REPO_ROOT, SAMPLE_RESOLUTION_FLAGS, run_processes, scalars, train_sample_run, trainer_flags
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiprocess
@@ -51,6 +51,22 @@ def test_learning_rate_depends_only_on_updates(runs_on_one_and_two_processes):
     assert all(later < earlier for earlier, later in zip(one[warmup:], one[warmup + 1:]))
 
 
+def test_set_seed_seeds_the_global_generators_of_every_rank(runs_on_one_and_two_processes, sample_cache_dir, tiny_pipeline_dir, tmp_path):
+    """The trainer's own draws use generators of their own, but Python's and NumPy's global ones were seeded by the
+    OS, so a library drawing from them did not repeat with --set_seed. Two runs with the same seed now end with the
+    same torch, NumPy and Python global states on each rank (as their checkpoints record them), and the ranks'
+    states differ from each other."""
+    from sdxl_trainer.state.checkpoints_folder import find_latest_checkpoint
+    from sdxl_trainer.state.rng_states import rng_file
+
+    train_sample_run(2, 1, sample_cache_dir, tiny_pipeline_dir, tmp_path)  # the reference run's flags, --set_seed 7
+    first, again = (find_latest_checkpoint(run / "checkpoints")[0] for run in (runs_on_one_and_two_processes[2], tmp_path / "run"))
+    assert first.name == again.name
+    for rank in range(2):
+        assert rng_file(first, rank).read_bytes() == rng_file(again, rank).read_bytes(), f"rank {rank}'s generators differ between the runs"
+    assert rng_file(again, 0).read_bytes() != rng_file(again, 1).read_bytes()
+
+
 # (--log_every_n_updates, the update the run stops at, its skipped updates, train/skipped_updates as logged): the
 # skips are counted on the device and read when the scalars are written, so the stop waits for that read.
 STOP_AFTER_SKIPS = [(1, 3, 2, [0, 1, 2]), (2, 4, 3, [1, 3])]
@@ -82,10 +98,38 @@ def test_updates_that_keep_failing_stop_the_run_after_saving_state(tmp_path, sam
     assert result.returncode != 0
     assert f"Stopped at update {stop_update}: the last {skipped} updates all had a NaN/inf loss or gradient" in result.stderr
     assert all(f"Warning: update {update} skipped: loss nan" in result.stdout + result.stderr for update in range(2, stop_update + 1))
-    assert "Lower --learning_rate" in result.stderr
+    # lr 1e30 from the first update: no checkpoint holds weights from before it
+    assert f"No checkpoint from before update 1 is in {tmp_path / 'run' / 'checkpoints'}" in result.stderr
+    assert "start again from the base model with a lower --learning_rate" in result.stderr
     checkpoint = tmp_path / "run" / "checkpoints" / f"update_{stop_update:08d}"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert (state["update"], state["skipped_updates"], state["consecutive_skipped_updates"]) == (stop_update, skipped, skipped)
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
     assert scalars(tmp_path / "run", "train/skipped_updates") == logged
     assert not (tmp_path / "run" / "pipeline").exists()
+
+
+def test_a_run_that_diverges_keeps_its_last_good_checkpoint_and_names_it(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    """A finite update can blow the weights up; the updates after it are skipped (NaN) and change nothing, so every
+    checkpoint from that update on holds the weights that fail. Reproduced: warm-up makes update 1's rate 0 (its
+    checkpoint holds sane weights) and update 2's 5e29, which has a finite loss; 3 and 4 are skipped and the run
+    stops. With --checkpoints_total_limit 2 the saves of updates 3 and 4 rotated the sane checkpoint out, and the
+    stop named update_4, whose weights are the broken ones, printed before the save line it refers to (stdout was
+    still buffered when the stop went to stderr). Now the checkpoints saved in the streak never count against the
+    last one from before the update it started from, which the stop names."""
+    flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "diverging", "--optimizer", "adamw", "--learning_rate", "1e30",
+                          "--learning_rate_scheduler", "constant_with_warmup", "--percent_lr_warm_up_steps", "0.01", "--max_consecutive_skipped_updates", "2",
+                          "--save_state_every_n_updates", "1", "--checkpoints_total_limit", "2")
+    result = run_processes(2, REPO_ROOT / "sdxl_FSDP_train.py", flags, expect_success=False, merge_output=True)
+    output = result.stdout
+    assert result.returncode == 1, output[-3000:]
+    checkpoints = tmp_path / "diverging" / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["update_00000001", "update_00000003", "update_00000004"]
+    assert [json.loads((checkpoints / name / "trainer_state.json").read_text())["consecutive_skipped_updates"]
+            for name in ("update_00000001", "update_00000003", "update_00000004")] == [0, 1, 2]
+    stop = output[output.index("Stopped at update 4"):].strip()
+    assert stop.startswith("Stopped at update 4: the last 2 updates all had a NaN/inf loss or gradient and were skipped, so the weights are "
+                           "still those of update 2, which they all started from.")
+    assert f"Resume from {checkpoints / 'update_00000001'}, the last checkpoint from before update 2, with a lower --learning_rate" in stop
+    assert f"The state at the stop is in {checkpoints / 'update_00000004'} (its weights are the ones that failed)." in stop
+    assert output.index(f"Saved state to {checkpoints / 'update_00000004'}") < output.index("Stopped at update 4")

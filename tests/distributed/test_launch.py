@@ -280,15 +280,17 @@ def test_importing_the_trainer_prints_nothing_and_leaves_the_image_metric_librar
     assert result.stdout == "[]\n"
 
 
-def test_a_stop_signal_is_announced_by_one_rank_only(capsys):
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_is_announced_by_one_rank_only(capsys, stop_signal):
+    """SIGINT (Ctrl-C) is announced as SIGTERM (a cluster's stop) is, and stops the same way."""
     for announce in (True, False):
         stop = StopRequest(announce=announce)
         try:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), stop_signal)
         finally:
             stop.restore_handlers()
-        assert stop.signal_name == "SIGTERM"
-        assert capsys.readouterr().out.count("SIGTERM received: finishing the current update") == (1 if announce else 0)
+        assert stop.signal_name == stop_signal.name
+        assert capsys.readouterr().out.count(f"{stop_signal.name} received: finishing the current update") == (1 if announce else 0)
 
 
 def test_objects_alive_after_the_imports_are_left_out_of_later_garbage_collections():
@@ -321,3 +323,39 @@ def test_objects_alive_after_the_imports_are_left_out_of_later_garbage_collectio
         assert made_after() is None
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_without_a_word_leaves_one_short_line_from_the_other_and_its_traceback_in_train_log(tmp_path):
+    """kill -9 of one rank (the kernel's out-of-memory killer does the same) fails the other rank's next collective:
+    it printed 'The whole job is stopping after this error:' and a traceback of some 70 lines above the launcher's
+    line naming the killed rank, the one that matters. Now the surviving rank says in one line what happened and
+    where its traceback is (train.log, on rank 0), and nothing else comes between it and the launcher's line."""
+    from conftest import run_processes
+
+    result = run_processes(2, REPO_ROOT / "tests" / "support" / "watchdog_worker.py", ["killed", str(tmp_path)], expect_success=False, merge_output=True)
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert result.returncode == 1
+    assert lines[-1].startswith("Rank 1 (process ") and "was ended by SIGKILL without a message of its own" in lines[-1], lines
+    assert lines[-2].startswith("[rank 0] The whole job is stopping (exit code 1): a collective with the other ranks failed ("), lines
+    assert lines[-2].endswith("so another rank has probably ended without a message of its own (the launcher names it; SIGKILL is often "
+                              f"the out-of-memory killer); its traceback is in {tmp_path / 'train.log'}."), lines
+    # Before them only what the launcher's SIGTERM (sent once the killed rank was gone) made the stop request say.
+    assert all(line.startswith("SIGTERM received") for line in lines[:-2]) and "Traceback" not in result.stdout, lines
+    log = (tmp_path / "train.log").read_text()
+    assert "[rank 0] The traceback of the failed collective (the line after it says why):\nTraceback (most recent call last)" in log
+    assert "all_reduce" in log and log.rstrip().endswith(lines[-2])
+    assert "a collective with the other ranks failed (Connection closed by peer [127.0.0.1]:" in lines[-2]
+
+
+@pytest.mark.multiprocess
+def test_a_stop_every_rank_reaches_comes_after_what_the_ranks_printed_before_it(tmp_path):
+    """The stop for skipped updates said which checkpoint to resume from above the line that said it was saved: the
+    rank that printed the stop did not wait for the other rank's buffered stdout. Every rank's output is out before
+    the stop message, whichever rank prints it."""
+    from conftest import run_processes
+
+    result = run_processes(2, REPO_ROOT / "tests" / "support" / "watchdog_worker.py", ["stop", str(tmp_path)], expect_success=False, merge_output=True)
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert result.returncode == 1
+    assert lines == ["Saved state to the checkpoint the stop names.", "Stopped: resume from the checkpoint named above."], lines

@@ -122,7 +122,7 @@ FIGURE = re.compile(
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 # How a figure in a unit may be written in a results file: the number times one of these (1 where not listed).
 SCALES = {"ms": (1, 1000), "us": (1, 1e6), "µs": (1, 1e6), "s": (1, 0.001), "seconds": (1, 0.001), "min": (1, 1 / 60),
-          "minutes": (1, 1 / 60), "%": (1, 100), "MiB": (1, 1024), "GiB": (1, 1 / 1024), "TFLOP/s": (1, 1e-12)}
+          "minutes": (1, 1 / 60), "%": (1, 100), "MiB": (1, 1024), "GiB": (1, 1 / 1024), "GB": (1, 1e-9), "TFLOP/s": (1, 1e-12)}
 # A GPU's or a machine's memory as sold ("one 24 GB card", "8 x 80 GB", "16/24/48/80 GB cards", "capped at
 # 24 GiB"): hardware named, not measured.
 CARD_SIZE = re.compile(r"\b\d+ x \d+ GB\b|\b(?:\d+/)*\d+ GB (?:cards?|GPUs?|machines?)\b|\bcapped at \d+ GiB\b")
@@ -353,8 +353,8 @@ STATED: dict[str, list[str]] = {
         # arithmetic from the encoders' and the UNet's parameter counts; FLOP counted (design.md §10)
         "every GPU: 1.6 GB in bf16", "forward is 0.44% of the", "about 8.2 GB more over all GPUs with adamw8bit (4.1 GB each on 2)",
         "4.8 GiB each instead of 9.6",
-        # each optimizer's state for SDXL's UNet, made by the optimizers' own code (tests/optimizers/test_optimizers.py)
-        "| 5.2 GB |", "| 20.5 GB |", "| 0.02 GB |", "| 10.3 GB |",
+        # each optimizer's state for the full-size UNet, made by the optimizers' own code (tests/optimizers/test_optimizers.py)
+        "4.86 GiB", "19.13 GiB", "0.02 GiB", "9.56 GiB", "9.59 GiB", "38.26 GiB",
     ],
     "docs/troubleshooting.md": ["wait up to 30 s", "about 7 GB more for a pipeline copy"],  # a limit; arithmetic
     "docs/validation.md": ["(about 7 GB in bf16)", "10% + 10% holds out 10%, not 20%", "always downloads 3.9 GB"],

@@ -129,6 +129,49 @@ def test_missing_required(capsys):
     assert "missing required options: --data_dir" in err
 
 
+def test_a_flag_given_twice_with_another_value_is_warned_about_and_the_last_value_taken(capsys):
+    """Last wins, as argparse users expect (a launch script's flags followed by "$@" are overridden that way),
+    but never silently: the warning names the flag and both values."""
+    config = parse(["--data_dir", "d", "--steps", "3", "--shuffle", "--extra_dirs", "a", "--steps", "5", "--no-shuffle", "--extra_dirs", "a", "b"])
+    assert config.steps == 5 and config.shuffle is False and config.extra_dirs == [Path("a"), Path("b")]
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: --steps is given twice (3, then 5): using the last, 5",
+        "warning: --shuffle is given twice (--shuffle, then --no-shuffle): using the last, --no-shuffle",
+        "warning: --extra_dirs is given twice (a, then a b): using the last, a b",
+    ]
+    assert parse(["--data_dir", "d", "--steps", "3", "--steps", "3"]).steps == 3  # the same value twice: nothing to choose between
+    assert capsys.readouterr().err == ""
+
+
+def test_a_path_flag_refuses_a_url_instead_of_making_a_local_folder_of_it(tmp_path, capsys, monkeypatch):
+    """Path("s3://bucket/x") is the local path s3:/bucket/x: a flag that takes a file or folder refuses a URL,
+    from the command line and from a TOML file, naming the flag; the trainer's --output_dir says what to do."""
+    from sdxl_trainer.jobs.train_config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    err = parse_error(capsys, ["--data_dir", "s3://bucket/data"])
+    assert err.endswith("error: argument --data_dir: s3://bucket/data is a URL: this flag takes a local path\n")
+    err = parse_error(capsys, ["--data_dir", "d", "--extra_dirs", "a", "gs://bucket/b"])
+    assert err.endswith("error: argument --extra_dirs: gs://bucket/b is a URL: this flag takes a local path\n")
+    err = parse_error(capsys, ["--config", str(toml_file(tmp_path, 'data_dir = "s3://bucket/data"\n'))])
+    assert err.endswith("data_dir = 's3://bucket/data' is a URL: this flag takes a local path\n")
+    with pytest.raises(SystemExit) as refused:
+        parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--output_dir", "s3://bucket/runs"])
+    assert refused.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].endswith(
+        "error: argument --output_dir: s3://bucket/runs: run folders in object storage are not supported yet (checkpoints, exports and "
+        "logs are written as files); give a local --output_dir and copy the run folder to the bucket (aws s3 sync, rclone; docs/object_storage.md)"
+    )
+    assert list(tmp_path.iterdir()) == [tmp_path / "config.toml"]  # no s3: folder
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--load_saved_state", "s3://bucket/runs/run/checkpoints/update_00000010"])
+    assert (
+        "--load_saved_state s3://bucket/runs/run/checkpoints/update_00000010: checkpoints in object storage are not read; copy the "
+        "run folder to a local one (aws s3 sync, rclone) and resume from there (docs/object_storage.md)"
+    ) in capsys.readouterr().err
+
+
 def test_required_given_by_toml_only(tmp_path):
     assert parse(["--config", str(toml_file(tmp_path, 'data_dir = "d"\n'))]).data_dir == Path("d")
 
@@ -414,6 +457,15 @@ def test_a_run_without_a_seed_records_the_one_it_drew(tmp_path, sample_cache_dir
     assert isinstance(recorded, int) and recorded == state.seed
 
 
+def test_a_seed_the_generators_cannot_take_is_refused(train_config_class, capsys):
+    """--set_seed -1 was accepted, and the run ended in NumPy's "expected non-negative integer" traceback when it
+    chose its validation split."""
+    for seed in ("-1", str(2**63)):
+        lines = error_lines(capsys, train_config_class, ["--cached_dataset_dirs", "c", "--set_seed", seed])
+        assert f"--set_seed must be from 0 to 2^63-1 (the data order's generators take no negative seed), got {seed}" in lines[-1]
+    assert parse_config(train_config_class, ["--cached_dataset_dirs", "c", "--set_seed", str(2**63 - 1)]).set_seed == 2**63 - 1
+
+
 def test_a_quiet_rank_leaves_the_first_rank_time_to_name_a_bad_flag_then_names_it_itself(monkeypatch, capsys):
     """torchrun stops every rank at the first failure: a quiet rank that exited at once could stop the first
     rank before it printed, leaving a bad flag with no message on screen."""
@@ -613,3 +665,69 @@ def test_help_starts_with_what_the_script_does_and_its_common_options(config_fix
     assert all(len(line) <= 120 for line in head)
     reference = lines.index("options:")
     assert reference > start and "  -h, --help" in lines[reference + 1]
+
+
+# --- finite numbers --------------------------------------------------------------------------------------------
+
+
+def float_options(config_class) -> dict[str, bool]:
+    """Every float and list-of-float option of a script's config, and whether it is a list (a [[datasets]] record's
+    are checked below)."""
+    import typing
+
+    from sdxl_trainer.config import _unwrap_optional
+
+    hints = typing.get_type_hints(config_class)
+    found = {}
+    for field in dataclasses.fields(config_class):
+        base, _ = _unwrap_optional(hints[field.name])
+        if base is float or (typing.get_origin(base) is list and typing.get_args(base)[0] is float):
+            found[field.name] = base is not float
+    return found
+
+
+def script_configs():
+    from sdxl_trainer.jobs.cache_config import CacheConfig
+    from sdxl_trainer.jobs.convert_config import ConvertConfig
+    from sdxl_trainer.jobs.extract_config import ExtractConfig
+    from sdxl_trainer.jobs.train_config import TrainConfig
+
+    return [TrainConfig, CacheConfig, ExtractConfig, ConvertConfig]
+
+
+def test_a_rate_or_weight_of_infinity_or_nan_is_refused_on_the_command_line_and_in_toml(tmp_path, capsys):
+    """`--learning_rate inf` trained (nan and -1 were refused by its range check, inf passed `> 0`) and the run
+    exported a UNet of non-finite values. Every float option refuses infinity and NaN as the parser reads it, on
+    the command line and in a TOML file (whose `inf` and `nan` are numbers too), list items and [[datasets]] keys
+    included."""
+    train_config = script_configs()[0]
+    for value in ("inf", "-inf", "nan", "NaN", "1e999", "infinity"):
+        [line] = error_lines(capsys, train_config, [f"--learning_rate={value}"])
+        assert line.endswith(f"error: argument --learning_rate: {value} is not a finite number"), line
+    [line] = error_lines(capsys, train_config, ["--dataset_loss_weights", "1", "nan"])
+    assert line.endswith("error: argument --dataset_loss_weights: nan is not a finite number"), line
+    for text, expected in (("learning_rate = inf", "learning_rate = inf is not a finite number"),
+                           ("dataset_repeats = [1, nan]", "dataset_repeats = [1, nan]: nan is not a finite number")):
+        [line] = error_lines(capsys, train_config, ["--config", str(toml_file(tmp_path, text + "\n"))])
+        assert line.endswith(expected), line
+    for key in ("repeats", "loss_weight", "caption_tag_dropout_rate"):
+        toml = toml_file(tmp_path, f'[[datasets]]\ncache_dir = "a"\n{key} = -inf\n')
+        [line] = error_lines(capsys, train_config, ["--config", str(toml)])
+        assert line.endswith(f"[[datasets]] number 1: {key} = -inf is not a finite number"), line
+
+
+@pytest.mark.slow  # some 80 parses of the scripts' full configs
+def test_every_float_option_of_every_script_refuses_infinity(tmp_path, capsys):
+    """The same for every float option of the four scripts, found from their configs' types: none is left out."""
+    checked = 0
+    for config_class in script_configs():
+        options = float_options(config_class)
+        assert config_class.__name__ == "ConvertConfig" or options, config_class
+        for name, is_list in options.items():
+            [line] = error_lines(capsys, config_class, [f"--{name}=inf"])
+            assert line.endswith(f"error: argument --{name}: inf is not a finite number"), line
+            toml = toml_file(tmp_path, f"{name} = {'[1.0, inf]' if is_list else 'nan'}\n")
+            [line] = error_lines(capsys, config_class, ["--config", str(toml)])
+            assert f"{name} = " in line and "is not a finite number" in line, line
+            checked += 1
+    assert checked >= 30  # the trainer's rates, weights, shares and scales, the caching script's scores, the extractor's threshold

@@ -272,6 +272,38 @@ def test_dry_run_prints_histogram_and_writes_nothing(tmp_path, capsys):
 
 
 
+def test_a_cache_dir_that_holds_other_files_and_no_cache_info_is_refused_before_any_work(tmp_path, tiny_pipeline_dir, capsys):
+    """--cache_dir pointing at a model folder or the user's own files: the cache wrote into it and moved the
+    user's manifest/*.parquet to damaged/ as unreadable manifest parts. Refused now, untouched. A folder holding
+    only what a first run killed before writing cache_info.json leaves (its worker's lock) is a cache in the making."""
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.cache_config import CacheConfig
+
+    data_dir = make_dataset(tmp_path / "data", 1)
+    mine = tmp_path / "my_files"
+    (mine / MANIFEST_DIR).mkdir(parents=True)
+    (mine / MANIFEST_DIR / "inventory.parquet").write_bytes(b"the user's table")
+    (mine / "model_index.json").write_text("{}")
+    before = sorted((path.relative_to(mine), path.read_bytes() if path.is_file() else None) for path in mine.rglob("*"))
+    with pytest.raises(SystemExit) as refused:
+        run_cache(data_dir, mine, tiny_pipeline_dir)
+    assert refused.value.code == 2
+    assert (
+        f"--cache_dir {mine} is not empty but holds no {CACHE_INFO_FILE}, so it is no cache (it holds {MANIFEST_DIR}, model_index.json): "
+        "give a new or empty folder, or an existing cache"
+    ) in capsys.readouterr().err
+    assert sorted((path.relative_to(mine), path.read_bytes() if path.is_file() else None) for path in mine.rglob("*")) == before
+    started = tmp_path / "started"
+    (started / "locks").mkdir(parents=True)
+    (started / "locks" / "w0000of0001.lock").write_text("process 1 on host\n")
+    argv = ["--data_dir", str(data_dir), *RESOLUTION_FLAGS]
+    assert parse_config(CacheConfig, [*argv, "--cache_dir", str(started)]).cache_dir == str(started)
+    (started / "locks" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        parse_config(CacheConfig, [*argv, "--cache_dir", str(started)])
+    assert f"(it holds locks/notes.txt)" in capsys.readouterr().err
+
+
 def test_a_folder_without_images_ends_before_any_model_loads(tmp_path, capsys):
     """Nothing to cache is said at once (the model here does not even exist), and nothing is written."""
     data_dir = tmp_path / "data"

@@ -172,15 +172,15 @@ def test_a_skipped_first_update_keeps_weights_and_state_and_the_next_one_steps_a
 
 
 def test_the_state_table_of_training_md_is_what_each_optimizer_makes_for_the_sdxl_unet():
-    """docs/training.md's "SDXL UNet state" column: the state each optimizer creates for the full-size UNet's
-    parameters (on the meta device: shapes only), on one GPU, in GB as the table rounds it."""
+    """docs/training.md's "full-size SDXL UNet state" column: the state each optimizer creates for the full-size
+    UNet's parameters (on the meta device: shapes only), on one GPU, in GiB as the table rounds it."""
     from diffusers import UNet2DConditionModel
 
     from sdxl_trainer.models.sdxl import SDXL_UNET_CONFIG
 
     with torch.device("meta"):
         parameters = list(UNet2DConditionModel(**SDXL_UNET_CONFIG).parameters())
-    table = dict(re.findall(r"^\s*\| `(\w+)` \|[^|]*\| ([\d.]+) GB \|", (REPO_ROOT / "docs" / "training.md").read_text(), re.MULTILINE))
+    table = dict(re.findall(r"^\s*\| `(\w+)`[^|]*\|[^|]*\| ([\d.]+) GiB \|", (REPO_ROOT / "docs" / "training.md").read_text(), re.MULTILINE))
     assert set(table) == set(OPTIMIZERS)
     for name in OPTIMIZERS:
         optimizer = build_optimizer(name, parameters, 1e-5, 0.0, (0.9, None), 1e-8)
@@ -190,4 +190,4 @@ def test_the_state_table_of_training_md_is_what_each_optimizer_makes_for_the_sdx
             states = [optimizer._new_state(parameter) for parameter in parameters]
         state_bytes = sum(_stored_bytes(value) for state in states for value in state.values() if value.ndim > 0)
         decimals = len(table[name].split(".")[1])
-        assert round(state_bytes / 1e9, decimals) == float(table[name]), f"{name}: {state_bytes / 1e9:.3f} GB"
+        assert round(state_bytes / 2**30, decimals) == float(table[name]), f"{name}: {state_bytes / 2**30:.3f} GiB"

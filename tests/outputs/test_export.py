@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT, run_processes, trainer_flags
 from safetensors.torch import load_file
 
 PROMPTS = ["a photo of a cat", "Ein Hund, der über die Straße läuft!!", "portrait, 85mm, f/1.8, (masterpiece:1.2)", ""]
@@ -163,3 +164,128 @@ def test_the_single_file_is_never_written_into_the_pipeline_it_converts(tiny_pip
             sdxl_to_single_file.main(["--pipeline", str(pipeline), "--output", str(output)])
         assert f"--output {output} is inside --pipeline {pipeline}" in capsys.readouterr().err
     assert sorted(path.relative_to(pipeline) for path in pipeline.rglob("*")) == before
+
+
+def test_the_single_file_tool_refuses_object_storage_instead_of_writing_a_local_s3_folder(tiny_pipeline_dir, tmp_path, capsys, monkeypatch):
+    """--output s3://... was the local path s3:/bucket/...: the tool wrote there and said "Wrote s3:/...", so on a
+    cloud node the model stayed on the scratch disk. Refused now, before anything loads, with what to do."""
+    import sdxl_to_single_file
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        sdxl_to_single_file.main(["--pipeline", str(tiny_pipeline_dir), "--output", "s3://bucket/models/tuned.safetensors"])
+    assert refused.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.endswith(
+        "error: argument --output: s3://bucket/models/tuned.safetensors: writing to object storage is not supported yet; write a local file "
+        "and copy it to the bucket (aws s3 cp, rclone)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_single_file_tool_replaces_only_a_file_it_wrote_unless_told_to(tiny_pipeline_dir, tmp_path, capsys):
+    """An existing --output is replaced when its metadata says this project's single-file writer made it (a
+    re-run, or the trainer's --save_single_file); any other file (another model, a LoRA, not safetensors at all)
+    only with --overwrite. The refusal comes before anything loads and leaves the file as it was."""
+    import sdxl_to_single_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from sdxl_trainer.runtime.tensor_files import WRITER_KEY
+
+    output = tmp_path / "model.safetensors"
+    save_file({"weight": torch.ones(2)}, str(output), metadata={"format": "pt", "modelspec.title": "someone else's model"})
+    unrelated = output.read_bytes()
+    argv = ["--pipeline", str(tiny_pipeline_dir), "--output", str(output)]
+    for content in (unrelated, b"not a safetensors file"):
+        output.write_bytes(content)
+        with pytest.raises(SystemExit) as refused:
+            sdxl_to_single_file.main(argv)
+        assert refused.value.code == 2
+        assert (
+            f"--output {output} exists and was not written by this tool (its metadata has no {WRITER_KEY} = single_file): choose another "
+            "name, or add --overwrite to replace it"
+        ) in capsys.readouterr().err
+        assert output.read_bytes() == content
+    assert sdxl_to_single_file.main([*argv, "--overwrite"]) == 0
+    with safe_open(str(output), framework="pt") as handle:
+        assert handle.metadata()[WRITER_KEY] == "single_file" and "model.diffusion_model.input_blocks.0.0.weight" in handle.keys()
+    assert sdxl_to_single_file.main([*argv, "--save_precision", "fp32"]) == 0  # its own file: replaced
+    with safe_open(str(output), framework="pt") as handle:
+        assert handle.get_tensor("model.diffusion_model.input_blocks.0.0.weight").dtype == torch.float32
+
+
+def test_an_export_names_its_base_model_as_users_know_it_not_by_a_local_path(tiny_pipeline_dir, fp16_export, single_file_base, tmp_path):
+    """model_index.json's _name_or_path (and the UNet's and VAE's configs') recorded where the base model lay on
+    the machine that exported it: the export names it by what users know, the hub id or the file or folder name
+    (a folder of the Hugging Face cache by its model id)."""
+    from sdxl_trainer.outputs.export import save_pipeline
+
+    for base, export, name in ((tiny_pipeline_dir, tmp_path / "pipeline", "tiny_sdxl"), (single_file_base, fp16_export, "base.safetensors")):
+        if base == tiny_pipeline_dir:
+            save_pipeline({}, str(base), export, "fp32", model_title="test")
+        assert json.loads((export / "model_index.json").read_text())["_name_or_path"] == name
+        for component in ("unet", "vae"):
+            assert json.loads((export / component / "config.json").read_text())["_name_or_path"] == name
+        assert not [path for path in export.rglob("*.json") if str(base.parent) in path.read_text()]
+    from sdxl_trainer.outputs.export import known_model_name
+
+    snapshot = tmp_path / "hub" / "models--stabilityai--stable-diffusion-xl-base-1.0" / "snapshots" / "462165984030d82259a11f4367a4eed129e94a7b"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "my_models" / "sdxl_base").mkdir(parents=True)
+    assert known_model_name(str(snapshot)) == "stabilityai/stable-diffusion-xl-base-1.0"
+    assert known_model_name(str(tmp_path / "my_models" / "sdxl_base") + "/") == "sdxl_base"
+    assert known_model_name("stabilityai/stable-diffusion-xl-base-1.0") == "stabilityai/stable-diffusion-xl-base-1.0"  # a hub id stays
+
+
+# ---- non-finite weights -----------------------------------------------------------------------------------
+
+
+def test_weights_that_are_not_finite_are_never_exported_and_the_earlier_export_stays(tmp_path, tiny_pipeline_dir):
+    """A run whose last update blew the weights up exported a UNet of NaN/inf with exit code 0, over the last good
+    export. Now the export names the first tensor that is not finite (at the export precision: an fp32 value past
+    fp16's 65,504 is inf in the file) and writes nothing, so the earlier export stays whole."""
+    from sdxl_trainer.outputs.export import ExportError, save_pipeline
+
+    unet = load_file(tiny_pipeline_dir / "unet" / "diffusion_pytorch_model.safetensors")
+    names = list(unet)
+    output_dir = tmp_path / "pipeline"
+    save_pipeline({"unet": unet}, str(tiny_pipeline_dir), output_dir, "fp32", model_title="good")
+    good = {path.relative_to(output_dir): path.read_bytes() for path in output_dir.rglob("*") if path.is_file()}
+
+    diverged = dict(unet)
+    for name in names[3:]:
+        diverged[name] = torch.full_like(unet[name], float("nan"))
+    diverged[names[5]] = torch.full_like(unet[names[5]], float("inf"))
+    with pytest.raises(ExportError) as refused:
+        save_pipeline({"unet": diverged}, str(tiny_pipeline_dir), output_dir, "fp32", single_file=tmp_path / "pipeline.safetensors", model_title="bad")
+    message = str(refused.value)
+    assert message.startswith(f"Not exporting the model to {output_dir} and {tmp_path / 'pipeline.safetensors'}: its weights are not finite.")
+    assert f"UNet tensor {names[3]}: all {unet[names[3]].numel():,} values are NaN or inf at fp32" in message
+    assert "earlier export there is kept" in message and "--load_saved_state" in message
+    assert {path.relative_to(output_dir): path.read_bytes() for path in output_dir.rglob("*") if path.is_file()} == good
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["pipeline"]  # no single file, no temporary folder
+
+    too_large = dict(unet)
+    too_large[names[7]] = unet[names[7]].clone()
+    too_large[names[7]].view(-1)[:2] = torch.tensor([1e6, -3e5])  # finite in fp32, inf in fp16
+    with pytest.raises(ExportError) as refused:
+        save_pipeline({"unet": too_large}, str(tiny_pipeline_dir), output_dir, "fp16", model_title="bad")
+    assert f"UNet tensor {names[7]}: 2 of {unet[names[7]].numel():,} values are NaN or inf at fp16" in str(refused.value)
+    assert "its trained values are finite, up to 1e+06, beyond fp16's largest (65504)" in str(refused.value)
+    assert {path.relative_to(output_dir): path.read_bytes() for path in output_dir.rglob("*") if path.is_file()} == good
+
+
+@pytest.mark.multiprocess
+def test_a_two_process_run_whose_weights_diverged_exports_nothing_and_says_why(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    """The export is a collective: rank 0 gathers the weights and finds them not finite, every rank stops with its
+    message (exit code 1), and the state is saved before it (the run's end saves the state, then exports)."""
+    flags = trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "diverged", "--optimizer", "adamw", "--learning_rate", "1e30",
+                          "--learning_rate_scheduler", "constant", "--max_train_updates", "1", "--save_diffusers", "--save_precision", "fp16")
+    result = run_processes(2, REPO_ROOT / "sdxl_FSDP_train.py", flags, expect_success=False)
+    assert result.returncode == 1
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last.startswith(f"Not exporting the model to {tmp_path / 'diverged' / 'pipeline'}: its weights are not finite. UNet tensor "), last
+    assert "values are NaN or inf at fp16 (its trained values are finite, up to 1e+30" in last
+    assert not (tmp_path / "diverged" / "pipeline").exists()
+    assert (tmp_path / "diverged" / "checkpoints" / "update_00000001" / "trainer_state.json").is_file()

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from sdxl_trainer.models.single_file import CLIP_G_PREFIX, CLIP_L_PREFIX, UNET_PREFIX, hf_clip_name, pipeline_to_single_file, unet_ldm_names
 from sdxl_trainer.outputs.lora_extract import (
     TEXT_ENCODER_BLOCKS,
     UNET_ATTENTION_BLOCKS,
@@ -111,7 +112,6 @@ def test_extracted_lora_approaches_the_tuned_model_as_the_rank_grows(tmp_path, t
 
 
 def test_keys_shapes_and_metadata_follow_kohyas_layout(tmp_path, tiny_pipeline_dir, tuned_dir):
-    from sdxl_trainer.models.single_file import UNET_PREFIX, pipeline_to_single_file
 
     base = load_pipeline(tiny_pipeline_dir)
     extraction = extract_lora(weights_of(tiny_pipeline_dir), weights_of(tuned_dir), rank=4, conv_rank=2)
@@ -264,7 +264,6 @@ def test_unchanged_layers_are_skipped_and_only_changed_ones_are_in_the_file(tmp_
     fp16, so it is skipped (no SVD, no key); the two changed ones are in the file and load in diffusers."""
     import sdxl_extract_lora
     import sdxl_to_single_file
-    from sdxl_trainer.models.single_file import unet_ldm_names
 
     tuned = load_pipeline(tiny_pipeline_dir)
     layers = target_layers(tuned.unet, UNET_ATTENTION_BLOCKS)
@@ -340,3 +339,137 @@ def test_a_single_file_reads_back_every_weight_of_every_component(tmp_path, tiny
         state = hf_clip_names(state) if component.startswith("text") else state
         assert weights[component].keys() == state.keys(), component
         assert all(torch.equal(weights[component][name].read(), state[name]) for name in state), component
+
+
+def test_the_lora_tool_refuses_object_storage_and_replaces_only_a_lora_it_wrote(tmp_path, tiny_pipeline_dir, tuned_dir, capsys, monkeypatch):
+    """--output s3://... is refused (it wrote into a local s3: folder); an existing --output is replaced when it is
+    a LoRA this tool wrote (its metadata says so), any other file only with --overwrite, refused before loading."""
+    import sdxl_extract_lora
+    from safetensors.torch import save_file
+
+    from sdxl_trainer.runtime.tensor_files import WRITER_KEY
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--base", str(tiny_pipeline_dir), "--tuned", str(tuned_dir), "--rank", "2"]
+    error = refused([*common, "--output", "s3://bucket/loras/tuned.safetensors"], capsys)
+    assert error.splitlines()[-1].endswith(
+        "error: argument --output: s3://bucket/loras/tuned.safetensors: writing to object storage is not supported yet; write a local file "
+        "and copy it to the bucket (aws s3 cp, rclone)"
+    )
+    assert list(tmp_path.iterdir()) == []
+    output = tmp_path / "lora.safetensors"
+    save_file({"lora_unet_x.lora_up.weight": torch.ones(2, 1)}, str(output), metadata={"ss_network_module": "networks.lora"})  # kohya's
+    kohyas = output.read_bytes()
+    error = refused([*common, "--output", str(output)], capsys)
+    assert (
+        f"--output {output} exists and was not written by this tool (its metadata has no {WRITER_KEY} = lora): choose another name, "
+        "or add --overwrite to replace it"
+    ) in error
+    assert output.read_bytes() == kohyas
+    assert sdxl_extract_lora.main([*common, "--output", str(output), "--overwrite"]) == 0
+    with safe_open(str(output), framework="pt") as handle:
+        assert handle.metadata()[WRITER_KEY] == "lora" and "lora_unet_x.lora_up.weight" not in handle.keys()
+    assert sdxl_extract_lora.main(["--base", str(tiny_pipeline_dir), "--tuned", str(tuned_dir), "--rank", "1", "--output", str(output)]) == 0
+    assert load_file(output)["lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight"].shape[0] == 1  # its own LoRA: replaced
+
+
+def a1111_applied_layers(lora_names: set[str], single_file_keys) -> set[str]:
+    """The layers of a kohya-layout SDXL LoRA that AUTOMATIC1111's built-in Lora extension applies to a model
+    whose single file holds `single_file_keys`: its rule transcribed (extensions-builtin/Lora/networks.py:
+    load_network's name matching, network_apply_weights), not run; A1111 is no dependency of ours.
+    - A1111 names a model's modules by their single-file paths, dots as underscores: the UNet's after
+      `diffusion_model_`, CLIP-L's after `0_transformer_`, OpenCLIP-G's after `1_model_`.
+    - lora_unet_X is the UNet module X; lora_te1_text_model_X CLIP-L's text_model_X: each Linear or Conv2d
+      applies its own change when it runs.
+    - lora_te2_text_model_encoder_layers_N_Y is OpenCLIP's resblock N, Y renamed (self_attn -> attn, mlp_fc1 ->
+      mlp_c_fc, mlp_fc2 -> mlp_c_proj). The MLP's Linears apply theirs. The attention is one nn.MultiheadAttention
+      (q, k, v fused in in_proj_weight; out_proj's weight used without out_proj running): q/k/v keys match the
+      attention module by their prefix, and the attention applies its change only when all four of its
+      projections, q, k, v and out_proj, are in the LoRA; otherwise none of them."""
+    prefixes = {UNET_PREFIX: "diffusion_model.", CLIP_L_PREFIX: "0.transformer.", CLIP_G_PREFIX: "1.model."}
+    modules = {(ours + key.rsplit(".", 1)[0].removeprefix(theirs)).replace(".", "_")
+               for key in single_file_keys for theirs, ours in prefixes.items() if key.startswith(theirs)}
+    applied, attention_parts = set(), {}
+    for name in lora_names:
+        if name.startswith("lora_unet_") and "diffusion_model_" + name.removeprefix("lora_unet_") in modules:
+            applied.add(name)
+        elif name.startswith("lora_te1_text_model_") and "0_transformer_" + name.removeprefix("lora_te1_") in modules:
+            applied.add(name)
+        elif match := re.fullmatch(r"lora_te2_text_model_encoder_layers_(\d+)_(.+)", name):
+            rest = match.group(2).replace("self_attn", "attn").replace("mlp_fc1", "mlp_c_fc").replace("mlp_fc2", "mlp_c_proj")
+            module = f"1_model_transformer_resblocks_{match.group(1)}_{rest}"
+            projection = re.fullmatch(r"(.*_attn)_(q_proj|k_proj|v_proj|out_proj)", module)
+            if projection and projection.group(1) in modules:
+                attention_parts.setdefault(projection.group(1), {})[projection.group(2)] = name
+            elif module in modules:
+                applied.add(name)
+    for parts in attention_parts.values():
+        if set(parts) == {"q_proj", "k_proj", "v_proj", "out_proj"}:
+            applied.update(parts.values())
+    return applied
+
+
+def test_a_change_in_one_projection_loads_whole_in_diffusers_and_a1111(tmp_path, tiny_pipeline_dir):
+    """Extraction skips unchanged layers, so a text-encoder attention layer could appear with only some of its
+    projections: diffusers then dropped q/k/v with only a warning (an MLP key but no out_proj) or refused the file
+    (q/k/v alone: ValueError), and A1111 applies OpenCLIP-G's attention only with q, k, v and out_proj all there.
+    Each such layer's missing projections are written as zero factors: every loader applies every layer of the
+    file, the zeros add exactly 0, and the text encoders come out as the tuned ones."""
+    import logging
+
+    from peft.tuners.lora import LoraLayer
+
+    tuned = load_pipeline(tiny_pipeline_dir)
+    generator = torch.Generator().manual_seed(5)
+    changed = [  # one projection of an attention layer each, and an MLP layer beside an attention layer's projection
+        (tuned.text_encoder_2, "text_model.encoder.layers.0.self_attn.q_proj"),
+        (tuned.text_encoder, "text_model.encoder.layers.0.self_attn.v_proj"),
+        (tuned.text_encoder, "text_model.encoder.layers.1.mlp.fc1"),
+        (tuned.unet, "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"),
+    ]
+    with torch.no_grad():
+        for model, name in changed:
+            layer = {hf_clip_name(key) if model is not tuned.unet else key: module for key, module in model.named_modules()}[name]
+            layer.weight += 0.5 * layer.weight.std() * torch.randn(layer.weight.shape[0], 1, generator=generator) @ torch.randn(1, layer.weight.shape[1], generator=generator)
+    tuned.save_pretrained(tmp_path / "tuned")
+    extraction = extract_lora(weights_of(tiny_pipeline_dir), weights_of(tmp_path / "tuned"), FULL_RANK, dtype=torch.float32)
+    lora_file = tmp_path / "lora.safetensors"
+    save_lora(extraction, lora_metadata(weights_of(tmp_path / "tuned"), FULL_RANK, 0, "one_projection"), lora_file)
+    tensors = load_file(lora_file)
+    names = {key.split(".")[0] for key in tensors}
+    base = load_pipeline(tiny_pipeline_dir)
+    assert a1111_applied_layers(names, pipeline_to_single_file(base)) == names
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    loggers = [logging.getLogger(name) for name in ("diffusers", "peft")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        base.load_lora_weights(str(lora_file))
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    assert warnings == []  # no key left unconverted or unexpected
+    with_adapter = set()  # the file's names of the layers that got a LoRA adapter
+    for model, prefix in ((base.unet, "lora_unet_"), (base.text_encoder, "lora_te1_"), (base.text_encoder_2, "lora_te2_")):
+        for key, module in model.named_modules():
+            if isinstance(module, LoraLayer) and module.lora_A:
+                name = unet_ldm_names([f"{key}.weight"], dict(base.unet.config))[f"{key}.weight"].removesuffix(".weight") if model is base.unet else hf_clip_name(key)
+                with_adapter.add(prefix + name.replace(".", "_"))
+    assert with_adapter == names
+    for output, target in zip(text_outputs(base), text_outputs(tuned)):
+        assert relative_error(output, target) < 1e-5
+    assert relative_error(unet_output(base.unet), unet_output(tuned.unet)) < 1e-5
+    attention = "lora_te{}_text_model_encoder_layers_0_self_attn_{}"
+    expected = {attention.format(encoder, projection) for encoder in (1, 2) for projection in ("q_proj", "k_proj", "v_proj", "out_proj")}
+    expected |= {"lora_te1_text_model_encoder_layers_1_mlp_fc1", "lora_unet_input_blocks_3_1_transformer_blocks_0_attn1_to_q"}
+    assert names == expected
+    for encoder, real in ((2, "q_proj"), (1, "v_proj")):
+        rank = tensors[f"{attention.format(encoder, real)}.lora_down.weight"].shape[0]
+        for projection in {"q_proj", "k_proj", "v_proj", "out_proj"} - {real}:
+            padded = attention.format(encoder, projection)
+            assert not tensors[f"{padded}.lora_up.weight"].any() and not tensors[f"{padded}.lora_down.weight"].any()
+            assert tensors[f"{padded}.lora_down.weight"].shape[0] == rank and float(tensors[f"{padded}.alpha"]) == rank
+    assert (extraction.components["text_encoder"].padded, extraction.components["text_encoder_2"].padded) == (3, 3)
+

@@ -259,6 +259,39 @@ def test_overwrite_run_deletes_the_abandoned_branches_only_when_told(tmp_path):
     assert start_over(tmp_path / "empty", [], delete_abandoned=True) == []
 
 
+@pytest.mark.multiprocess
+def test_a_resume_on_other_data_is_refused_unless_accepted_and_then_starts_its_epoch_over(tmp_path, sample_cache_dir, tiny_pipeline_dir):
+    """Without validation loss no split file compares the data, and a resume on the cache's items in another order
+    went on as if they were the same (its data position names items by their place). It is refused, naming the
+    flag; with --accept_changed_dataset the run goes on from the checkpoint's update, its epoch started over."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from sdxl_trainer.cache.format import MANIFEST_DIR
+
+    reordered = tmp_path / "reordered_cache"
+    shutil.copytree(sample_cache_dir, reordered)
+    for part in sorted((reordered / MANIFEST_DIR).glob("*.parquet")):
+        table = pq.read_table(part)
+        pq.write_table(table.take(list(reversed(range(len(table))))).replace_schema_metadata(table.schema.metadata), part)
+    common = ("--optimizer", "adamw", "--no-validation_loss")
+    run_processes(1, TRAINER, trainer_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "run", *common, "--max_train_updates", "2"))
+    resumed = trainer_flags(reordered, tiny_pipeline_dir, tmp_path, "run", *common, "--max_train_updates", "3", "--load_saved_state", "latest")
+    checkpoint = tmp_path / "run" / "checkpoints" / checkpoint_name(2)
+
+    refused = run_processes(1, TRAINER, resumed, expect_success=False)
+    assert refused.returncode == 1
+    assert (f"Cannot start training: {checkpoint} was saved training on other data (the same 28 items, in another order (a cache's manifest "
+            "was written anew))") in refused.stderr
+    assert "pass --accept_changed_dataset to go on with these: epoch 1 then starts over on them" in refused.stderr
+    accepted = run_processes(1, TRAINER, [*resumed, "--accept_changed_dataset"])
+    assert (f"--accept_changed_dataset: the data changed since {checkpoint} (the same 28 items, in another order (a cache's manifest was "
+            "written anew)), so epoch 1 starts over on it; the update count and the learning-rate schedule go on from update 2.") in accepted.stdout
+    resumed_state = read_trainer_state(tmp_path / "run" / "checkpoints" / checkpoint_name(3))
+    assert (resumed_state.update, resumed_state.epoch, resumed_state.updates_in_epoch) == (3, 0, 1)
+
+
 # ---- signals -------------------------------------------------------------------------------------------
 
 

@@ -31,7 +31,8 @@ from sdxl_trainer.state.load import load_training_state
 from sdxl_trainer.training.block_rates import freeze_zero_rate_blocks
 from sdxl_trainer.training.ema import ShardedEMA
 
-LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4, "came": 1e-4}
+# Prodigy's multiplies the step size it estimates (1.0 is its own value).
+LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4, "came": 1e-4, "prodigy": 1.0, "adamw_schedulefree": 1e-3}
 FACTORED_OPTIMIZERS = ("adafactor", "came")
 
 

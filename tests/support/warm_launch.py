@@ -111,15 +111,17 @@ class WarmLauncher:
 
     def run(
         self, num_processes: int, script: Path, args: list[str], env: dict[str, str], cwd: Path, timeout: float,
-        while_running: Callable[[list[multiprocessing.process.BaseProcess]], None] | None = None,
+        while_running: Callable[[list[multiprocessing.process.BaseProcess]], None] | None = None, merge_output: bool = False,
     ) -> subprocess.CompletedProcess:
         """Run the ranks to their end, as `subprocess.run(torchrun ..., capture_output=True, text=True)` would;
         `while_running`, given the ranks' processes (pid, exitcode) once they started, acts on the job (a
-        signal to a rank) before the wait for its end."""
+        signal to a rank) before the wait for its end. `merge_output`: stdout and stderr into one file, in the
+        order written (as `2>&1` into a log file), all of it in the result's stdout."""
         import torch.distributed as dist
 
         with tempfile.TemporaryDirectory(prefix="warm-launch-") as folder:
-            stdout_path, stderr_path = Path(folder) / "stdout", Path(folder) / "stderr"
+            stdout_path = Path(folder) / "stdout"
+            stderr_path = stdout_path if merge_output else Path(folder) / "stderr"
             rank_envs = [dict(env) for _ in range(num_processes)]
             if num_processes > 1:
                 store = dist.TCPStore(  # lives as long as the job: the ranks' rendezvous
@@ -149,7 +151,7 @@ class WarmLauncher:
                         rank.kill()
                         rank.join()
             return subprocess.CompletedProcess(
-                [str(script), *args], return_code, stdout_path.read_text(errors="replace"), stderr_path.read_text(errors="replace")
+                [str(script), *args], return_code, stdout_path.read_text(errors="replace"), "" if merge_output else stderr_path.read_text(errors="replace")
             )
 
     @staticmethod

@@ -14,6 +14,7 @@ from unet_batches import make_train_step, save_training_state, saved_state_of, s
 from sdxl_trainer.config import parse_config
 from sdxl_trainer.distributed.fsdp import prepare_unet, shard_unet
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer
+from sdxl_trainer.optimizers.prodigy import ProdigySettings
 from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key
 from sdxl_trainer.training.ema import ShardedEMA
 
@@ -53,6 +54,7 @@ def test_every_shape_dtype_and_layout_rounds_through_one_compiled_graph():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    counters.clear()  # reset() leaves the counts of graphs compiled before it (other tests in this process)
     shapes = [(7,), (3, 5), (2, 3, 4), (2, 3, 2, 2), (4, 4), (1, 9, 2)]
     for dtype in (torch.float32, torch.bfloat16):
         for shape in shapes:
@@ -68,13 +70,16 @@ def test_every_shape_dtype_and_layout_rounds_through_one_compiled_graph():
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 def test_updates_below_half_a_bf16_step_land_in_expectation(optimizer_name):
-    """Weights at 1.0, a constant gradient: AdamW, Lion and Adafactor move a weight by about lr per update
-    (Adam's normalised step, Lion's sign, Adafactor's clipped RMS of 1), CAME by a few times that (its
-    momentum over the root of a small instability), and lr is 1.3% of a bf16 step. Rounded to nearest,
-    the weights never move (torch's AdamW on bf16 weights); rounded stochastically, their mean follows the
-    trajectory of the same optimizer over fp32 weights."""
+    """Weights at 1.0, a constant gradient: every optimizer here moves a weight by about lr per update
+    (Adam's normalised step, Lion's sign, Adafactor's clipped RMS of 1; Prodigy with its step size held at 1
+    and Adam's bias correction), CAME by a few times that (its momentum over the root of a small
+    instability), schedule-free AdamW's trained weights (y) by about half that, and lr is 1.3% of a bf16
+    step. Rounded to nearest, the weights never move (torch's AdamW on bf16 weights); rounded
+    stochastically, their mean follows the fp32 trajectory."""
     learning_rate, updates = BF16_STEP_AT_1 / 78, 60
     shapes = [(64, 128), (300,)]  # 8-bit moments for the first with adamw8bit, fp32 ones for the second
+    # d0 1 and estimates scaled to nothing: d stays 1, so the step is lr (the bias correction makes it Adam's).
+    prodigy = ProdigySettings(d0=1.0, d_coef=1e-12, use_bias_correction=True)
 
     def train(make_optimizer, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
         weights = [torch.nn.Parameter(torch.ones(shape, dtype=dtype)) for shape in shapes]
@@ -86,15 +91,14 @@ def test_updates_below_half_a_bf16_step_land_in_expectation(optimizer_name):
         return [weight.detach().float() for weight in weights]
 
     def ours(weights):
-        return build_optimizer(optimizer_name, weights, learning_rate, 0.0, (0.9, None), 1e-8)
+        return build_optimizer(optimizer_name, weights, learning_rate, 0.0, (0.9, None), 1e-8, prodigy=prodigy)
 
-    stochastic, fp32 = train(ours), train(ours, torch.float32)
+    stochastic, exact = train(ours), train(ours, torch.float32)
     nearest = train(lambda weights: torch.optim.AdamW(weights, lr=learning_rate, weight_decay=0.0, foreach=True))
-    for moved, exact, stayed in zip(stochastic, fp32, nearest):
+    for moved, moved_exactly, stayed in zip(stochastic, exact, nearest):
         assert torch.all(stayed == 1.0)
-        assert 1.0 - moved.mean().item() == pytest.approx(1.0 - exact.mean().item(), rel=0.1)
-        if optimizer_name != "came":
-            assert 1.0 - exact.mean().item() == pytest.approx(updates * learning_rate, rel=0.1)
+        assert 1.0 - moved_exactly.mean().item() > 0.4 * updates * learning_rate
+        assert 1.0 - moved.mean().item() == pytest.approx(1.0 - moved_exactly.mean().item(), rel=0.1)
 
 
 def loss_trajectory(world, pipeline_dir, weights_dtype: torch.dtype, optimizer_factory, updates: int = 30) -> np.ndarray:
@@ -137,7 +141,8 @@ def test_bf16_weights_resume_exactly(world, tiny_pipeline_dir, tmp_path, optimiz
             shard_unet(unet, world.mesh, param_dtype=torch.bfloat16)
         else:
             prepare_unet(unet, world, torch.bfloat16)
-        optimizer = build_optimizer(optimizer_name, unet.parameters(), 1e-4, 1e-2, (0.9, None), 1e-8)
+        # Prodigy's rate multiplies its estimate of the step size, which starts at 1e-6.
+        optimizer = build_optimizer(optimizer_name, unet.parameters(), 1.0 if optimizer_name == "prodigy" else 1e-4, 1e-2, (0.9, None), 1e-8)
         ema = ShardedEMA(unet, decay=0.9, on_cpu=False)
         return unet, optimizer, ema, make_train_step(unet, optimizer, tiny_pipeline_dir, ema=ema)
 

@@ -5,6 +5,7 @@ varied captions change training (its 2-process bitwise resume is in test_text_en
 from __future__ import annotations
 
 import math
+import shutil
 from collections import Counter
 
 import numpy as np
@@ -161,7 +162,9 @@ def test_each_cache_can_vary_its_captions_its_own_way(tmp_path, tag_cache, capsy
     from sdxl_trainer.config import parse_config
     from sdxl_trainer.jobs.train_config import TrainConfig
 
-    twice = ["--cached_dataset_dirs", str(tag_cache), str(tag_cache), "--encode_captions_each_step", "--keep_tokens", "1"]
+    copy = tmp_path / "copy_of_the_cache"  # one cache named twice is refused; a copy is a cache of its own
+    shutil.copytree(tag_cache, copy)
+    twice = ["--cached_dataset_dirs", str(tag_cache), str(copy), "--encode_captions_each_step", "--keep_tokens", "1"]
     config = parse_config(TrainConfig, [*twice, "--dataset_shuffle_caption", "true", "false", "--dataset_caption_tag_dropout_rate", "0.5", "0"])
     variations = config.caption_variations()
     assert variations == [CaptionVariation(True, 1, 0.5), CaptionVariation(False, 1, 0.0)]
@@ -169,7 +172,7 @@ def test_each_cache_can_vary_its_captions_its_own_way(tmp_path, tag_cache, capsy
     toml.write_text("dataset_shuffle_caption = [true, false]\ndataset_caption_tag_dropout_rate = [0.5, 0]\n")
     assert parse_config(TrainConfig, [*twice, "--config", str(toml)]).caption_variations() == variations
 
-    dataset = CachedDataset([tag_cache, tag_cache])
+    dataset = CachedDataset([tag_cache, copy])
     encoder = StepCaptionEncoder((None, None), dataset.caption_texts, lambda item: variations[dataset.cache_index[item]], 5, 1, torch.device("cpu"))
     changed = Counter()
     for epoch in range(20):

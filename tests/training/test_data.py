@@ -4,6 +4,7 @@ cached dataset's per-item micro-conditioning."""
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -570,3 +571,119 @@ def test_image_hashes_that_are_not_sha256_hex_read_back_as_written(tmp_path):
     dataset = CachedDataset([cache])
     assert [dataset.image_sha256[item] for item in range(20)] == [row["image_sha256"] for row in load_manifest(cache).to_pylist()]
     assert dataset.image_sha256[15] == f"MD5:{5:028X}" and dataset.image_sha256[3] == "3".rjust(64, "0")
+
+
+# ---- one cache once, what a plan holds, the data a checkpoint trained on -------------------------------------
+
+
+def test_a_cache_named_twice_is_refused_however_it_is_written(tmp_path, capsys):
+    """The same cache in two records (the same path, a trailing /, a symlink, an s3:// URL written another way) was
+    accepted: the validation split then held an item out under one record and trained it under the other."""
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (tmp_path / "link").symlink_to(cache)
+    for first, second in ((cache, cache), (cache, f"{cache}/"), (cache, tmp_path / "link"), ("s3://bucket/caches/a", "s3://bucket//caches/a/")):
+        identity = str(cache) if first == cache else "s3://bucket/caches/a"
+        toml = tmp_path / "config.toml"
+        toml.write_text(f'[[datasets]]\ncache_dir = "{first}"\n[[datasets]]\ncache_dir = "{second}"\nrepeats = 2\n')
+        with pytest.raises(SystemExit):
+            parse_config(TrainConfig, ["--config", str(toml)])
+        assert (f"[[datasets]] number 2 ({second}) names the same cache as [[datasets]] number 1 ({first}): {identity}. Give each cache once "
+                "(its validation items would be held out under one and trained under the other); for its items more often, repeats = N in its table"
+                ) in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            parse_config(TrainConfig, ["--cached_dataset_dirs", str(first), str(tmp_path / "other"), str(second)])
+        assert (f"--cached_dataset_dirs entry 3 ({second}) names the same cache as --cached_dataset_dirs entry 1 ({first}): {identity}. Give each cache "
+                "once") in capsys.readouterr().err
+    assert parse_config(TrainConfig, ["--cached_dataset_dirs", str(cache), "s3://bucket/caches/a", "s3://bucket/caches/b"]).cache_dirs()
+
+
+def test_repeats_or_a_run_length_beyond_what_the_plan_holds_are_refused_before_anything_is_planned(tmp_path, capsys):
+    """repeats = 1e9 printed nothing while every rank allocated gigabytes for the plan. An epoch holds at most
+    MAX_EPOCH_SAMPLES samples and a run at most MAX_EPOCHS epochs; more is refused naming the cache or flag,
+    before the plan (or anything of its size) is made."""
+    import tracemalloc
+
+    from synthetic_manifest import write_manifest_cache
+
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig
+    from sdxl_trainer.training.epochs import MAX_EPOCH_SAMPLES, MAX_EPOCHS
+    from sdxl_trainer.training.training_data import load_training_data
+
+    cache = write_manifest_cache(tmp_path / "cache", 700)  # 7 buckets of 100 items: 350 updates an epoch of global batch 2
+    flags = ["--cached_dataset_dirs", str(cache), "--no-validation_loss", "--no-validation_image"]
+    for extra, message in (
+        (["--dataset_repeats", "1e9"], f"Cannot start training: an epoch would hold 700,000,000,000 samples, more than the {MAX_EPOCH_SAMPLES:,} a "
+                                       "plan holds (every rank plans each epoch whole); the largest part is cache number 1: 700 items x repeats "
+                                       "1e+09. Lower its repeats (repeats in its [[datasets]] table, or --dataset_repeats)"),
+        (["--max_train_updates", "1000000000000"], f"Cannot start training: --max_train_updates 1,000,000,000,000 takes 2,857,142,858 epochs of "
+                                                   f"350 updates, more than the {MAX_EPOCHS:,} epochs a run plans: lower --max_train_updates"),
+    ):
+        settings = parse_config(TrainConfig, [*flags, *extra]).data_settings()
+        tracemalloc.start()
+        try:
+            with pytest.raises(SystemExit) as refused:
+                load_training_data(settings, tmp_path / "run", seed=0, world_size=2, is_main=True)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert str(refused.value).startswith(message), str(refused.value)
+        assert peak < 50e6, peak  # nothing of the plan's size was made
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, [*flags, "--num_train_epochs", "10000000"])
+    assert f"--num_train_epochs 10,000,000 is more than the {MAX_EPOCHS:,} epochs a run plans: lower it" in capsys.readouterr().err
+
+
+def test_a_checkpoint_records_its_data_and_a_resume_on_other_data_is_refused_naming_what_changed_and_the_flag(tmp_path, capsys):
+    """A resume on other data (other items, or the same in another order) went on without a word when validation
+    loss was off (the split file was the only check), its data position naming other items. The trainer state
+    records the items and their order; a resume on anything else is refused, saying what changed and naming
+    --accept_changed_dataset; a checkpoint from before the record is resumed as before."""
+    import dataclasses
+
+    import pyarrow.parquet as pq
+    from synthetic_manifest import write_manifest_cache
+    from unet_batches import trainer_state_for
+
+    from sdxl_trainer.cache.format import MANIFEST_DIR
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig
+    from sdxl_trainer.state.checkpointer import changed_dataset_problem
+    from sdxl_trainer.state.trainer_state import TrainerState
+    from sdxl_trainer.training.training_data import load_training_data
+
+    first, second = write_manifest_cache(tmp_path / "first", 20, rows_per_part=10), write_manifest_cache(tmp_path / "second", 30)
+
+    def identity(*caches: Path):
+        settings = parse_config(TrainConfig, ["--cached_dataset_dirs", *map(str, caches), "--no-validation_loss", "--no-validation_image"]).data_settings()
+        return load_training_data(settings, tmp_path / "run", seed=0, world_size=1, is_main=False).identity
+
+    trained = identity(first)
+    assert identity(first) == trained and trained.items == 20
+    assert trained.changes(identity(first, second)) == "20 items then, 50 now"
+    assert identity(first, second).changes(identity(second, first)) == "50 items then and now, but not the same ones (or the caches are listed in another order)"
+    for part in sorted((first / MANIFEST_DIR).glob("*.parquet")):  # the same rows, each part's in reverse
+        table = pq.read_table(part)
+        pq.write_table(table.take(list(reversed(range(len(table))))).replace_schema_metadata(table.schema.metadata), part)
+    reordered = identity(first)
+    assert reordered.fingerprint == trained.fingerprint
+    assert trained.changes(reordered) == "the same 20 items, in another order (a cache's manifest was written anew)"
+
+    saved = TrainerState.from_json(dataclasses.replace(trainer_state_for(**trained.as_fields()), epoch=1).to_json(), tmp_path / "trainer_state.json")
+    assert saved.dataset == trained
+    problem = changed_dataset_problem(tmp_path / "update_00000003", saved, reordered, accepted=False)
+    assert problem.startswith(
+        f"{tmp_path / 'update_00000003'} was saved training on other data (the same 20 items, in another order (a cache's manifest was written anew))."
+    ), problem
+    assert "pass --accept_changed_dataset to go on with these: epoch 2 then starts over on them" in problem
+    assert changed_dataset_problem(tmp_path, saved, reordered, accepted=True) == ""
+    assert changed_dataset_problem(tmp_path, saved, trained, accepted=False) == ""
+    older = TrainerState.from_json(trainer_state_for().to_json().replace('  "dataset_items": 0,\n  "dataset_fingerprint": "",\n  "dataset_order": "",\n', ""), tmp_path)
+    assert older.dataset is None and changed_dataset_problem(tmp_path, older, reordered, accepted=False) == ""
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--cached_dataset_dirs", str(first), "--accept_changed_dataset"])
+    assert "--accept_changed_dataset only applies with --load_saved_state" in capsys.readouterr().err

@@ -202,7 +202,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 # Every optimizer is told the verdict on the device (nothing read on the host) and leaves everything as it was.
-@pytest.mark.parametrize("optimizer_name", [pytest.param("adamw8bit", marks=pytest.mark.slow), "adamw", "lion", "adafactor", "came"])
+@pytest.mark.parametrize("optimizer_name", [pytest.param("adamw8bit", marks=pytest.mark.slow), "adamw", "lion", "adafactor", "came", "prodigy", "adamw_schedulefree"])
 def test_nonfinite_update_is_skipped_without_touching_weights_or_state_but_counts_toward_the_schedule(world, tiny_pipeline_dir, optimizer_name):
     unet = sharded_unet(tiny_pipeline_dir, world)
     optimizer = build_optimizer(optimizer_name, unet.parameters(), 1e-3, 1e-2, (0.9, None), 1e-8)
