@@ -22,7 +22,10 @@ What it adds up, per FSDP2 unit of the UNet as distributed/fsdp.shard_unet wraps
 - the optimizer step: the larger of its memory traffic (STEP_BYTES a value of the rank's shard: 16 for the 8-bit
   AdamW) at the GPU's bandwidth and the host time measured on the H200 for the 8-bit AdamW step (host-bound; the
   other optimizers' host time is not measured, and this floor stands in for it). Prodigy's all-reduce of two
-  numbers per update is latency only, not counted.
+  numbers per update is latency only, not counted. CAME's step has not run on a GPU: the larger of its own
+  memory traffic and its operators (counted per tensor, CAME_STEP_WORK) at the host time per kernel of the
+  H200's host-bound batch-1 update (that update's time over the kernels its profile counted, H200_PROFILES);
+  its all-reduces of column statistics (a few MB) are left out.
 Nothing else (data loading, logging, saves) is counted: the battery's end-to-end part measures that.
 """
 
@@ -40,6 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 H200_MEASUREMENT = REPO_ROOT / "benchmarks" / "results" / "2026-11-27-h200-gpu_check.json"
+H200_PROFILES = REPO_ROOT / "benchmarks" / "results" / "2026-11-27-h200-run2-profiles.json"
 H200_PEAK_BF16 = 989e12
 
 
@@ -111,7 +115,7 @@ class SpeedSettings:
     gpu: str
     interconnect: str
     reduce_bytes: int = 4  # 4 (fp32) or 2 (bf16): what the gradients are reduce-scattered in (--reduce_dtype)
-    optimizer: str = "adamw8bit"  # --optimizer: its step's memory traffic (STEP_BYTES)
+    optimizer: str = "adamw8bit"  # --optimizer: its step's memory traffic (STEP_BYTES; CAME's costed apart, optimizer_seconds)
 
     @property
     def shard_group(self) -> int:
@@ -233,7 +237,7 @@ def microbatch_compute(settings: SpeedSettings, flop_per_image: float) -> Comput
 
 
 # Bytes each optimizer's step reads and writes per value of the rank's shard, with fp32 weights and gradients: the
-# weights read and written (8) and the gradient read (4), and its state read and written.
+# weights read and written (8) and the gradient read (4), and its state read and written. CAME: CAME_STEP_WORK.
 STEP_BYTES = {
     "adamw8bit": 16,  # two 1-byte moments (their scales, one fp32 per 256 values, left out)
     "adamw": 28,  # two fp32 moments
@@ -244,12 +248,43 @@ STEP_BYTES = {
 }
 
 
-def optimizer_seconds(settings: SpeedSettings, values: int) -> float:
-    """The optimizer step over a rank's shard of `values`: its memory traffic (STEP_BYTES) at 70% of the GPU's
-    bandwidth, or the host time the H200 measured for the 8-bit AdamW step (the least of its rows), whichever
-    is longer."""
-    host = min(row["optimizer_seconds"] for row in _h200_trainer_rows() if row["optimizer_seconds"])
-    return max(STEP_BYTES[settings.optimizer] * values / settings.shard_group / (GPUS[settings.gpu].memory_bandwidth * 0.7), host)
+@dataclass(frozen=True)
+class StepWork:
+    """What an eager optimizer step does per parameter tensor of a kind: operators dispatched (each launches a
+    kernel on a GPU), and bytes its operators read and write per value of the tensor."""
+
+    ops: int
+    bytes_per_value: float
+
+
+# CAME's step (optimizers/came.py) per factored (2 or more dims) and unfactored tensor, counted on the CPU
+# (tests/estimates/test_speed_estimate.py recounts them), and the ops each update adds once.
+CAME_STEP_WORK = {"factored": StepWork(43, 220), "unfactored": StepWork(16, 180)}
+CAME_OPS_PER_UPDATE = 23
+
+
+@functools.cache
+def host_seconds_per_kernel() -> float:
+    """The H200 trainer's batch-1 update with checkpointing (host-bound: batch 4 takes as long) over the
+    kernels its profile counted in an update (batch 4; the count does not depend on the batch)."""
+    update = min(row["seconds_per_step"] for row in _h200_trainer_rows() if row["gradient_checkpointing"] and row["batch_size"] == 1)
+    return update / json.loads(H200_PROFILES.read_text())["trainer_batch4_ckpton"]["kernels_per_step"]
+
+
+def optimizer_seconds(settings: SpeedSettings, shapes: list[tuple[int, ...]]) -> float:
+    """The optimizer step over a rank's shards of parameters of these `shapes`: its memory traffic at 70% of
+    the GPU's bandwidth, or its host time, whichever is longer. Every optimizer but CAME: STEP_BYTES a value,
+    the host time the H200 measured for the 8-bit AdamW step (the least of its rows). CAME: its work per tensor
+    (CAME_STEP_WORK), its kernels at host_seconds_per_kernel; every rank steps every tensor."""
+    values = sum(math.prod(shape) for shape in shapes)
+    bandwidth = GPUS[settings.gpu].memory_bandwidth * 0.7
+    if settings.optimizer != "came":
+        host = min(row["optimizer_seconds"] for row in _h200_trainer_rows() if row["optimizer_seconds"])
+        return max(STEP_BYTES[settings.optimizer] * values / settings.shard_group / bandwidth, host)
+    work = [CAME_STEP_WORK["factored" if len(shape) >= 2 else "unfactored"] for shape in shapes]
+    traffic = sum(kind.bytes_per_value * math.prod(shape) for kind, shape in zip(work, shapes)) / settings.shard_group
+    kernels = CAME_OPS_PER_UPDATE + sum(kind.ops for kind in work)
+    return max(traffic / bandwidth, kernels * host_seconds_per_kernel())
 
 
 @dataclass
@@ -304,6 +339,9 @@ class SpeedEstimate:
             lines.append(f"  {share:.0%} of the update waits for the link: try " + "; ".join(advice) + ".")
         lines.append(f"  compute from {self.compute_source} (per unit: by FLOP; a placeholder until the GPU battery measures units)"
                      + (f"; link {settings.interconnect}: {link.source}" if settings.gpus > 1 else ""))
+        if settings.optimizer == "came":
+            lines.append(f"  optimizer: CAME's step by its operators counted per tensor, at the host time per kernel of {H200_PROFILES.name}'s "
+                         "update (likely an upper bound: that update's Python is heavier; CAME has not run on a GPU)")
         return "\n".join(lines)
 
 
@@ -333,7 +371,7 @@ def estimate_speed(settings: SpeedSettings, units: list[Unit] | tuple[Unit, ...]
         gathered_already = microbatch_number > 0 and not settings.reshard_after_forward  # kept between microbatches
         clock.forward(forward, none if gathered_already else gather)
         clock.backward(backward, gather_for_backward, scatter if reduce_now else none, reduce_across if reduce_now and replicas > 1 else none)
-    optimizer = optimizer_seconds(settings, sum(math.prod(shape) for unit in units for shape in unit.shapes))
+    optimizer = optimizer_seconds(settings, [shape for unit in units for shape in unit.shapes])
     compute_total = sum(forward + backward) * settings.gradient_accumulation_steps
     steps = clock.finish()
     return SpeedEstimate(settings, steps + optimizer, compute_total, optimizer, max(steps - compute_total, 0.0), clock.link_busy,

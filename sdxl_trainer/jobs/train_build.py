@@ -36,6 +36,7 @@ from sdxl_trainer.jobs.train_config import (
 from sdxl_trainer.models.components import TEXT_ENCODER_NAMES, text_encoder_label
 from sdxl_trainer.models.encoders import load_text_encoders
 from sdxl_trainer.models.single_file import config_source, load_unet
+from sdxl_trainer.models.weight_files import ModelFilesError, read_configs
 from sdxl_trainer.optimizers.build import build_optimizer, evaluation_weights_of
 from sdxl_trainer.outputs.export import Exporter, ExportError
 from sdxl_trainer.monitoring.metrics_writer import MetricsWriter, WANDB_ID_FILE, WandbSettings
@@ -55,6 +56,7 @@ from sdxl_trainer.state.checkpointer import (
     resume_problems,
 )
 from sdxl_trainer.state.run_folder import RunFolderBusy, RunFolderLock, continues_run, earlier_exports, earlier_run_problems, start_over
+from sdxl_trainer.training.block_rates import block_count_problem, freeze_zero_rate_blocks
 from sdxl_trainer.training.captions import StepCaptionEncoder
 from sdxl_trainer.training.dataset import CachedDataset
 from sdxl_trainer.training.ema import ShardedEMA
@@ -91,6 +93,8 @@ def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tupl
             f"--overwrite_run would delete {run_dir / 'checkpoints'}, which holds {resume_dir}, the checkpoint --load_saved_state names: to go "
             "back to it, drop --overwrite_run (the later checkpoints are set aside, nothing is deleted)"
         )
+    if config.block_lr is not None and not caches.problems:  # with the model found (else the cache check says where it is missing)
+        problems += block_rate_problems(config)
     saved = None
     if resume_dir is not None and not checkpoint_problems:
         try:
@@ -101,6 +105,16 @@ def check_before_start(config: TrainConfig, run_dir: Path, world: World) -> tupl
     if problems:
         raise SystemExit("Cannot start training:\n  " + "\n  ".join(problems))
     return config, caches, resume_dir, saved
+
+
+def block_rate_problems(config: TrainConfig) -> list[str]:
+    """--block_lr against the blocks of the model's UNet, read from its config alone."""
+    try:
+        unet_config = read_configs(config_source(config.pretrained_model_name_or_path, config.single_file_config))[0]["unet"]
+    except ModelFilesError as error:
+        return [str(error)]
+    problem = block_count_problem(config.block_lr, unet_config)
+    return [problem] if problem else []
 
 
 EXPECTED_ERRORS = (CacheError, CheckpointError, ExportError, HoldoutError, MetricWeightsError)  # their messages say it all
@@ -183,9 +197,10 @@ def build_run(config: TrainConfig, world: World, stop: StopRequest) -> Run:
     exempt_live_objects_from_garbage_collection()  # the model libraries' objects too, imported by now
     # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
     scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
+    groups = models.parameter_groups(config.learning_rate, config.text_encoder_rates(), config.block_lr)
     optimizer = build_optimizer(
-        config.optimizer, models.parameter_groups(config.learning_rate, config.text_encoder_rates()), config.learning_rate, config.weight_decay,
-        (config.adam_beta1, config.adam_beta2), config.adam_epsilon, config.prodigy_settings(),
+        config.optimizer, groups, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon,
+        came_beta3=config.came_beta3, prodigy=config.prodigy_settings(),
     )
     # Validation, samples, exports and the EMA see the optimizer's evaluation weights where it keeps them apart (schedule-free).
     models.evaluate_with(evaluation_weights_of(optimizer))
@@ -263,6 +278,7 @@ def build_models(config: TrainConfig, world: World, dataset: CachedDataset, seed
         torch.backends.cudnn.conv.fp32_precision = "tf32"
     weights_dtype = DTYPE_OF_NAME[config.weights_dtype]
     unet = load_unet(config.pretrained_model_name_or_path, config.single_file_config, weights_dtype)
+    freeze_zero_rate_blocks(unet, config.block_lr)
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.to(world.device).train()
@@ -349,6 +365,10 @@ def describe_run(config: TrainConfig, world: World, data: TrainingData, stream: 
             else "; ".join(f"{cache_dir}: {variation.describe()}" for cache_dir, variation in zip(config.cache_dirs(), variations))
         )
         print(f"Caption mode: both text encoders encode every step's captions: {described}.")
+    if config.block_lr is not None:
+        frozen = f"; blocks {config.frozen_unet_blocks()} stay frozen (rate 0)" if config.frozen_unet_blocks() else ""
+        rates = " ".join(f"{rate:g}" for rate in config.block_lr)
+        print(f"UNet blocks 0-{len(config.block_lr) - 1} at their own peak learning rates (--block_lr): {rates}{frozen}.")
     if config.train_text_encoder:
         trained = [f"{text_encoder_label(name)} at {rate:g}" for name, rate in config.text_encoder_rates().items()]
         frozen = f"; {text_encoder_label(config.frozen_text_encoder())} stays frozen (rate 0)" if config.frozen_text_encoder() else ""

@@ -25,6 +25,7 @@ from sdxl_trainer.monitoring.monitor import LoggingOptions
 from sdxl_trainer.optimizers.build import PRODIGY_MIN_LEARNING_RATE, SCHEDULE_FREE_SCHEDULES, OptimizerOptions
 from sdxl_trainer.outputs.export import ExportOptions, ExportSettings
 from sdxl_trainer.state.checkpointer import CheckpointOptions, RunFacts
+from sdxl_trainer.training.block_rates import BlockRateOptions
 from sdxl_trainer.training.captions import CaptionOptions, CaptionVariation
 from sdxl_trainer.training.data_options import DataOptions, DataSettings
 from sdxl_trainer.training.ema import EMAOptions
@@ -95,8 +96,8 @@ class EstimateOptions:
 
 @dataclass(kw_only=True)
 class TrainConfig(
-    RunOptions, DataOptions, ModelOptions, ResolutionOptions, OptimizerOptions, ScheduleOptions, ObjectiveOptions, CaptionOptions, StepOptions,
-    EMAOptions, ComputeOptions, EvaluationOptions, CheckpointOptions, ExportOptions, LoggingOptions, EstimateOptions,
+    RunOptions, DataOptions, ModelOptions, ResolutionOptions, OptimizerOptions, BlockRateOptions, ScheduleOptions, ObjectiveOptions, CaptionOptions,
+    StepOptions, EMAOptions, ComputeOptions, EvaluationOptions, CheckpointOptions, ExportOptions, LoggingOptions, EstimateOptions,
 ):
     """Every option of sdxl_FSDP_train.py. Each section is defined, and checks its own options, beside the component
     that uses them (DataOptions in training/data_options.py, ObjectiveOptions in training/objective_options.py, ...); this class
@@ -111,7 +112,7 @@ class TrainConfig(
         "train_batch_size": "images per GPU per microbatch",
         "gradient_accumulation_steps": "microbatches per optimizer update",
         "learning_rate": "peak learning rate",
-        "optimizer": "adamw8bit, adamw, adafactor, lion, prodigy or adamw_schedulefree",
+        "optimizer": "adamw8bit, adamw, adafactor, lion, came, prodigy or adamw_schedulefree",
         "num_train_epochs": "passes over the data",
         "max_train_updates": "or a number of optimizer updates instead (0 = off)",
         "save_model_every_n_epochs": "export the model (and save state) every N epochs; 0 = only at the end",
@@ -234,7 +235,7 @@ class TrainConfig(
     def run_facts(self, world_size: int) -> RunFacts:
         return RunFacts(
             self.optimizer, self.weights_dtype, self.use_ema, self.train_text_encoder, self.frozen_text_encoder(),
-            self.train_batch_size * world_size, self.gradient_accumulation_steps,
+            self.train_batch_size * world_size, self.gradient_accumulation_steps, self.frozen_unet_blocks(),
         )
 
     def evaluation_settings(self) -> EvaluationSettings:

@@ -91,7 +91,7 @@ def config_source(model_name_or_path: str, single_file_config: str) -> str:
     return single_file_config if is_single_file(model_name_or_path) else model_name_or_path
 
 
-def _unet_module_map(config: dict) -> dict[str, str]:
+def unet_module_map(config: dict) -> dict[str, str]:
     """diffusers module path -> ldm module path for every block of a UNet with this config."""
     mapping = dict(UNET_TOP_LEVEL)
     levels = len(config["block_out_channels"])
@@ -138,7 +138,7 @@ def _rename(key: str, module_map: dict[str, str], inner_names: dict[str, str] | 
 
 def unet_ldm_names(keys, config: dict) -> dict[str, str]:
     """diffusers UNet weight name -> its ldm name (without the file's UNET_PREFIX), for a UNet with this config."""
-    module_map = _unet_module_map(config)
+    module_map = unet_module_map(config)
     # Transformer blocks keep their names in both layouts (ldm's SpatialTransformer = diffusers' Transformer2DModel).
     return {key: _rename(key, module_map, UNET_RESNET_NAMES) for key in keys}
 

@@ -1,1 +1,1 @@
-"""Optimizers that step each rank's FSDP2 shards: 8-bit AdamW, AdamW, Lion, Adafactor, and bf16 stochastic rounding."""
+"""Optimizers that step each rank's FSDP2 shards: 8-bit AdamW, AdamW, Lion, Adafactor, CAME, and bf16 stochastic rounding."""

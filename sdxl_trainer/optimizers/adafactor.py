@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
 from sdxl_trainer.optimizers.shards import (
-    StepsIfFinite, _entries_per_group, _Entry, _row_shard_groups, _sum_over_shards, device_step_counts, fp32_zeros_like, zero_where_not_finite,
+    StepsIfFinite, _entries_per_group, _Entry, _row_shard_groups, _sum_over_shards, device_step_counts, factored_zeros, fp32_zeros_like,
+    scaled_by_factors, zero_where_not_finite,
 )
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 from sdxl_trainer.distributed.local_shard import local_shard
@@ -50,14 +50,7 @@ class Adafactor(StepsIfFinite, torch.optim.Optimizer):
         if param.ndim < 2:
             state["exp_avg_sq"] = fp32_zeros_like(param)
             return state
-        local = local_shard(param)
-        rows = torch.zeros(local.shape[0], dtype=torch.float32, device=local.device)
-        columns = torch.zeros(local[:1].flatten(1).shape[1], dtype=torch.float32, device=local.device)
-        if isinstance(param, DTensor):  # rows sharded as the weight's, columns whole on every rank (they are few)
-            mesh = param.device_mesh
-            rows = DTensor.from_local(rows, mesh, param.placements, shape=param.shape[:1], stride=(1,))
-            columns = DTensor.from_local(columns, mesh, [Replicate()] * mesh.ndim)
-        state["exp_avg_sq_row"], state["exp_avg_sq_col"] = rows, columns
+        state["exp_avg_sq_row"], state["exp_avg_sq_col"] = factored_zeros(param)
         return state
 
     @staticmethod
@@ -67,8 +60,7 @@ class Adafactor(StepsIfFinite, torch.optim.Optimizer):
         grad = entry.grad.float()
         if row_mean is None:
             return grad * local_shard(entry.state["exp_avg_sq"]).rsqrt()
-        rows, columns = local_shard(entry.state["exp_avg_sq_row"]), local_shard(entry.state["exp_avg_sq_col"])
-        return (grad.flatten(1) * (rows / row_mean).rsqrt()[:, None] * columns.rsqrt()[None, :]).view_as(grad)
+        return scaled_by_factors(grad, local_shard(entry.state["exp_avg_sq_row"]), row_mean, local_shard(entry.state["exp_avg_sq_col"]))
 
     @torch.no_grad()
     def step(self, closure=None, *, finite: torch.Tensor | None = None):  # noqa: ARG002 - torch.optim signature

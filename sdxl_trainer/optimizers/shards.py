@@ -8,7 +8,7 @@ from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from sdxl_trainer.distributed.local_shard import local_shard
 
@@ -159,3 +159,23 @@ def fp32_zeros_like(param: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor):
         zeros = DTensor.from_local(zeros, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
     return zeros
+
+
+def factored_zeros(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 zeros for a factored statistic of a weight of 2 or more dims, factored over (dim 0, all other dims
+    flattened): one value per row, laid out as the weight's dim 0 (so sharded alike), and one per column,
+    whole on every rank (they are few, and every row adds to each)."""
+    local = local_shard(param)
+    rows = torch.zeros(local.shape[0], dtype=torch.float32, device=local.device)
+    columns = torch.zeros(local[:1].flatten(1).shape[1], dtype=torch.float32, device=local.device)
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        rows = DTensor.from_local(rows, mesh, param.placements, shape=param.shape[:1], stride=(1,))
+        columns = DTensor.from_local(columns, mesh, [Replicate()] * mesh.ndim)
+    return rows, columns
+
+
+def scaled_by_factors(values: torch.Tensor, rows: torch.Tensor, row_mean: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """`values` (a local shard) divided by the root of the factored estimate of their statistic: rows x columns
+    / the mean row, with `rows` this shard's row statistics and `row_mean` the mean over all rows."""
+    return (values.flatten(1) * (rows / row_mean).rsqrt()[:, None] * columns.rsqrt()[None, :]).view_as(values)

@@ -117,6 +117,7 @@ class RunFacts:
     frozen_text_encoder: str  # "" or the name of the text encoder kept frozen (--learning_rate_te1/2 0)
     global_batch_size: int
     gradient_accumulation_steps: int
+    frozen_unet_blocks: str = ""  # the UNet blocks kept frozen by --block_lr 0, comma-separated ("" if none)
 
 
 def find_resume_checkpoint(load_saved_state: str | None, checkpoints_dir: Path, is_main: bool) -> tuple[Path | None, list[str]]:
@@ -198,6 +199,11 @@ def resume_problems(saved: TrainerState, facts: RunFacts, set_seed: int | None) 
                 problems.append(f"the checkpoint kept text encoder {number} frozen: resume with --learning_rate_te{number} 0")
             elif facts.frozen_text_encoder == name:
                 problems.append(f"the checkpoint trained text encoder {number}: resume with --learning_rate_te{number} above 0 (0 keeps it frozen)")
+    if saved.frozen_unet_blocks != facts.frozen_unet_blocks:  # the optimizer state holds the trained blocks only
+        if saved.frozen_unet_blocks:
+            problems.append(f"the checkpoint kept UNet blocks {saved.frozen_unet_blocks} frozen: resume with --block_lr 0 at exactly those blocks")
+        else:
+            problems.append(f"the checkpoint trained every UNet block: resume with no 0 in --block_lr (this run freezes blocks {facts.frozen_unet_blocks})")
     if set_seed is not None and set_seed != saved.seed:
         problems.append(f"the checkpoint's run used seed {saved.seed} (data order and noise follow it): drop --set_seed or pass {saved.seed}")
     return problems

@@ -58,6 +58,7 @@ class TrainerState:
     train_text_encoder: bool = False  # the checkpoint holds trained text encoders (and their optimizer state)
     frozen_text_encoder: str = ""  # the one of them kept frozen by a learning rate of 0 ("text_encoder" / "text_encoder_2"), "" if none
     weights_dtype: str = "fp32"  # of the trained weights (--weights_dtype)
+    frozen_unet_blocks: str = ""  # the UNet blocks kept frozen by --block_lr 0, comma-separated ("" if none)
     # The data the run trained on (DatasetIdentity); 0 and "" in a checkpoint saved before they were recorded.
     dataset_items: int = 0
     dataset_fingerprint: str = ""

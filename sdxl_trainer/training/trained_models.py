@@ -15,6 +15,7 @@ from sdxl_trainer.distributed.fsdp import full_state_dict_on_rank0, reshard_unit
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.models.components import TEXT_ENCODER_NAMES, ComponentWeights
 from sdxl_trainer.optimizers.shards import runs_of_at_most
+from sdxl_trainer.training.block_rates import unet_blocks
 from sdxl_trainer.training.ema import EVALUATION_RUN_VALUES, ShardedEMA
 from sdxl_trainer.training.lr_schedule import LR_SCALE
 
@@ -70,11 +71,19 @@ class TrainedModels(nn.Module):
         (names prefixed "unet.", "text_encoder.", "text_encoder_2.": the trained ones)."""
         return self if self.trains_text_encoders else self.unet
 
-    def parameter_groups(self, learning_rate: float, text_encoder_rates: dict[str, float]) -> list[dict]:
-        """Optimizer param groups: the UNet at learning_rate, each trained text encoder (its parameters that
-        require gradients) at its own rate (by pipeline name). The rates are peaks: the schedule scales every
-        group alike (lr_schedule.LR_SCALE)."""
-        groups = [{"params": list(self.unet.parameters()), "lr": learning_rate}]
+    def parameter_groups(self, learning_rate: float, text_encoder_rates: dict[str, float], block_rates: list[float] | None = None) -> list[dict]:
+        """Optimizer param groups: the UNet at learning_rate, or each of its blocks at its rate in `block_rates`
+        (--block_lr, block_rates.py; a block at 0 is left out), then each trained text encoder (its parameters
+        that require gradients) at its own rate (by pipeline name). The rates are peaks: the schedule scales
+        every group alike (lr_schedule.LR_SCALE)."""
+        if block_rates is None:
+            groups = [{"params": list(self.unet.parameters()), "lr": learning_rate}]
+        else:
+            groups = [
+                {"params": parameters, "lr": rate, LR_SCALE: rate / learning_rate}
+                for rate, parameters in zip(block_rates, unet_blocks(self.unet), strict=True)
+                if rate != 0
+            ]
         for name in TEXT_ENCODER_NAMES:
             if name in self._modules:
                 trained = [parameter for parameter in self._modules[name].parameters() if parameter.requires_grad]

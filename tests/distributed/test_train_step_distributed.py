@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import REPO_ROOT, run_processes
 from safetensors.torch import load_file
-from unet_batches import assert_clipped_as_torch
+from unet_batches import TINY_BLOCK_RATES, assert_clipped_as_torch, assert_each_block_moved_by_its_rate
 
 from sdxl_trainer.optimizers.build import OPTIMIZERS
 
@@ -50,7 +50,20 @@ def test_each_rank_holds_about_half_of_parameters_and_optimizer_state(reports, t
 def test_adafactor_sums_over_the_shards_in_two_all_reduces_per_step(reports):
     """The column statistics with the row means, then the update norms, of all parameters at once: DTensor
     ops made three per factored weight and one per other parameter (382 here, 3,268 for SDXL's UNet)."""
-    assert [report["adafactor_all_reduces"] for report in reports] == [2, 2]
+    assert [report["all_reduces"]["adafactor"] for report in reports] == [2, 2]
+
+
+def test_came_sums_over_the_shards_in_three_all_reduces_per_step(reports):
+    """Adafactor's two, and the instability's column statistics with its row means."""
+    assert [report["all_reduces"]["came"] for report in reports] == [3, 3]
+
+
+@pytest.mark.parametrize("name", ["adafactor", "came"])
+def test_factored_optimizers_step_shards_as_one_process_steps_the_whole_weights(reports, name):
+    """Column statistics, mean rows and update norms summed over both ranks' rows: the shards end where the
+    whole tensors do, to the rounding of those sums (uneven shards and an empty one included)."""
+    for report in reports:
+        assert report["shards_against_whole"][name] < 1e-6
 
 
 def test_gradients_are_reduced_once_per_update_whatever_the_accumulation(reports):
@@ -80,3 +93,9 @@ def test_ema_is_sharded(reports):
     for report in reports:
         assert report["ema_local_bytes"] == report["param_local_bytes"]  # fp32 copy of this rank's shard only
     assert reports[0]["ema_local_bytes"] + reports[1]["ema_local_bytes"] > 1.9 * reports[0]["ema_local_bytes"] > 0
+
+
+def test_each_block_of_the_sharded_unet_moves_by_its_own_rate(reports):
+    """--block_lr's param groups hold FSDP2's DTensor shards; two blocks were frozen before sharding."""
+    for report in reports:
+        assert_each_block_moved_by_its_rate(report["block_rate_changes"], TINY_BLOCK_RATES)

@@ -353,8 +353,8 @@ STATED: dict[str, list[str]] = {
         # arithmetic from the encoders' and the UNet's parameter counts; FLOP counted (design.md §10)
         "every GPU: 1.6 GB in bf16", "forward is 0.44% of the", "about 8.2 GB more over all GPUs with adamw8bit (4.1 GB each on 2)",
         "4.8 GiB each instead of 9.6",
-        # each optimizer's state for the full-size UNet: arithmetic from its parameters' shapes
-        "4.86 GiB", "19.13 GiB", "0.02 GiB", "9.56 GiB", "38.26 GiB",
+        # each optimizer's state for the full-size UNet, made by the optimizers' own code (tests/optimizers/test_optimizers.py)
+        "4.86 GiB", "19.13 GiB", "0.02 GiB", "9.56 GiB", "9.59 GiB", "38.26 GiB",
     ],
     "docs/troubleshooting.md": ["wait up to 30 s", "about 7 GB more for a pipeline copy"],  # a limit; arithmetic
     "docs/validation.md": ["(about 7 GB in bf16)", "10% + 10% holds out 10%, not 20%", "always downloads 3.9 GB"],

@@ -43,8 +43,8 @@ def fake_estimate(world_size: int, optimizer: str) -> MemoryEstimate:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("world_size", "optimizer"),
-    [(1, "adamw8bit"), (2, "adamw")],
-    ids=["1 process, plain module, 8-bit AdamW", "2 processes, FSDP2, AdamW"],
+    [(1, "adamw8bit"), (2, "adamw"), (2, "came")],
+    ids=["1 process, plain module, 8-bit AdamW", "2 processes, FSDP2, AdamW", "2 processes, FSDP2, CAME"],
 )
 def test_fake_tensors_give_what_real_tensors_of_the_same_run_give(world_size, optimizer):
     fake = fake_estimate(world_size, optimizer)

@@ -1,7 +1,8 @@
 """The speed estimate (sdxl_trainer/estimates/speed_estimate.py): the bytes it says FSDP2's collectives move, against
 what the real collectives moved (2 and 4 gloo processes on the tiny UNet, full sharding and HSDP; the full-size
 UNet over the fake process group of --estimate_memory), its overlap of compute and communication on made-up
-units whose answer is worked out by hand, and the figures README's hardware table gives for the shipped configs."""
+units whose answer is worked out by hand, the work CAME's step does per tensor, and the figures README's hardware
+table gives for the shipped configs."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ import torch
 from collective_bytes_worker import LAYOUTS
 from conftest import REPO_ROOT, run_processes
 from diffusers import UNet2DConditionModel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from sdxl_trainer.config import parse_config
+from sdxl_trainer.estimates.host_work import HostWork
 from sdxl_trainer.estimates.speed_estimate import (
+    CAME_OPS_PER_UPDATE,
+    CAME_STEP_WORK,
     GPUS,
     LINKS,
     SpeedSettings,
@@ -29,6 +35,7 @@ from sdxl_trainer.estimates.speed_estimate import (
 )
 from sdxl_trainer.jobs.train_config import TrainConfig, speed_settings
 from sdxl_trainer.models.tiny import TINY_UNET_CONFIG
+from sdxl_trainer.optimizers.came import CAME
 
 SHIPPED_CONFIGS = ("1x24gb_bf16.toml", "2x24gb_consumer.toml", "8x80gb_datacenter.toml", "multinode_4x8x80gb.toml")
 
@@ -199,3 +206,52 @@ def test_the_hardware_tables_predictions_are_the_estimates_of_the_shipped_config
         estimate = estimate_speed(settings)
         assert float(rows[name]["per_gpu"]) == round(estimate.images_per_second / settings.gpus, 2), name
         assert float(rows[name]["job"]) == round(estimate.images_per_second, 2), name
+
+
+class OperatorBytes(TorchDispatchMode):
+    """Bytes of every tensor each non-view operator under it reads or writes (its inputs and outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.bytes += sum(tensor.numel() * tensor.element_size() for tensor in tree_leaves((args, kwargs, result)) if isinstance(tensor, torch.Tensor))
+        return result
+
+
+def came_step_work(shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+    """Operators and bytes of one CAME step (as TrainStep calls it, with a verdict) over fp32 weights of
+    these shapes, their state made by a first step."""
+    parameters = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    optimizer = CAME(parameters, lr=1e-3)
+    for parameter in parameters:
+        parameter.grad = torch.randn(parameter.shape)
+    optimizer.step(finite=torch.tensor(True))
+    with HostWork(by_part=False) as counts, OperatorBytes() as traffic:
+        optimizer.step(finite=torch.tensor(True))
+    return counts.total_ops, traffic.bytes
+
+
+def test_cames_step_work_is_what_its_step_dispatches():
+    """CAME_STEP_WORK, which prices CAME's step, recounted: the operators of a step over a factored and an
+    unfactored tensor, and over two of each (the difference is per tensor); the bytes per value of two large
+    tensors of a kind (the gradients of several tensors are concatenated for the NaN/inf selection)."""
+    factored, unfactored = (512, 512), (1 << 18,)
+    ops, _ = came_step_work([factored, unfactored])
+    doubled, _ = came_step_work([factored, factored, unfactored, unfactored])
+    assert doubled - ops == CAME_STEP_WORK["factored"].ops + CAME_STEP_WORK["unfactored"].ops
+    assert ops == CAME_OPS_PER_UPDATE + CAME_STEP_WORK["factored"].ops + CAME_STEP_WORK["unfactored"].ops
+    for shape, kind in ((factored, "factored"), (unfactored, "unfactored")):
+        _, traffic = came_step_work([shape, shape])
+        assert traffic / (2 * math.prod(shape)) == pytest.approx(CAME_STEP_WORK[kind].bytes_per_value, rel=0.02)
+
+
+def test_came_is_priced_by_its_own_step_and_the_flag_reaches_the_estimate():
+    came = speed(optimizer="came")
+    assert estimate_speed(came).optimizer_seconds != estimate_speed(speed()).optimizer_seconds
+    config = parse_config(TrainConfig, ["--config", str(REPO_ROOT / "configs" / "2x24gb_consumer.toml"), "--estimate_speed", "--optimizer", "came"])
+    assert speed_settings(config).optimizer == "came"
+    assert "optimizer: CAME's step by its operators counted per tensor" in estimate_speed(speed_settings(config)).report()

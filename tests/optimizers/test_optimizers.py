@@ -1,17 +1,26 @@
-"""Our Adafactor and Lion against their references: transformers' Adafactor with the settings kohya
-sd-scripts users pass, and Lion's update as the paper writes it; Lion's multi-tensor step in chunks
-equals one over all parameters; our AdamW on local shards is torch's fused AdamW over DTensors.
-(Sharded steps: test_train_step.py and test_train_step_distributed.py.)"""
+"""Our Adafactor, Lion and CAME against their references: transformers' Adafactor with the settings kohya
+sd-scripts users pass, Lion's update as the paper writes it, and came_pytorch.CAME (the authors' code, a
+test dependency only) on the same tensors; Lion's multi-tensor step in chunks equals one over all
+parameters; our AdamW on local shards is torch's fused AdamW over DTensors. (Sharded steps, and the
+factored optimizers' shards on 2 processes against the whole tensors: test_train_step.py and
+test_train_step_distributed.py.)"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from came_pytorch import CAME as ReferenceCAME
 from transformers.optimization import Adafactor as TransformersAdafactor
+
+from conftest import REPO_ROOT
 
 from sdxl_trainer.optimizers import lion
 from sdxl_trainer.optimizers.adafactor import Adafactor
 from sdxl_trainer.optimizers.adamw import ShardAdamW
+from sdxl_trainer.optimizers.build import OPTIMIZERS, _stored_bytes, build_optimizer
+from sdxl_trainer.optimizers.came import CAME
 from sdxl_trainer.optimizers.lion import Lion
 
 STEPS = 4
@@ -119,3 +128,66 @@ def test_adamw_on_local_shards_is_torchs_fused_adamw_over_dtensors_bit_for_bit(w
         for key in ("exp_avg", "exp_avg_sq"):
             assert isinstance(state[key], DTensor) and state[key].placements == expected_state[key].placements
             assert torch.equal(state[key].full_tensor(), expected_state[key].full_tensor())
+
+
+@pytest.mark.parametrize("learning_rate", [1e-3, 0.3])  # the normalised update clipped at an RMS of 1, and not
+def test_came_gives_the_references_update_for_linear_weights_and_biases(learning_rate):
+    weights, gradients = weights_and_gradients()
+    weights, gradients = weights[:2], [step[:2] for step in gradients]
+    settings = dict(lr=learning_rate, betas=(0.9, 0.999, 0.9999), weight_decay=0.01)
+    ours = trained(CAME, weights, gradients, **settings)
+    theirs = trained(ReferenceCAME, weights, gradients, **settings)
+    for our_weight, their_weight, start in zip(ours, theirs, weights):
+        assert not torch.equal(our_weight, start)
+        # CAME moves weights by many times the learning rate: a few ulps of the largest weight
+        torch.testing.assert_close(our_weight, their_weight, rtol=1e-6, atol=1e-6 * start.abs().max().item())
+
+
+def test_came_steps_a_conv_kernel_as_the_reference_steps_its_output_channels_by_the_rest():
+    """Factored over (dim 0, the other dims flattened): the reference's update of the (6, 4*3*3) matrix."""
+    weights, gradients = weights_and_gradients()
+    kernel, kernel_gradients = weights[2], [step[2] for step in gradients]
+    (ours,) = trained(CAME, [kernel], [[gradient] for gradient in kernel_gradients], lr=1e-3)
+    (theirs,) = trained(ReferenceCAME, [kernel.flatten(1)], [[gradient.flatten(1)] for gradient in kernel_gradients], lr=1e-3)
+    assert not torch.equal(ours, kernel)
+    torch.testing.assert_close(ours.flatten(1), theirs, rtol=1e-6, atol=1e-6 * kernel.abs().max().item())
+
+
+def test_a_skipped_first_update_keeps_weights_and_state_and_the_next_one_steps_as_the_first():
+    """Before any update the moments are zeros, whose normalised gradient is 0/0: a skipped update must not
+    let that into the momentum or the weights. The update after it then steps as a first update does."""
+    weights, gradients = weights_and_gradients()
+    parameters = [torch.nn.Parameter(weight.clone()) for weight in weights]
+    optimizer = CAME(parameters, lr=1e-3)
+    for parameter, gradient in zip(parameters, gradients[0]):
+        parameter.grad = gradient.clone()
+    optimizer.step(finite=torch.tensor(False))
+    assert all(torch.equal(parameter, weight) for parameter, weight in zip(parameters, weights))
+    assert all(torch.count_nonzero(value) == 0 for state in optimizer.state.values() for value in state.values())
+    for parameter, gradient in zip(parameters, gradients[1]):
+        parameter.grad = gradient.clone()
+    optimizer.step(finite=torch.tensor(True))
+    first = trained(CAME, weights, gradients[1:2], lr=1e-3)
+    assert all(torch.equal(parameter.detach(), expected) for parameter, expected in zip(parameters, first))
+
+
+def test_the_state_table_of_training_md_is_what_each_optimizer_makes_for_the_sdxl_unet():
+    """docs/training.md's "full-size SDXL UNet state" column: the state each optimizer creates for the full-size
+    UNet's parameters (on the meta device: shapes only), on one GPU, in GiB as the table rounds it."""
+    from diffusers import UNet2DConditionModel
+
+    from sdxl_trainer.models.sdxl import SDXL_UNET_CONFIG
+
+    with torch.device("meta"):
+        parameters = list(UNet2DConditionModel(**SDXL_UNET_CONFIG).parameters())
+    table = dict(re.findall(r"^\s*\| `(\w+)`[^|]*\|[^|]*\| ([\d.]+) GiB \|", (REPO_ROOT / "docs" / "training.md").read_text(), re.MULTILINE))
+    assert set(table) == set(OPTIMIZERS)
+    for name in OPTIMIZERS:
+        optimizer = build_optimizer(name, parameters, 1e-5, 0.0, (0.9, None), 1e-8)
+        if name == "adamw8bit":  # torchao's state constructor, as its first step calls it
+            states = [{"exp_avg": optimizer._new_buffer(p, True), "exp_avg_sq": optimizer._new_buffer(p, False)} for p in parameters]
+        else:
+            states = [optimizer._new_state(parameter) for parameter in parameters]
+        state_bytes = sum(_stored_bytes(value) for state in states for value in state.values() if value.ndim > 0)
+        decimals = len(table[name].split(".")[1])
+        assert round(state_bytes / 2**30, decimals) == float(table[name]), f"{name}: {state_bytes / 2**30:.3f} GiB"

@@ -162,10 +162,10 @@ def saved_on(tmp_path_factory, tiny_pipeline_dir):
 
 
 # The optimizers whose state is not laid out as the weights and the EMA are, which every load compares:
-# 8-bit AdamW's quantised blocks and Adafactor's factored rows and columns. AdamW's two moments and Lion's
-# momentum are DTensors shaped like their weight, so they reshard as the weights do (and save and restore on
-# 2 processes in test_train_step_distributed.py).
-RESHARDED_OPTIMIZERS = ("adamw8bit", "adafactor")
+# 8-bit AdamW's quantised blocks and Adafactor's and CAME's factored rows and columns. AdamW's two moments and
+# Lion's momentum are DTensors shaped like their weight, so they reshard as the weights do (and save and
+# restore on 2 processes in test_train_step_distributed.py).
+RESHARDED_OPTIMIZERS = ("adamw8bit", "adafactor", "came")
 
 
 @pytest.mark.multiprocess

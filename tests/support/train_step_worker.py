@@ -2,8 +2,12 @@
 - per optimizer: the largest difference between "2 updates straight" and "1 update, save, restore into a
   fresh model and optimizer, 1 update", and the bytes of parameters and optimizer state this rank holds;
 - reduce-scatter counts of one update with 1 and with 3 microbatches (reduced once, and every microbatch);
-  all-reduces of one Adafactor step;
-- the share of the EMA this rank holds."""
+  all-reduces of one Adafactor and one CAME step;
+- per factored optimizer (Adafactor, CAME): the largest difference between weights stepped as shards
+  (uneven ones, and an empty one on rank 1) and the same weights stepped whole in one process;
+- the share of the EMA this rank holds;
+- the largest change of each UNet block's weights after one AdamW update with a param group of FSDP2 shards per
+  block (--block_lr's groups), two blocks frozen before sharding."""
 
 from __future__ import annotations
 
@@ -14,18 +18,22 @@ from pathlib import Path
 
 import torch
 from diffusers import UNet2DConditionModel
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from unet_batches import clipping_against_torch, make_train_step, save_training_state, saved_state_of, synthetic_batch
+from unet_batches import (
+    TINY_BLOCK_RATES, clipping_against_torch, largest_change_per_block, make_train_step, save_training_state, saved_state_of, synthetic_batch,
+)
 
 from sdxl_trainer.distributed.fsdp import local_parameter_bytes, shard_unet
 from sdxl_trainer.distributed.world import init_distributed, shutdown_distributed
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer, local_optimizer_state_bytes
 from sdxl_trainer.state.load import load_training_state
+from sdxl_trainer.training.block_rates import freeze_zero_rate_blocks
 from sdxl_trainer.training.ema import ShardedEMA
 
 # Prodigy's multiplies the step size it estimates (1.0 is its own value).
-LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4, "prodigy": 1.0, "adamw_schedulefree": 1e-3}
+LEARNING_RATES = {"adamw8bit": 1e-3, "adamw": 1e-3, "adafactor": 1e-3, "lion": 1e-4, "came": 1e-4, "prodigy": 1.0, "adamw_schedulefree": 1e-3}
+FACTORED_OPTIMIZERS = ("adafactor", "came")
 
 
 def sharded_unet(pipeline_dir: Path, world, weights_dtype: torch.dtype = torch.float32) -> UNet2DConditionModel:
@@ -92,16 +100,48 @@ def reduce_scatters_per_update(pipeline_dir: Path, world, microbatches: int, eve
     return dispatched.counts["c10d::_reduce_scatter_base_"], full_weights(unet)
 
 
-def all_reduces_per_adafactor_step(pipeline_dir: Path, world) -> int:
-    """How many all-reduces one Adafactor step over the sharded UNet's 212 parameters makes (its state exists)."""
+def all_reduces_per_step(name: str, pipeline_dir: Path, world) -> int:
+    """How many all-reduces one step of optimizer `name` over the sharded UNet's 212 parameters makes (its state exists)."""
     unet = sharded_unet(pipeline_dir, world)
-    optimizer = build_optimizer("adafactor", unet.parameters(), 1e-3, 0.0, (0.9, None), 1e-8)
+    optimizer = build_optimizer(name, unet.parameters(), 1e-3, 0.0, (0.9, None), 1e-8)
     for parameter in unet.parameters():
         parameter.grad = torch.ones_like(parameter)
     optimizer.step()
     with DispatchedOps() as dispatched:
         optimizer.step()
     return dispatched.counts["c10d::allreduce_"]
+
+
+def shards_against_whole(name: str, world) -> float:
+    """Four steps of optimizer `name` on dim-0 shards of a linear weight and bias, a conv kernel, weights whose
+    rows do not split evenly and a one-row weight (rank 1's shard of it is empty), against the same steps on
+    the whole tensors in this process: the largest difference, relative to the largest weight."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(24, 16), (24,), (6, 4, 3, 3), (5, 7), (1, 8), (3,)]
+    weights = [torch.randn(shape, generator=generator) for shape in shapes]
+    gradients = [[torch.randn(shape, generator=generator) * (step + 1) for shape in shapes] for step in range(4)]
+
+    def stepped(layout) -> list[torch.Tensor]:
+        parameters = [torch.nn.Parameter(layout(weight.clone())) for weight in weights]
+        optimizer = build_optimizer(name, parameters, 1e-2, 1e-2, (0.9, None), 1e-8)
+        for step_gradients in gradients:
+            for parameter, gradient in zip(parameters, step_gradients):
+                parameter.grad = layout(gradient.clone())
+            optimizer.step()
+        return [parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach() for parameter in parameters]
+
+    sharded = stepped(lambda tensor: distribute_tensor(tensor, world.mesh, [Shard(0)]))
+    whole = stepped(lambda tensor: tensor)
+    assert all(not torch.equal(weight, start) for weight, start in zip(whole, weights))
+    scale = max(weight.abs().max().item() for weight in weights)
+    return max((a - b).abs().max().item() for a, b in zip(sharded, whole)) / scale
+
+
+def block_rate_changes(pipeline_dir: Path, world) -> list[float]:
+    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet")
+    freeze_zero_rate_blocks(unet, TINY_BLOCK_RATES)
+    shard_unet(unet, world.mesh, param_dtype=None)
+    return largest_change_per_block(unet, pipeline_dir, TINY_BLOCK_RATES, rank_batch(unet, world, 0)[0])
 
 
 def main(pipeline_dir: str, output_dir: str) -> None:
@@ -112,7 +152,8 @@ def main(pipeline_dir: str, output_dir: str) -> None:
         report["optimizers"][name] = optimizer_round_trip(name, pipeline, output / f"checkpoint_{name}", world)
     # bf16 weights with stochastic rounding, through the 8-bit step (uneven shards: small ones keep fp32 moments)
     report["bf16_weights"] = optimizer_round_trip("adamw8bit", pipeline, output / "checkpoint_bf16", world, torch.bfloat16)
-    report["adafactor_all_reduces"] = all_reduces_per_adafactor_step(pipeline, world)
+    report["all_reduces"] = {name: all_reduces_per_step(name, pipeline, world) for name in FACTORED_OPTIMIZERS}
+    report["shards_against_whole"] = {name: shards_against_whole(name, world) for name in FACTORED_OPTIMIZERS}
     single, _ = reduce_scatters_per_update(pipeline, world, 1)
     once, once_weights = reduce_scatters_per_update(pipeline, world, 3)
     every, every_weights = reduce_scatters_per_update(pipeline, world, 3, every_microbatch=True)
@@ -127,6 +168,7 @@ def main(pipeline_dir: str, output_dir: str) -> None:
     report["ema_local_bytes"] = sum(shadow.numel() * shadow.element_size() for shadow in ema.shadow)
     report["param_local_bytes"] = local_parameter_bytes(unet)
     report["clipping"] = clipping_against_torch(unet, seed=world.rank)
+    report["block_rate_changes"] = block_rate_changes(pipeline, world)
     (output / f"rank{world.rank}.json").write_text(json.dumps(report))
     shutdown_distributed()
 

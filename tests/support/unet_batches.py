@@ -51,13 +51,14 @@ def empty_prompt_for(unet: UNet2DConditionModel) -> tuple[torch.Tensor, torch.Te
 
 def make_train_step(
     unet, optimizer, pipeline_dir: Path, settings: NoiseSettings | None = None, max_grad_norm: float = 1.0, ema=None, prediction_type="epsilon",
-    reduce_every_microbatch: bool = False, gather_once_per_update: bool = False,
+    reduce_every_microbatch: bool = False, gather_once_per_update: bool = False, schedule: LearningRateSchedule | None = None,
 ) -> TrainStep:
+    """schedule: None = the first param group's rate, constant."""
     constant_rate = LearningRateSchedule("constant", float(optimizer.param_groups[0]["lr"]), warmup_updates=0, total_updates=1)
     return TrainStep(
         unet,
         optimizer,
-        constant_rate,
+        schedule or constant_rate,
         build_noise_scheduler(str(pipeline_dir), prediction_type, zero_terminal_snr=False),
         settings or NoiseSettings(conditional_dropout_percent=0.0),
         empty_prompt_for(unet),
@@ -138,3 +139,39 @@ def save_training_state(checkpoint_dir: Path, model, optimizer, ema, trainer_sta
     """Collective: the state saved at once, as the trainer's Checkpointer saves it (staged, then written)."""
     staged = stage_training_state(model, optimizer, ema, trainer_state, position, TensorStager())
     return write_staged_state(checkpoint_dir, staged, writer_factory=writer_factory)
+
+
+# Rates for the tiny UNet's 13 blocks (kohya's split): 1-4 x 1e-3, block 3 (its first downsampler) and 12 (the
+# output layers) frozen.
+TINY_BLOCK_RATES = [0.0 if block in (3, 12) else 1e-3 * (1 + block % 4) for block in range(13)]
+
+
+def assert_each_block_moved_by_its_rate(changes: list[float], rates: list[float]) -> None:
+    """largest_change_per_block's result: AdamW's first update moves a block's weights by its rate (to the
+    rounding of the weights), a frozen block's not at all."""
+    for block, (rate, change) in enumerate(zip(rates, changes, strict=True)):
+        if rate == 0:
+            assert change == 0.0, f"block {block} is frozen, yet moved by {change}"
+        else:
+            assert abs(change / rate - 1) < 1e-3, f"block {block}: moved by {change} at rate {rate}"
+
+
+def largest_change_per_block(unet, pipeline_dir: Path, block_rates: list[float], batch: dict[str, torch.Tensor], learning_rate: float = 1e-3) -> list[float]:
+    """One AdamW update (no weight decay) of `unet`, prepared for training with the blocks at rate 0 frozen
+    first, with one param group per kohya block at its rate (TrainedModels.parameter_groups, as the trainer
+    builds them for --block_lr) under a schedule whose peak is `learning_rate`: the largest change of a weight
+    in each block. AdamW's first update moves each weight by its rate times |g| / (|g| + eps)."""
+    from sdxl_trainer.optimizers.build import build_optimizer
+    from sdxl_trainer.training.block_rates import unet_blocks
+    from sdxl_trainer.training.trained_models import TrainedModels
+
+    def whole(parameter: torch.Tensor) -> torch.Tensor:
+        return (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach()).clone()
+
+    groups = TrainedModels(unet).parameter_groups(learning_rate, {}, block_rates)
+    optimizer = build_optimizer("adamw", groups, learning_rate, 0.0, (0.9, None), 1e-8)
+    step = make_train_step(unet, optimizer, pipeline_dir, schedule=LearningRateSchedule("constant", learning_rate, warmup_updates=0, total_updates=1))
+    blocks = unet_blocks(unet)
+    before = [[whole(parameter) for parameter in block] for block in blocks]
+    step([batch], epoch=0)
+    return [max((whole(parameter) - start).abs().max().item() for parameter, start in zip(block, starts)) for block, starts in zip(blocks, before)]

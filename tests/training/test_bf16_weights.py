@@ -72,8 +72,9 @@ def test_every_shape_dtype_and_layout_rounds_through_one_compiled_graph():
 def test_updates_below_half_a_bf16_step_land_in_expectation(optimizer_name):
     """Weights at 1.0, a constant gradient: every optimizer here moves a weight by about lr per update
     (Adam's normalised step, Lion's sign, Adafactor's clipped RMS of 1; Prodigy with its step size held at 1
-    and Adam's bias correction), schedule-free AdamW's trained weights (y) by about half that, and lr is 1.3%
-    of a bf16 step. Rounded to nearest, the weights never move (torch's AdamW on bf16 weights); rounded
+    and Adam's bias correction), CAME by a few times that (its momentum over the root of a small
+    instability), schedule-free AdamW's trained weights (y) by about half that, and lr is 1.3% of a bf16
+    step. Rounded to nearest, the weights never move (torch's AdamW on bf16 weights); rounded
     stochastically, their mean follows the fp32 trajectory."""
     learning_rate, updates = BF16_STEP_AT_1 / 78, 60
     shapes = [(64, 128), (300,)]  # 8-bit moments for the first with adamw8bit, fp32 ones for the second
@@ -90,7 +91,7 @@ def test_updates_below_half_a_bf16_step_land_in_expectation(optimizer_name):
         return [weight.detach().float() for weight in weights]
 
     def ours(weights):
-        return build_optimizer(optimizer_name, weights, learning_rate, 0.0, (0.9, None), 1e-8, prodigy)
+        return build_optimizer(optimizer_name, weights, learning_rate, 0.0, (0.9, None), 1e-8, prodigy=prodigy)
 
     stochastic, exact = train(ours), train(ours, torch.float32)
     nearest = train(lambda weights: torch.optim.AdamW(weights, lr=learning_rate, weight_decay=0.0, foreach=True))

@@ -202,7 +202,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 # Every optimizer is told the verdict on the device (nothing read on the host) and leaves everything as it was.
-@pytest.mark.parametrize("optimizer_name", [pytest.param("adamw8bit", marks=pytest.mark.slow), "adamw", "lion", "adafactor", "prodigy", "adamw_schedulefree"])
+@pytest.mark.parametrize("optimizer_name", [pytest.param("adamw8bit", marks=pytest.mark.slow), "adamw", "lion", "adafactor", "came", "prodigy", "adamw_schedulefree"])
 def test_nonfinite_update_is_skipped_without_touching_weights_or_state_but_counts_toward_the_schedule(world, tiny_pipeline_dir, optimizer_name):
     unet = sharded_unet(tiny_pipeline_dir, world)
     optimizer = build_optimizer(optimizer_name, unet.parameters(), 1e-3, 1e-2, (0.9, None), 1e-8)
@@ -418,6 +418,17 @@ def test_beta2_defaults_to_each_optimizers_own(optimizer, beta2):
     assert built.param_groups[0]["betas"] == (0.9, beta2)
     explicit = build_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(4))], 1e-4, 0.0, (0.9, 0.95), 1e-8)
     assert explicit.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+def test_came_takes_the_adam_betas_and_its_own_third():
+    from sdxl_trainer.jobs.train_config import TrainConfig
+    from sdxl_trainer.optimizers.build import build_optimizer
+
+    parameters = [torch.nn.Parameter(torch.zeros(4))]
+    assert build_optimizer("came", parameters, 1e-4, 0.0, (0.9, None), 1e-8).param_groups[0]["betas"] == (0.9, 0.999, 0.9999)  # the paper's
+    config = parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--optimizer", "came", "--adam_beta2", "0.99", "--came_beta3", "0.999"])
+    built = build_optimizer("came", parameters, 1e-4, 0.0, (config.adam_beta1, config.adam_beta2), 1e-8, came_beta3=config.came_beta3)
+    assert built.param_groups[0]["betas"] == (0.9, 0.99, 0.999)
 
 
 def test_no_two_samples_share_their_noise_across_epochs_and_items():
