@@ -30,6 +30,7 @@ def main(mode: str, folder: str) -> None:
     world = init_distributed()
     with ConsoleLog(Path(folder) / "train.log", world.is_main) as console_log, JobWatchdog(world.rank, world.world_size, log_only=console_log.write_to_file_only):
         stop = StopRequest(announce=world.is_main)  # as the trainer's loop: a launcher's SIGTERM after the kill asks for a stop
+        stop.training_begins()
         try:
             dist.barrier()
             if mode == "killed":
