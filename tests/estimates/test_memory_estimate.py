@@ -202,22 +202,10 @@ def test_each_shipped_config_is_checked_with_the_reduction_of_its_card():
         check.card_gib(REPO_ROOT / "configs" / "consumer.toml")
 
 
-# Shipped configs whose recorded estimate is above their card's line, each with why it still ships. Listed so that
-# the test below fails both when another config goes over and when one of these comes back under (drop it then).
-OVER_THE_LINE = {
-    # Regenerated 2026-11-29: its step's "temporaries" at the peak grew from 0.37 to 2.76 GiB since the previous
-    # estimate (6220b5b), about two bytes per value of a rank's shard (the 8x80 and multinode rows grew in the same
-    # proportion to their shards). Not the 8-bit kernel's in-place state (reverted, the same); under investigation
-    # (issue 58's note). The last H200 measurement of this config, capped at 24 GiB, fit: 14.06 GiB allocated,
-    # 20.44 reserved (README's table).
-    "2x24gb_consumer.toml",
-}
-
-
 def test_each_shipped_config_fits_its_card_by_the_recorded_estimate():
     """benchmarks/results/memory_estimates.json holds --estimate_memory's figures for every shipped config (a few
     minutes each on a CPU, so recorded rather than recomputed here); each config must still be the one
-    estimated, and fit its card with the margin, but those OVER_THE_LINE names."""
+    estimated, and fit its card with the margin."""
     import importlib.util
     import json
 
@@ -231,8 +219,7 @@ def test_each_shipped_config_fits_its_card_by_the_recorded_estimate():
         assert row["settings"] == check.describe(check.load_for_card(path)), f"{path.name} changed since its estimate: regenerate it"
         assert row["card_gib"] == check.card_gib(path)
         assert row["estimated_with_margin_gib"] == pytest.approx(needed_gib(row["estimated_tracked_gib"], row["settings"]["world_size"])), path.name
-        fits = row["estimated_fits"] and row["estimated_with_margin_gib"] <= 0.97 * row["card_gib"]
-        assert fits != (path.name in OVER_THE_LINE), f"{path.name}: fits by its estimate: {fits}; OVER_THE_LINE says the opposite"
+        assert row["estimated_fits"] and row["estimated_with_margin_gib"] <= 0.97 * row["card_gib"], f"{path.name} does not fit its card by its estimate"
 
 
 def test_the_hardware_tables_margin_covers_the_memory_measured_for_every_shipped_config():
