@@ -174,7 +174,10 @@ def build_estimate_run(settings: EstimateSettings, world: World, unet_config: di
 def zero_gradients(run: EstimateRun) -> None:
     """Gradients as backward leaves them, for train_two_updates' first update. Made before a tracker starts,
     which then counts them as gradients (on the host under CPU offload, where FSDP2 keeps them); made under
-    it, they would count as activations on the GPU."""
+    it, they would count as activations on the GPU. With the optimizer in backward none: its first update makes
+    each unit's as it steps that unit (a GPU never holds them all)."""
+    if run.train_step.in_backward is not None:
+        return
     for parameter in run.trained.parameters():
         if parameter.requires_grad:
             parameter.grad = torch.zeros_like(parameter)
@@ -185,11 +188,18 @@ def train_two_updates(run: EstimateRun, device: torch.device) -> tuple[bool, flo
     optimizer's state as a first update does (its forward and backward, without that state, need less than
     the second's, and cost as much time on fake tensors as a whole update). The second is a whole update.
     Returns whether the second stepped (a non-finite loss or gradient norm skips the step), and its seconds.
-    With the optimizer in backward the first steps unit by unit, laying the state out as those updates use it."""
-    if run.train_step.in_backward is not None:
-        run.train_step.in_backward.step_each_unit()
-    else:
+    With the optimizer in backward the first steps unit by unit on each unit's zero gradients, freed after its
+    step as backward would free them, and lays the state out as those updates use it."""
+    in_backward = run.train_step.in_backward
+    if in_backward is None:
         run.optimizer.step()
+    else:
+        for unit, subset in zip(in_backward.units, in_backward.subsets):
+            for parameter in unit:
+                parameter.grad = torch.zeros_like(parameter)
+            in_backward.optimizer.step_subset(subset)
+            for parameter in unit:
+                parameter.grad = None
     run.optimizer.zero_grad(set_to_none=True)
     _synchronize(device)
     started = time.perf_counter()

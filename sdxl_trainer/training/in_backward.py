@@ -94,12 +94,6 @@ class OptimizerInBackward:
         norm = torch.stack([squares.to(device) for squares in update.squares]).sum().sqrt()
         return norm, update.loss_finite & torch.stack([verdict.to(device) for verdict in update.verdicts]).all()
 
-    def step_each_unit(self) -> None:
-        """Step every unit on the gradients its parameters hold now, outside backward (the memory estimate's
-        first update, which creates the optimizer's state laid out as the updates in backward use it)."""
-        for subset in self.subsets:
-            self.optimizer.step_subset(subset)
-
     def remove(self) -> None:
         """Take the hooks off the parameters."""
         for handle in self._handles:
