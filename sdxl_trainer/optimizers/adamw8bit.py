@@ -163,7 +163,10 @@ class _Layout(NamedTuple):
 class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
     """torchao's AdamW8bit (its state, checkpoints and the fp32 state it keeps for shards under 4,096 values
     or not a multiple of the 256-value block) with a multi-tensor step, stochastic rounding into bf16
-    weights, and an update's skip decided on the device (step(finite=...), StepsIfFinite). No amsgrad."""
+    weights, and an update's skip decided on the device (step(finite=...), StepsIfFinite). No amsgrad.
+    step_subset (the optimizer in backward) keeps a layout per subset, its chunks numbered from the subset's
+    first_chunk: the same weights and state as a whole step with fp32 weights; over bf16 weights other
+    rounding bits, as the chunks' numbers key them."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=BLOCK_SIZE)
