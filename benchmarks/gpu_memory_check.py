@@ -62,10 +62,15 @@ def load_for_card(config_path: Path) -> EstimateSettings:
 
 
 def describe(settings: EstimateSettings) -> dict:
-    return {
+    """The settings as recorded beside an estimate. --optimizer_in_backward is recorded only when on: every estimate
+    recorded before it existed was made with the ordinary step, which its absence means."""
+    described = {
         name: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
         for name, value in dataclasses.asdict(settings).items()
     }
+    if not described["optimizer_in_backward"]:
+        del described["optimizer_in_backward"]
+    return described
 
 
 def estimate_all() -> list[dict]:

@@ -200,15 +200,10 @@ def shard_unet(
       with dynamic sizes.
     """
     kwargs = _fsdp_settings(mesh, param_dtype, reshard_after_forward, cpu_offload, reduce_dtype)
-    from diffusers.models.attention import BasicTransformerBlock
-
     if compile_blocks:
         compile_repeated_blocks(unet)
-    inside_wrappers = {id(module._checkpoint_wrapped_module) for module in unet.modules() if isinstance(module, CheckpointWrapper)}
-    for module in unet.modules():  # a transformer block, or the checkpoint wrapper around it (compile_repeated_blocks)
-        block = module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
-        if isinstance(block, BasicTransformerBlock) and id(module) not in inside_wrappers:
-            fully_shard(module, **kwargs)
+    for module in _transformer_blocks(unet):
+        fully_shard(module, **kwargs)
     stages = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]  # as the UNet's forward runs them
     for block in stages:
         fully_shard(block, **kwargs)
@@ -217,6 +212,47 @@ def shard_unet(
     fully_shard(unet, **{**kwargs, "reshard_after_forward": False})
     prefetch_in_order(unet, stages)
     return unet  # type: ignore[return-value]
+
+
+def _transformer_blocks(unet: nn.Module) -> list[nn.Module]:
+    """The UNet's transformer blocks, each as itself or as the checkpoint wrapper around it (compile_repeated_blocks)."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    inside_wrappers = {id(module._checkpoint_wrapped_module) for module in unet.modules() if isinstance(module, CheckpointWrapper)}
+    blocks = []
+    for module in unet.modules():
+        block = module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
+        if isinstance(block, BasicTransformerBlock) and id(module) not in inside_wrappers:
+            blocks.append(module)
+    return blocks
+
+
+def gradient_units(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The model's parameters by unit, each unit's own (not those of the units inside it): a sharded model's
+    FSDP2 modules, whose gradients one reduce-scatter makes final together; a plain module (one process) by
+    the units sharding would make of it: for a UNet shard_unet's (transformer blocks, down/mid/up blocks, the
+    root), for a text encoder its embeddings and each CLIP layer, the rest together. The optimizer in backward
+    steps a unit at a time (training/in_backward.py)."""
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if not units:
+        from diffusers import UNet2DConditionModel
+
+        if isinstance(model, UNet2DConditionModel):
+            units = [*_transformer_blocks(model), *model.down_blocks, model.mid_block, *model.up_blocks]
+        else:
+            from transformers.models.clip.modeling_clip import CLIPEncoderLayer, CLIPTextEmbeddings
+
+            units = [module for module in model.modules() if isinstance(module, (CLIPTextEmbeddings, CLIPEncoderLayer))]
+    order = {id(module): number for number, module in enumerate(model.modules())}
+    # model.modules() lists a module before those inside it: the last unit to claim a parameter is its innermost.
+    owner: dict[nn.Parameter, int] = {}
+    for module in [model, *sorted(units, key=lambda unit: order[id(unit)])]:
+        for parameter in module.parameters():
+            owner[parameter] = order[id(module)]
+    by_unit: dict[int, list[nn.Parameter]] = {}
+    for parameter, unit in owner.items():
+        by_unit.setdefault(unit, []).append(parameter)
+    return [by_unit[unit] for unit in sorted(by_unit)]
 
 
 def reshard_units(model: nn.Module) -> None:

@@ -69,6 +69,7 @@ class EstimateSettings:
     weights_dtype: torch.dtype = torch.float32  # of the trained weights and their gradients (--weights_dtype)
     train_text_encoder: bool = False  # both text encoders trained too, captions encoded each step (caption mode)
     reduce_dtype: torch.dtype = torch.float32  # of the reduce-scattered gradients (--reduce_dtype)
+    optimizer_in_backward: bool = False  # each unit stepped, and its gradients freed, inside backward (no clipping, one microbatch)
 
 
 class ValuesReadAsOne(TorchDispatchMode):
@@ -159,8 +160,8 @@ def build_estimate_run(settings: EstimateSettings, world: World, unet_config: di
     train_step = TrainStep(
         unet, optimizer, LearningRateSchedule("constant", 1e-5, 0, 1), _training_scheduler(),
         NoiseSettings(conditional_dropout_percent=0.1), tuple(tensor.to(world.device) for tensor in empty_prompt), run_seed=0,
-        max_grad_norm=1.0, ema=ema, reduce_every_microbatch=settings.reduce_every_microbatch, caption_encoder=caption_encoder,
-        gather_once_per_update=not settings.reshard_after_forward,
+        max_grad_norm=0.0 if settings.optimizer_in_backward else 1.0, ema=ema, reduce_every_microbatch=settings.reduce_every_microbatch,
+        caption_encoder=caption_encoder, gather_once_per_update=not settings.reshard_after_forward, optimizer_in_backward=settings.optimizer_in_backward,
     )  # fmt: skip
     # A microbatch past the second adds nothing new: its gradients land where the second's did.
     microbatches = [
@@ -173,7 +174,10 @@ def build_estimate_run(settings: EstimateSettings, world: World, unet_config: di
 def zero_gradients(run: EstimateRun) -> None:
     """Gradients as backward leaves them, for train_two_updates' first update. Made before a tracker starts,
     which then counts them as gradients (on the host under CPU offload, where FSDP2 keeps them); made under
-    it, they would count as activations on the GPU."""
+    it, they would count as activations on the GPU. With the optimizer in backward none: its first update makes
+    each unit's as it steps that unit (a GPU never holds them all)."""
+    if run.train_step.in_backward is not None:
+        return
     for parameter in run.trained.parameters():
         if parameter.requires_grad:
             parameter.grad = torch.zeros_like(parameter)
@@ -183,8 +187,19 @@ def train_two_updates(run: EstimateRun, device: torch.device) -> tuple[bool, flo
     """The first update only steps the optimizer, on the zero gradients of zero_gradients: it creates the
     optimizer's state as a first update does (its forward and backward, without that state, need less than
     the second's, and cost as much time on fake tensors as a whole update). The second is a whole update.
-    Returns whether the second stepped (a non-finite loss or gradient norm skips the step), and its seconds."""
-    run.optimizer.step()
+    Returns whether the second stepped (a non-finite loss or gradient norm skips the step), and its seconds.
+    With the optimizer in backward the first steps unit by unit on each unit's zero gradients, freed after its
+    step as backward would free them, and lays the state out as those updates use it."""
+    in_backward = run.train_step.in_backward
+    if in_backward is None:
+        run.optimizer.step()
+    else:
+        for unit, subset in zip(in_backward.units, in_backward.subsets):
+            for parameter in unit:
+                parameter.grad = torch.zeros_like(parameter)
+            in_backward.optimizer.step_subset(subset)
+            for parameter in unit:
+                parameter.grad = None
     run.optimizer.zero_grad(set_to_none=True)
     _synchronize(device)
     started = time.perf_counter()

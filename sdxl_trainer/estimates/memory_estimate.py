@@ -89,6 +89,7 @@ class MemoryEstimate:
             + (", bf16 weights" if settings.weights_dtype == torch.bfloat16 else "")
             + f", gradient checkpointing {'on' if settings.gradient_checkpointing else 'off'}"
             + (", gradients reduced every microbatch" if settings.reduce_every_microbatch and settings.gradient_accumulation_steps > 1 else "")
+            + (", optimizer stepped in backward" if settings.optimizer_in_backward else "")
             + (", CPU offload" if settings.cpu_offload else "")
             + (f", EMA{' on the CPU' if settings.ema_on_cpu else ''}" if settings.use_ema else "")
             + ":"

@@ -34,6 +34,13 @@ class _PeakOfCounted:
     gpu_peak: int = 0
     gpu_peak_snapshot: dict = {}
 
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
+        # torch's gradient hook reads the parameter's gradient after it is accumulated; the optimizer in backward
+        # (its hook runs first) may have stepped and freed it by then, already counted when it was made.
+        if t is None:
+            return set()
+        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
     def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - the trackers' signature
         for snapshot in self._curr_mem_snap.values():
             counted = sum(snapshot[category] for category in self.counted)

@@ -197,6 +197,11 @@ def build_run(config: TrainConfig, world: World, stop: StopRequest) -> Run:
     exempt_live_objects_from_garbage_collection()  # the model libraries' objects too, imported by now
     # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
     scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
+    if scaler is not None and config.optimizer_in_backward:
+        raise SystemExit(
+            "Cannot start training: this GPU has no bf16, so --mixed_precision auto computes in fp16, whose loss scaling "
+            "--optimizer_in_backward cannot take (the scaler checks every gradient before any step): drop --optimizer_in_backward"
+        )
     groups = models.parameter_groups(config.learning_rate, config.text_encoder_rates(), config.block_lr)
     optimizer = build_optimizer(
         config.optimizer, groups, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon,
@@ -227,6 +232,7 @@ def build_run(config: TrainConfig, world: World, stop: StopRequest) -> Run:
         reduce_every_microbatch=reduce_every_microbatch(config, device_memory_gib(world.device)),
         caption_encoder=caption_encoder,
         gather_once_per_update=not config.reshard_after_forward,
+        optimizer_in_backward=config.optimizer_in_backward,
     )
     if saved:
         train_step.load_state_dict(dataclasses.asdict(saved))

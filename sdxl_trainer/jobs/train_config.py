@@ -22,7 +22,7 @@ from sdxl_trainer.evaluation.metrics import MetricWeights
 from sdxl_trainer.evaluation.sampling import GenerationSettings
 from sdxl_trainer.models.options import ModelOptions
 from sdxl_trainer.monitoring.monitor import LoggingOptions
-from sdxl_trainer.optimizers.build import PRODIGY_MIN_LEARNING_RATE, SCHEDULE_FREE_SCHEDULES, OptimizerOptions
+from sdxl_trainer.optimizers.build import IN_BACKWARD_REFUSED, PRODIGY_MIN_LEARNING_RATE, SCHEDULE_FREE_SCHEDULES, OptimizerOptions
 from sdxl_trainer.outputs.export import ExportOptions, ExportSettings
 from sdxl_trainer.state.checkpointer import CheckpointOptions, RunFacts
 from sdxl_trainer.training.block_rates import BlockRateOptions
@@ -141,9 +141,33 @@ class TrainConfig(
                 f"--optimizer adamw_schedulefree averages its weights instead of decaying the rate: use --learning_rate_scheduler "
                 f"constant_with_warmup (or constant), got {self.learning_rate_scheduler}"
             )
+        if self.optimizer_in_backward:
+            problems += self._in_backward_problems()
         if self.learning_rate_scheduler == "polynomial" and self.polynomial_lr_end >= self.learning_rate:
             problems.append(f"--polynomial_lr_end ({self.polynomial_lr_end}) must be below --learning_rate ({self.learning_rate})")
         return problems + self._caption_variation_problems() + self._run_folder_problems()
+
+    def _in_backward_problems(self) -> list[str]:
+        """What --optimizer_in_backward cannot do (training/in_backward.py), one line each with the fix."""
+        problems = []
+        if self.max_grad_norm > 0:
+            problems.append(
+                f"--optimizer_in_backward steps each unit as soon as its gradients are final, before the global gradient norm exists, "
+                f"so it cannot clip by that norm: pass --max_grad_norm 0 (the norm is still logged), got {self.max_grad_norm}"
+            )
+        if self.gradient_accumulation_steps > 1:
+            problems.append(
+                f"--optimizer_in_backward steps in each microbatch's backward and cannot accumulate gradients: pass "
+                f"--gradient_accumulation_steps 1 (and a larger --train_batch_size), got {self.gradient_accumulation_steps}"
+            )
+        if self.mixed_precision == "fp16":
+            problems.append(
+                "--optimizer_in_backward cannot take fp16's loss scaling (the scaler unscales and checks every gradient before any "
+                "step): use --mixed_precision bf16 (or auto on a GPU with bf16)"
+            )
+        if self.optimizer in IN_BACKWARD_REFUSED:
+            problems.append(f"--optimizer_in_backward cannot step --optimizer {self.optimizer} a unit at a time: {IN_BACKWARD_REFUSED[self.optimizer]}")
+        return problems
 
     def _run_folder_problems(self) -> list[str]:
         """The run writes checkpoints and exports into its folder (and --overwrite_run clears it): what it reads
@@ -337,7 +361,7 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
             gradient_checkpointing=config.gradient_checkpointing, reshard_after_forward=config.reshard_after_forward,
             reduce_every_microbatch=reduce_every_microbatch, cpu_offload=config.cpu_offload, use_ema=config.use_ema, ema_on_cpu=config.ema_on_cpu,
             weights_dtype=DTYPE_OF_NAME[config.weights_dtype], train_text_encoder=config.train_text_encoder,
-            reduce_dtype=DTYPE_OF_NAME[config.reduce_dtype],
+            reduce_dtype=DTYPE_OF_NAME[config.reduce_dtype], optimizer_in_backward=config.optimizer_in_backward,
         )  # fmt: skip
         for reduce_every_microbatch in sorted(reductions, reverse=True)
     ]

@@ -182,11 +182,14 @@ class _Layout(NamedTuple):
 class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
     """torchao's AdamW8bit (its state, checkpoints and the fp32 state it keeps for shards under 4,096 values
     or not a multiple of the 256-value block) with a multi-tensor step, stochastic rounding into bf16
-    weights, and an update's skip decided on the device (step(finite=...), StepsIfFinite). No amsgrad."""
+    weights, and an update's skip decided on the device (step(finite=...), StepsIfFinite). No amsgrad.
+    step_subset (the optimizer in backward) keeps a layout per subset, its chunks numbered from the subset's
+    first_chunk: the same weights and state as a whole step with fp32 weights; over bf16 weights other
+    rounding bits, as the chunks' numbers key them."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=BLOCK_SIZE)
-        self._layouts: dict[int, _Layout] = {}
+        self._layouts: dict[tuple[int, int | None], _Layout] = {}  # by (param group, ParameterSubset number or None)
 
     def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
         # torchao gives an unquantised moment the weights' dtype; a bf16 moment would stall as bf16 weights do.
@@ -234,9 +237,15 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
     def step(self, closure=None, *, finite: torch.Tensor | None = None):  # noqa: ARG002 - torch.optim signature
         """The step, left undone (weights, moments, step counts) where `finite` (a bool scalar on the device) is
         False; None: always. Nothing here reads a value from the device."""
-        chunks_stepped = 0
-        for group_number, group in enumerate(self.param_groups):
-            layout = self._layout(group_number, group)
+        subset = self._subset  # step_subset: only these parameters, their chunks numbered from the subset's first_chunk
+        chunks_stepped = 0 if subset is None else subset.first_chunk
+        candidates = (
+            [(number, group["params"]) for number, group in enumerate(self.param_groups)] if subset is None
+            else [(number, [param for _, param in members]) for number, members in subset.groups]
+        )  # fmt: skip
+        for group_number, group_params in candidates:
+            group = self.param_groups[group_number]
+            layout = self._layout((group_number, None if subset is None else subset.number), group_params)
             if layout is None:
                 continue
             for batch in layout.batches:
@@ -245,16 +254,22 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
                 batch.step_counts.add_(batch_finite)
                 chunks_stepped += self._step_batch(batch, group, chunks_stepped, batch_finite)
 
-    def _layout(self, group_number: int, group: dict) -> _Layout | None:
-        """The group's layout for this step (None: no gradient in the group): the kept one while it holds."""
-        params = tuple(param for param in group["params"] if param.grad is not None)
+    def _layout(self, key: tuple[int, int | None], group_params: list[torch.Tensor]) -> _Layout | None:
+        """The layout of a group's parameters `group_params` for this step (None: none has a gradient): the kept
+        one while it holds. `key`: the group's number and the ParameterSubset's (None: the whole group)."""
+        params = tuple(param for param in group_params if param.grad is not None)
         if not params:
             return None
-        kept = self._layouts.get(group_number)
+        kept = self._layouts.get(key)
         if (kept is not None and len(kept.params) == len(params) and all(map(operator.is_, kept.params, params))
                 and all(map(operator.is_, kept.weights, map(local_shard, params)))
                 and all(map(operator.is_, kept.moments, (self.state[param]["exp_avg"] for param in params)))):
             return kept
+        # A whole-group layout and the subsets' share the same state tensors, each set into its own buffers: keep
+        # one kind per group, so no buffer left behind holds a second copy of the state.
+        group_number, subset_number = key
+        for other in [other for other in self._layouts if other[0] == group_number and (other[1] is None) != (subset_number is None)]:
+            del self._layouts[other]
         # Shards step together when they share the update count (all of them, unless some had no gradient on
         # some update), the kind of state, the device and the dtypes. A shard without state yet has count 0.
         kinds = defaultdict(list)
@@ -282,7 +297,7 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
                 self.state[param]["step"] = step_counts[number]
             batches.append(_Batch(step_counts, is_8bit, chunks))
         layout = _Layout(params, tuple(map(local_shard, params)), tuple(self.state[param]["exp_avg"] for param in params), batches)
-        self._layouts[group_number] = layout
+        self._layouts[key] = layout
         return layout
 
     def _chunk(self, params: list[torch.Tensor], weights: list[torch.Tensor], is_8bit: bool) -> _Chunk:

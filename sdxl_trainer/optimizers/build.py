@@ -28,6 +28,8 @@ DEFAULT_BETA2 = {"adamw8bit": 0.999, "adamw": 0.999, "lion": 0.99, "came": 0.999
 PRODIGY_MIN_LEARNING_RATE = 0.1
 # The schedules under which schedule-free AdamW's averaging is what it was made for: a constant rate, after a warm-up.
 SCHEDULE_FREE_SCHEDULES = ("constant", "constant_with_warmup")
+# Optimizers --optimizer_in_backward refuses, and why: their step needs every parameter before any weight moves.
+IN_BACKWARD_REFUSED = {"prodigy": Prodigy.steps_in_parts, "adamw_schedulefree": ScheduleFreeAdamW.steps_in_parts}
 
 @dataclass(kw_only=True)
 class OptimizerOptions:

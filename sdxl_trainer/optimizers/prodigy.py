@@ -60,6 +60,11 @@ class Prodigy(StepsIfFinite, torch.optim.Optimizer):
     the rates are equal. Betas, eps and the Prodigy settings are the optimizer's, as d is. Over bf16 weights
     the moments and s stay fp32 and p0 is a bf16 copy of the starting weights (exact)."""
 
+    steps_in_parts = (
+        "its step size d comes from sums over every parameter's gradient and state, which must all be in before any "
+        "weight moves"
+    )
+
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, settings: ProdigySettings = ProdigySettings()):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))

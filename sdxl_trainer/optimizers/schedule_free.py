@@ -41,6 +41,11 @@ class ScheduleFreeAdamW(StepsIfFinite, torch.optim.Optimizer):
     weights and the state as they were without the host reading anything. Over bf16 weights y is rounded
     stochastically, and z and the moment stay fp32."""
 
+    steps_in_parts = (
+        "its averaging scalars (updates taken, sum of weights, largest rate) are one tensor shared by every parameter "
+        "and move once per whole step"
+    )
+
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))

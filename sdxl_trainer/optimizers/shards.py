@@ -13,11 +13,62 @@ from torch.distributed.tensor import DTensor, Replicate
 from sdxl_trainer.distributed.local_shard import local_shard
 
 
+class ParameterSubset(NamedTuple):
+    """Some of an optimizer's parameters, stepped on their own (StepsIfFinite.step_subset): the optimizer in
+    backward steps each unit's parameters once their gradients are final (training/in_backward.py).
+    `groups`: for each param group holding any of them, the group's number and its members as (number over all
+    groups, the parameter), in the group's order, so each keeps the number (its stream of stochastic rounding)
+    it has in a whole step. `number` tells the subsets apart; `first_chunk` is where the numbers of this
+    subset's chunks start in an optimizer that numbers its chunks within an update (8-bit AdamW's rounding
+    key): the subsets' ranges do not overlap, as a chunk holds at least one parameter."""
+
+    number: int
+    groups: tuple[tuple[int, tuple[tuple[int, torch.Tensor], ...]], ...]
+    first_chunk: int
+
+
 class StepsIfFinite:
     """Marks an optimizer whose step takes the update's verdict on the device (TrainStep): step(finite=...)
     leaves weights, moments and step counts exactly as they were where `finite` (a bool scalar on the
     training device) is False, so the host never waits to learn it. It goes through step() itself, so
-    torch's optimizer step hooks still run."""
+    torch's optimizer step hooks still run.
+
+    step_subset steps only some parameters (the optimizer in backward): every optimizer whose step treats each
+    parameter on its own, or sums only over one parameter's shards, gives those parameters exactly what a
+    whole step would. One whose step needs every parameter first (Prodigy's step-size sums, schedule-free
+    AdamW's averaging scalars shared by all) sets `steps_in_parts` to the reason it cannot."""
+
+    steps_in_parts: str | None = None  # None: step_subset works; else why it cannot
+    _subset: ParameterSubset | None = None  # set while step_subset steps
+
+    def subsets(self, parts: list[list[torch.Tensor]]) -> list[ParameterSubset]:
+        """A ParameterSubset for each list of this optimizer's parameters in `parts` (disjoint lists)."""
+        place = {}
+        index = 0
+        for group_number, group in enumerate(self.param_groups):
+            for param in group["params"]:
+                place[param] = (group_number, index)
+                index += 1
+        subsets, first_chunk = [], 0
+        for number, part in enumerate(parts):
+            by_group: dict[int, list[tuple[int, torch.Tensor]]] = {}
+            for param in part:
+                group_number, index = place[param]
+                by_group.setdefault(group_number, []).append((index, param))
+            groups = tuple((group_number, tuple(sorted(members, key=lambda member: member[0]))) for group_number, members in sorted(by_group.items()))
+            subsets.append(ParameterSubset(number, groups, first_chunk))
+            first_chunk += len(part)
+        return subsets
+
+    def step_subset(self, subset: ParameterSubset, finite: torch.Tensor | None = None) -> None:
+        """step(finite=...) over the subset's parameters that have a gradient, and no others."""
+        if self.steps_in_parts is not None:
+            raise ValueError(f"{type(self).__name__} cannot step some parameters on their own: {self.steps_in_parts}")
+        self._subset = subset
+        try:
+            self.step(finite=finite)
+        finally:
+            self._subset = None
 
 
 def _row_shard_groups(param: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
@@ -53,7 +104,21 @@ class _Entry(NamedTuple):
 
 
 def _entries_per_group(optimizer: torch.optim.Optimizer, new_state) -> Iterable[tuple[dict, list[_Entry]]]:
-    """Each param group with its parameters that have a gradient; `new_state(param)` fills an empty state."""
+    """Each param group with its parameters that have a gradient; `new_state(param)` fills an empty state.
+    While step_subset steps, only the subset's parameters, with the numbers they have in a whole step."""
+    subset = getattr(optimizer, "_subset", None)
+    if subset is not None:
+        for group_number, members in subset.groups:
+            entries = []
+            for index, param in members:
+                if param.grad is not None:
+                    state = optimizer.state[param]
+                    if not state:
+                        state.update(new_state(param))
+                    entries.append(_Entry(index, param, local_shard(param), local_shard(param.grad), state))
+            if entries:
+                yield optimizer.param_groups[group_number], entries
+        return
     index = 0
     for group in optimizer.param_groups:
         entries = []

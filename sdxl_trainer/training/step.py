@@ -60,6 +60,13 @@ class StepOptions:
         "communication); auto = every_microbatch on GPUs under 40 GB with accumulation, else once_per_update; "
         "unused on one process without --cpu_offload (the UNet is not sharded there)",
     )
+    optimizer_in_backward: bool = option(
+        False,
+        help="step each unit's weights inside backward as soon as its gradients are final (after its reduce-scatter under "
+        "FSDP2) and free them at once, so the whole model's gradients are never held (docs/training.md); needs "
+        "--max_grad_norm 0 and --gradient_accumulation_steps 1, no fp16, not prodigy nor adamw_schedulefree; a NaN/inf "
+        "skips per unit",
+    )
 
     def problems(self) -> list[str]:
         problems = []
@@ -141,6 +148,7 @@ class TrainStep:
         reduce_every_microbatch: bool = False,
         caption_encoder: StepCaptionEncoder | None = None,
         gather_once_per_update: bool = False,
+        optimizer_in_backward: bool = False,
     ):
         """unet: FSDP2-sharded, or a plain module on one process (parallel.prepare_unet).
         reduce_every_microbatch (sharded UNets): reduce-scatter gradients after every microbatch (sharded gradients only:
@@ -149,7 +157,9 @@ class TrainStep:
         gather_once_per_update (sharded UNets that keep their weights gathered from forward to backward,
         --no-reshard_after_forward): keep them gathered from one microbatch to the next too, so each unit is
         gathered once per update instead of once per microbatch; the peak memory is the same, as every
-        microbatch already holds them all at once."""
+        microbatch already holds them all at once.
+        optimizer_in_backward: step each unit inside backward (in_backward.py), one microbatch per update, without
+        clipping or loss scaling."""
         self.unet = unet
         self.optimizer = optimizer
         self.learning_rate = learning_rate
@@ -170,6 +180,14 @@ class TrainStep:
         trained_encoders = caption_encoder.text_encoders if caption_encoder is not None and caption_encoder.trains else ()
         self.sharded_modules = [module for model in (unet, *trained_encoders) for module in model.modules() if isinstance(module, FSDPModule)]
         self._skip_counts = torch.zeros(2, dtype=torch.int64)  # skipped updates in all, and in a row; moved to the device by the first update
+        self.in_backward = None
+        if optimizer_in_backward:
+            if max_grad_norm or scaler is not None:
+                raise ValueError("the optimizer in backward steps before the global gradient norm exists and cannot take fp16's loss "
+                                 "scaling: max_grad_norm must be 0 and no scaler")  # fmt: skip
+            from sdxl_trainer.training.in_backward import OptimizerInBackward
+
+            self.in_backward = OptimizerInBackward(optimizer, [unet, *trained_encoders])
 
     @property
     def skips_on_device(self) -> bool:
@@ -206,6 +224,8 @@ class TrainStep:
         self._skip_counts = torch.tensor([state["skipped_updates"], state["consecutive_skipped_updates"]], dtype=torch.int64)
 
     def __call__(self, microbatches: list[dict[str, torch.Tensor]], epoch: int) -> UpdateResult:
+        if self.in_backward is not None:
+            return self._update_in_backward(microbatches, epoch)
         device = microbatches[0]["latents"].device
         loss_sum = torch.zeros((), device=device)
         for index, batch in enumerate(microbatches):
@@ -215,16 +235,7 @@ class TrainStep:
                 module.set_requires_gradient_sync(self.reduce_every_microbatch or last, recurse=False)
                 if self.gather_once_per_update:
                     module.set_reshard_after_backward(last, recurse=False)
-            empty_prompt = self.empty_prompt
-            if NOISE_KEY not in batch:  # a batch that did not come through the data stream, which draws in its workers
-                batch = self.draws(batch, epoch)
-            if self.caption_encoder is not None:
-                batch, trained_empty_prompt = self.caption_encoder(batch, epoch)
-                empty_prompt = trained_empty_prompt or empty_prompt
-            loss = training_loss(
-                self.unet, batch, self.noise_scheduler, empty_prompt, self.run_seed, epoch, self.noise_settings, batch.get("loss_weight")
-            )
-            loss = loss / len(microbatches)  # the mean over the update's samples, normalised once
+            loss = self._microbatch_loss(batch, epoch) / len(microbatches)  # the mean over the update's samples, normalised once
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
@@ -250,6 +261,41 @@ class TrainStep:
             self.scaler.update()  # lowers the scale after an overflow
         self.optimizer.zero_grad(set_to_none=True)
         self.updates_done += 1
+        return self._result(loss_sum, grad_norm, finite, learning_rate)
+
+    def _microbatch_loss(self, batch: dict[str, torch.Tensor], epoch: int) -> torch.Tensor:
+        """The microbatch's mean loss (the draws made here for a batch that did not come through the data stream,
+        which draws in its workers; in caption mode the captions encoded here)."""
+        empty_prompt = self.empty_prompt
+        if NOISE_KEY not in batch:
+            batch = self.draws(batch, epoch)
+        if self.caption_encoder is not None:
+            batch, trained_empty_prompt = self.caption_encoder(batch, epoch)
+            empty_prompt = trained_empty_prompt or empty_prompt
+        return training_loss(self.unet, batch, self.noise_scheduler, empty_prompt, self.run_seed, epoch, self.noise_settings, batch.get("loss_weight"))
+
+    def _update_in_backward(self, microbatches: list[dict[str, torch.Tensor]], epoch: int) -> UpdateResult:
+        """The update with the optimizer stepped inside backward (in_backward.py): the rate is set and the loss
+        all-reduced before backward, so each unit can step when its gradients are final; no clipping."""
+        if len(microbatches) != 1:
+            raise ValueError(f"--optimizer_in_backward steps in backward and cannot accumulate: got {len(microbatches)} microbatches")
+        learning_rate = self.learning_rate(self.updates_done)
+        set_learning_rate(self.optimizer, learning_rate)
+        loss = self._microbatch_loss(microbatches[0], epoch)
+        loss_sum = loss.detach().clone()
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        self.in_backward.begin(torch.isfinite(loss_sum))
+        loss.backward()
+        grad_norm, finite = self.in_backward.finish()
+        if self.ema is not None:
+            self.ema.update(finite)
+        self.optimizer.zero_grad(set_to_none=True)  # any gradient left on a parameter outside the optimizer
+        self.updates_done += 1
+        return self._result(loss_sum, grad_norm.float(), finite, learning_rate)
+
+    def _result(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor, learning_rate: float) -> UpdateResult:
+        """Counts the update as skipped where `finite` is False (on the device) and gathers its figures."""
+        device = loss_sum.device
         skipped = (~finite).long()
         counts = self._skip_counts.to(device)
         self._skip_counts = torch.stack([counts[0] + skipped, (counts[1] + 1) * skipped])
@@ -266,7 +312,19 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> tor
     DTensors on the host, which costs it more per update and most on a process's first update (what
     bench_optimizer_step.py --sdxl_tensor_count --sharded showed: docs/training.md, "Batches, data order and
     run length"). Returns the norm before clipping; with max_norm inf it only measures."""
-    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    squares, by_dtype = squared_norm([parameter.grad for parameter in parameters if parameter.grad is not None])
+    norm = squares.sqrt()
+    if math.isfinite(max_norm):
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for shards in by_dtype.values():
+            torch._foreach_mul_(shards, scale.to(shards[0].device))
+    return norm
+
+
+def squared_norm(grads: list[torch.Tensor]) -> tuple[torch.Tensor, dict[torch.dtype, list[torch.Tensor]]]:
+    """The squared 2-norm of `grads` (DTensors in one layout, or plain tensors) over all their shards: each
+    rank's local shards' squares summed, then all-reduced once over the ranks that hold other shards. Also
+    returns the local shards by dtype. clip_gradients' norm, and the optimizer in backward's per unit."""
     layouts = {(grad.device_mesh, grad.placements) for grad in grads if isinstance(grad, DTensor)}
     assert len(layouts) <= 1 and (not layouts or all(isinstance(grad, DTensor) for grad in grads)), f"gradients in several layouts: {layouts}"
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -279,9 +337,4 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> tor
         for dim, placement in enumerate(placements):
             if placement.is_shard():
                 dist.all_reduce(squares, group=mesh.get_group(dim))
-    norm = squares.sqrt()
-    if math.isfinite(max_norm):
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for shards in by_dtype.values():
-            torch._foreach_mul_(shards, scale.to(shards[0].device))
-    return norm
+    return squares, by_dtype

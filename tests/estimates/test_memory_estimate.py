@@ -56,6 +56,24 @@ def test_fake_tensors_give_what_real_tensors_of_the_same_run_give(world_size, op
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("world_size", "optimizer"), [(1, "adamw8bit"), (2, "adamw")], ids=["1 process, plain module", "2 processes, FSDP2"])
+def test_the_step_in_backward_frees_the_gradients_unit_by_unit(world_size, optimizer):
+    """--optimizer_in_backward: the estimate runs the update in backward (each unit stepped, its gradients freed,
+    as soon as they are final), fake tensors giving what real ones give, and far fewer gradient bytes at the
+    peak than the ordinary step of the same load, which holds every gradient once backward ends."""
+    ordinary = estimate_memory(settings(world_size, optimizer, gradient_accumulation_steps=1), TINY_UNET_CONFIG)
+    in_backward = settings(world_size, optimizer, gradient_accumulation_steps=1, optimizer_in_backward=True)
+    fake = estimate_memory(in_backward, TINY_UNET_CONFIG)
+    real = estimate_memory(in_backward, TINY_UNET_CONFIG, fake=False)
+    for category, real_bytes in real.gpu_peak_by_category.items():
+        assert fake.gpu_peak_by_category[category] == pytest.approx(real_bytes, abs=1024), category
+    assert fake.gpu_peak_by_category["optimizer state"] == ordinary.gpu_peak_by_category["optimizer state"]
+    assert fake.gpu_peak_by_category["gradients"] < ordinary.gpu_peak_by_category["gradients"] / 2
+    assert fake.gpu_peak < ordinary.gpu_peak
+    assert "optimizer stepped in backward" in fake.report()
+
+
+@pytest.mark.slow
 def test_trained_text_encoders_are_estimated_like_the_unet():
     """With --train_text_encoder (caption mode) the estimate trains both text encoders too (the tiny ones
     here): fake tensors give what real ones give, and on 2 ranks AdamW's state is two fp32 copies of rank 0's

@@ -153,7 +153,7 @@ def test_the_first_update_makes_the_state_once_in_its_chunks_buffers(optimizer_c
         param.grad = torch.ones_like(param)
     optimizer = optimizer_class(params, **SETTINGS)
     with _NewStorageBytes() as made:
-        layout = optimizer._layout(0, optimizer.param_groups[0])
+        layout = optimizer._layout((0, None), optimizer.param_groups[0]["params"])
     state_bytes = local_optimizer_state_bytes(optimizer)
     assert 0.95 * state_bytes < made.made < 1.05 * state_bytes  # besides the state: code tables and update counts
     (chunk,) = layout.batches[0].chunks

@@ -52,6 +52,7 @@ def empty_prompt_for(unet: UNet2DConditionModel) -> tuple[torch.Tensor, torch.Te
 def make_train_step(
     unet, optimizer, pipeline_dir: Path, settings: NoiseSettings | None = None, max_grad_norm: float = 1.0, ema=None, prediction_type="epsilon",
     reduce_every_microbatch: bool = False, gather_once_per_update: bool = False, schedule: LearningRateSchedule | None = None,
+    optimizer_in_backward: bool = False,
 ) -> TrainStep:
     """schedule: None = the first param group's rate, constant."""
     constant_rate = LearningRateSchedule("constant", float(optimizer.param_groups[0]["lr"]), warmup_updates=0, total_updates=1)
@@ -67,6 +68,7 @@ def make_train_step(
         ema=ema,
         reduce_every_microbatch=reduce_every_microbatch,
         gather_once_per_update=gather_once_per_update,
+        optimizer_in_backward=optimizer_in_backward,
     )
 
 

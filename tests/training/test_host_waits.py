@@ -68,7 +68,8 @@ def test_only_updates_that_log_wait_with_every_optimizer(world, sample_cache_dir
     ("--mixed_precision", "fp16"),
     ("--encode_captions_each_step", "--shuffle_caption"),
     ("--encode_captions_each_step", "--train_text_encoder"),
-], ids=["ema_on_cpu", "fp16", "caption_mode", "trained_text_encoders"])  # fmt: skip
+    ("--optimizer_in_backward", "--gradient_accumulation_steps", "1", "--max_grad_norm", "0"),
+], ids=["ema_on_cpu", "fp16", "caption_mode", "trained_text_encoders", "optimizer_in_backward"])  # fmt: skip
 def test_only_updates_that_log_wait_on_every_path(world, sample_cache_dir, tiny_pipeline_dir, tmp_path, variant):
     assert_only_updates_that_log_wait(count_trainer_updates(counted_run_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, *variant), world))
 
