@@ -112,7 +112,7 @@ class TrainConfig(
         "train_batch_size": "images per GPU per microbatch",
         "gradient_accumulation_steps": "microbatches per optimizer update",
         "learning_rate": "peak learning rate",
-        "optimizer": "adamw8bit, adamw, adafactor, lion, came, prodigy or adamw_schedulefree",
+        "optimizer": "adamw8bit|adamw|adafactor|lion|came|prodigy|adamw_schedulefree",
         "num_train_epochs": "passes over the data",
         "max_train_updates": "or a number of optimizer updates instead (0 = off)",
         "save_model_every_n_epochs": "export the model (and save state) every N epochs; 0 = only at the end",
