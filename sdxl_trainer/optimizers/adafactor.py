@@ -8,8 +8,7 @@ from typing import Iterable
 import torch
 
 from sdxl_trainer.optimizers.shards import (
-    StepsIfFinite, _entries_per_group, _Entry, _row_shard_groups, _sum_over_shards, device_step_counts, factored_zeros, fp32_zeros_like,
-    scaled_by_factors, zero_where_not_finite,
+    StepsIfFinite, _entries_per_group, _Entry, _sum_over_shards, factored_zeros, fp32_zeros_like, scaled_by_factors, start_factored_step,
 )
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 from sdxl_trainer.distributed.local_shard import local_shard
@@ -67,15 +66,7 @@ class Adafactor(StepsIfFinite, torch.optim.Optimizer):
         """The step, left undone (weights, moments, step counts) where `finite` (a bool scalar on the device) is
         False; None: always."""
         for group, entries in _entries_per_group(self, self._new_state):
-            shard_groups = {_row_shard_groups(entry.param) for entry in entries}
-            if len(shard_groups) > 1:
-                raise ValueError("a param group mixes parameters sharded over different process groups: give each its own group")
-            shard_group = shard_groups.pop()
-            device = entries[0].weights.device
-            verdict = torch.ones((), dtype=torch.bool, device=device) if finite is None else finite.to(device)
-            if finite is not None:
-                zero_where_not_finite([entry.grad for entry in entries], verdict)
-            steps = device_step_counts(entries, verdict)
+            shard_group, verdict, steps = start_factored_step(entries, finite)
             # 1 - beta2 of this step, for each entry; 0 where the update is skipped (the moments stay).
             weights_of_new = torch.where(verdict, torch.stack([steps[entry.index] for entry in entries]).pow(group["decay_rate"]), 0.0)
 

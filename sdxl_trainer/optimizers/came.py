@@ -9,8 +9,7 @@ import torch
 
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import (
-    StepsIfFinite, _entries_per_group, _Entry, _row_shard_groups, _sum_over_shards, device_step_counts, factored_zeros, fp32_zeros_like,
-    scaled_by_factors, zero_where_not_finite,
+    StepsIfFinite, _entries_per_group, _Entry, _sum_over_shards, factored_zeros, fp32_zeros_like, scaled_by_factors, start_factored_step,
 )
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 
@@ -103,15 +102,7 @@ class CAME(StepsIfFinite, torch.optim.Optimizer):
         """The step, left undone (weights, moments, step counts) where `finite` (a bool scalar on the device) is
         False; None: always."""
         for group, entries in _entries_per_group(self, self._new_state):
-            shard_groups = {_row_shard_groups(entry.param) for entry in entries}
-            if len(shard_groups) > 1:
-                raise ValueError("a param group mixes parameters sharded over different process groups: give each its own group")
-            shard_group = shard_groups.pop()
-            device = entries[0].weights.device
-            verdict = torch.ones((), dtype=torch.bool, device=device) if finite is None else finite.to(device)
-            if finite is not None:
-                zero_where_not_finite([entry.grad for entry in entries], verdict)
-            steps = device_step_counts(entries, verdict)
+            shard_group, verdict, steps = start_factored_step(entries, finite)
             beta1, beta2, beta3 = group["betas"]
             eps_squared, eps_instability = group["eps"]
             # 1 - beta of this step: 0 where the update is skipped (the moments stay).

@@ -107,30 +107,37 @@ def _entries_per_group(optimizer: torch.optim.Optimizer, new_state) -> Iterable[
     """Each param group with its parameters that have a gradient; `new_state(param)` fills an empty state.
     While step_subset steps, only the subset's parameters, with the numbers they have in a whole step."""
     subset = getattr(optimizer, "_subset", None)
-    if subset is not None:
-        for group_number, members in subset.groups:
-            entries = []
-            for index, param in members:
-                if param.grad is not None:
-                    state = optimizer.state[param]
-                    if not state:
-                        state.update(new_state(param))
-                    entries.append(_Entry(index, param, local_shard(param), local_shard(param.grad), state))
-            if entries:
-                yield optimizer.param_groups[group_number], entries
-        return
-    index = 0
-    for group in optimizer.param_groups:
+    if subset is None:
+        numbered, first = [], 0
+        for group_number, group in enumerate(optimizer.param_groups):
+            numbered.append((group_number, list(enumerate(group["params"], start=first))))
+            first += len(group["params"])
+    else:
+        numbered = subset.groups
+    for group_number, members in numbered:
         entries = []
-        for param in group["params"]:
+        for index, param in members:
             if param.grad is not None:
                 state = optimizer.state[param]
                 if not state:
                     state.update(new_state(param))
                 entries.append(_Entry(index, param, local_shard(param), local_shard(param.grad), state))
-            index += 1
         if entries:
-            yield group, entries
+            yield optimizer.param_groups[group_number], entries
+
+
+def start_factored_step(entries: list[_Entry], finite: torch.Tensor | None) -> tuple[tuple[dist.ProcessGroup, ...], torch.Tensor, dict[int, torch.Tensor]]:
+    """How a factored optimizer's step over one param group's `entries` starts: the process groups their rows are
+    split over (one for the whole group), the update's verdict on their device (True where `finite` is None),
+    their gradients zeroed where it is False, and each entry's update count on the device (device_step_counts)."""
+    shard_groups = {_row_shard_groups(entry.param) for entry in entries}
+    if len(shard_groups) > 1:
+        raise ValueError("a param group mixes parameters sharded over different process groups: give each its own group")
+    device = entries[0].weights.device
+    verdict = torch.ones((), dtype=torch.bool, device=device) if finite is None else finite.to(device)
+    if finite is not None:
+        zero_where_not_finite([entry.grad for entry in entries], verdict)
+    return shard_groups.pop(), verdict, device_step_counts(entries, verdict)
 
 
 # Values per run of zero_where_not_finite: its temporaries are two copies of the run's gradients.
