@@ -62,14 +62,15 @@ def load_for_card(config_path: Path) -> EstimateSettings:
 
 
 def describe(settings: EstimateSettings) -> dict:
-    """The settings as recorded beside an estimate. --optimizer_in_backward is recorded only when on: every estimate
-    recorded before it existed was made with the ordinary step, which its absence means."""
+    """The settings as recorded beside an estimate. --optimizer_in_backward and --block_lr are recorded only when
+    given: every estimate recorded before they existed was made without them, which their absence means."""
     described = {
         name: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
         for name, value in dataclasses.asdict(settings).items()
     }
-    if not described["optimizer_in_backward"]:
-        del described["optimizer_in_backward"]
+    for name, unset in (("optimizer_in_backward", False), ("block_lr", None)):
+        if described[name] == unset:
+            del described[name]
     return described
 
 

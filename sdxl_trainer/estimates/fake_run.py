@@ -42,6 +42,7 @@ from sdxl_trainer.models.components import TEXT_ENCODER_NAMES
 from sdxl_trainer.models.encoders import TEXT_MAX_LENGTH, trainable_text_encoder
 from sdxl_trainer.models.sdxl import SDXL_SCHEDULER_CONFIG, build_full_size_text_encoders, sdxl_tokenizers
 from sdxl_trainer.optimizers.build import build_optimizer, evaluation_weights_of
+from sdxl_trainer.training.block_rates import block_count_problem, freeze_zero_rate_blocks
 from sdxl_trainer.training.captions import CaptionVariation, StepCaptionEncoder
 from sdxl_trainer.training.ema import ShardedEMA
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule
@@ -70,6 +71,7 @@ class EstimateSettings:
     train_text_encoder: bool = False  # both text encoders trained too, captions encoded each step (caption mode)
     reduce_dtype: torch.dtype = torch.float32  # of the reduce-scattered gradients (--reduce_dtype)
     optimizer_in_backward: bool = False  # each unit stepped, and its gradients freed, inside backward (no clipping, one microbatch)
+    block_lr: tuple[float, ...] | None = None  # --block_lr: its blocks at 0 frozen (no gradient, no optimizer state)
 
 
 class ValuesReadAsOne(TorchDispatchMode):
@@ -138,6 +140,10 @@ class EstimateRun:
 def build_estimate_run(settings: EstimateSettings, world: World, unet_config: dict, text_encoder_builder: Callable[[], tuple] | None) -> EstimateRun:
     with _default_dtype(settings.weights_dtype), world.device:  # Module.to() cannot swap fake parameters for others
         unet = UNet2DConditionModel(**unet_config)
+    problem = block_count_problem(settings.block_lr, unet_config)
+    if problem:
+        raise SystemExit(problem)
+    freeze_zero_rate_blocks(unet, settings.block_lr)  # as the trainer does, before the UNet is prepared
     if settings.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
@@ -153,7 +159,11 @@ def build_estimate_run(settings: EstimateSettings, world: World, unet_config: di
             prepare_text_encoder(encoder, world, param_dtype, settings.reshard_after_forward, cpu_offload=settings.cpu_offload, reduce_dtype=settings.reduce_dtype)
         trained = TrainedModels(unet, dict(zip(TEXT_ENCODER_NAMES, encoders)))
         caption_encoder = StepCaptionEncoder((sdxl_tokenizers(), encoders), [ESTIMATE_CAPTION], CaptionVariation(), 0, 1, world.device, trains=True)
-    groups = trained.parameter_groups(1e-5, dict.fromkeys(TEXT_ENCODER_NAMES, 1e-5)) if trained is not unet else unet.parameters()
+    block_rates = list(settings.block_lr) if settings.block_lr else None
+    if trained is unet:
+        groups = [parameter for parameter in unet.parameters() if parameter.requires_grad]
+    else:
+        groups = trained.parameter_groups(1e-5, dict.fromkeys(TEXT_ENCODER_NAMES, 1e-5), block_rates)
     optimizer = build_optimizer(settings.optimizer, groups, 1e-5, 1e-2, (0.9, None), 1e-8)
     ema = ShardedEMA(unet, 0.9999, on_cpu=settings.ema_on_cpu, evaluation_weights=evaluation_weights_of(optimizer)) if settings.use_ema else None
     empty_prompt = (torch.zeros(TEXT_MAX_LENGTH, unet.config.cross_attention_dim), torch.zeros(_pooled_width(unet)))

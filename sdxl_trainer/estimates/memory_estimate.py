@@ -90,6 +90,7 @@ class MemoryEstimate:
             + f", gradient checkpointing {'on' if settings.gradient_checkpointing else 'off'}"
             + (", gradients reduced every microbatch" if settings.reduce_every_microbatch and settings.gradient_accumulation_steps > 1 else "")
             + (", optimizer stepped in backward" if settings.optimizer_in_backward else "")
+            + (f", UNet blocks {', '.join(str(block) for block, rate in enumerate(settings.block_lr) if rate == 0)} frozen" if settings.block_lr and 0 in settings.block_lr else "")
             + (", CPU offload" if settings.cpu_offload else "")
             + (f", EMA{' on the CPU' if settings.ema_on_cpu else ''}" if settings.use_ema else "")
             + ":"

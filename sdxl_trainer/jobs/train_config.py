@@ -362,6 +362,7 @@ def memory_settings(config: TrainConfig) -> list[EstimateSettings]:
             reduce_every_microbatch=reduce_every_microbatch, cpu_offload=config.cpu_offload, use_ema=config.use_ema, ema_on_cpu=config.ema_on_cpu,
             weights_dtype=DTYPE_OF_NAME[config.weights_dtype], train_text_encoder=config.train_text_encoder,
             reduce_dtype=DTYPE_OF_NAME[config.reduce_dtype], optimizer_in_backward=config.optimizer_in_backward,
+            block_lr=tuple(config.block_lr) if config.block_lr else None,
         )  # fmt: skip
         for reduce_every_microbatch in sorted(reductions, reverse=True)
     ]

@@ -74,6 +74,35 @@ def test_the_step_in_backward_frees_the_gradients_unit_by_unit(world_size, optim
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2], ids=["1 process, plain module", "2 processes, FSDP2"])
+def test_blocks_frozen_by_block_lr_hold_no_gradient_and_no_optimizer_state(world_size):
+    """--block_lr with blocks at 0: the estimate freezes them as the trainer does, so AdamW's two fp32 moments
+    of their shards (rank 0's) are missing from the optimizer state, the peak is lower (no gradient of theirs
+    either), and the report names them."""
+    from sdxl_trainer.training.block_rates import unet_block_count, unet_blocks
+
+    rates = (0.0,) + (1e-5,) * (unet_block_count(TINY_UNET_CONFIG) - 2) + (0.0,)  # the embeddings and the output layers frozen
+    every_block = estimate_memory(settings(world_size, "adamw", gradient_accumulation_steps=1), TINY_UNET_CONFIG)
+    some_frozen = estimate_memory(settings(world_size, "adamw", gradient_accumulation_steps=1, block_lr=rates), TINY_UNET_CONFIG)
+    blocks = unet_blocks(UNet2DConditionModel(**TINY_UNET_CONFIG))
+    frozen_shard_values = sum(math.ceil(parameter.shape[0] / world_size) * parameter[0].numel() for parameter in [*blocks[0], *blocks[-1]])
+    less_state = every_block.gpu_peak_by_category["optimizer state"] - some_frozen.gpu_peak_by_category["optimizer state"]
+    assert less_state == pytest.approx(8 * frozen_shard_values, abs=8 * len([*blocks[0], *blocks[-1]]))  # and their step counts
+    assert some_frozen.gpu_peak < every_block.gpu_peak
+    assert f"UNet blocks 0, {len(rates) - 1} frozen" in some_frozen.report()
+
+
+def test_estimate_memory_takes_the_blocks_of_block_lr_from_the_flags():
+    from sdxl_trainer.config import parse_config
+    from sdxl_trainer.jobs.train_config import TrainConfig, memory_settings
+
+    rates = ["0", *["1e-5"] * 21, "0"]
+    config = parse_config(TrainConfig, ["--cached_dataset_dirs", "c", "--estimate_memory", "--estimate_gpus", "2", "--block_lr", *rates])
+    assert [load.block_lr for load in memory_settings(config)] == [tuple(map(float, rates))] * len(memory_settings(config))
+    assert memory_settings(parse_config(TrainConfig, ["--cached_dataset_dirs", "c"]))[0].block_lr is None
+
+
+@pytest.mark.slow
 def test_trained_text_encoders_are_estimated_like_the_unet():
     """With --train_text_encoder (caption mode) the estimate trains both text encoders too (the tiny ones
     here): fake tensors give what real ones give, and on 2 ranks AdamW's state is two fp32 copies of rank 0's
