@@ -38,7 +38,7 @@ from sdxl_trainer.distributed.fsdp import shard_unet  # noqa: E402
 from sdxl_trainer.distributed.world import World, init_distributed, shutdown_distributed  # noqa: E402
 from sdxl_trainer.models.tiny import save_tiny_pipeline  # noqa: E402
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer  # noqa: E402
-from sdxl_trainer.training.step import clip_gradients  # noqa: E402
+from sdxl_trainer.training.gradient_norm import clip_gradients  # noqa: E402
 
 WARMUP_STEPS, MEASURED_STEPS = 3, 20
 SDXL_TENSORS = {4096: 864, 320: 816}  # values per tensor -> count, standing in for the full-size UNet's 1,680 tensors

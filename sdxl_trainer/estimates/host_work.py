@@ -35,7 +35,7 @@ COLLECTIVES = {
 PARTS = (
     ("sdxl_trainer/optimizers/", None, "optimizer"),
     ("torch/optim/", None, "optimizer"),
-    ("sdxl_trainer/training/step.py", "clip_gradients", "clipping"),
+    ("sdxl_trainer/training/gradient_norm.py", "clip_gradients", "clipping"),
     ("sdxl_trainer/training/ema.py", None, "EMA"),
     ("torch/autograd/graph.py", "_engine_run_backward", "backward"),
     ("sdxl_trainer/training/loss.py", None, "forward"),

@@ -40,7 +40,7 @@ import torch
 from sdxl_trainer.distributed.fsdp import gradient_units
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import StepsIfFinite
-from sdxl_trainer.training.step import squared_norm
+from sdxl_trainer.training.gradient_norm import squared_norm
 
 
 @dataclass

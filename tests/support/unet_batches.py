@@ -13,10 +13,11 @@ from torch.distributed.tensor import DTensor
 from sdxl_trainer.state.dcp_json_index import JsonIndexWriter
 from sdxl_trainer.state.save import TensorStager, stage_training_state, write_staged_state
 from sdxl_trainer.state.trainer_state import TrainerState
+from sdxl_trainer.training.gradient_norm import clip_gradients
 from sdxl_trainer.training.loss import build_noise_scheduler
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule
 from sdxl_trainer.training.noise_settings import NoiseSettings
-from sdxl_trainer.training.step import TrainStep, clip_gradients
+from sdxl_trainer.training.step import TrainStep
 from sdxl_trainer.training.stream import DataPosition
 
 TEXT_LENGTH = 77
