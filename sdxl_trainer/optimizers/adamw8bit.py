@@ -126,13 +126,19 @@ def _views_of_one_buffer(buffer: torch.Tensor, shapes: list[torch.Size]) -> list
     return views
 
 
+def _wraps_in_place(param: torch.Tensor) -> bool:
+    """Whether a state tensor made for `param`'s local shard is still that tensor once sharded as `param` is: not
+    under CPU offload, where DTensor.from_local copies a host tensor to the mesh's device (and torchao's
+    _new_buffer copies it back), so it would no longer view its chunk's buffer."""
+    return not isinstance(param, DTensor) or param.device_mesh.device_type == local_shard(param).device.type
+
+
 def _shaped_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` (a state tensor for `param`'s local shard) as the state torchao makes for `param`: a DTensor
-    sharded as it is where it is one, on the shard's device (torchao's _new_buffer does the same)."""
+    """`local` (a state tensor for `param`'s local shard, _wraps_in_place) as the state torchao makes for
+    `param`: a DTensor sharded as it is where it is one."""
     if not isinstance(param, DTensor):
         return local
-    sharded = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
-    return sharded.to(local.device)  # from_local moves it to the mesh's device type: back where the shard is (CPU offload)
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
 
 
 def _share_one_buffer(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -301,9 +307,9 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
         return layout
 
     def _chunk(self, params: list[torch.Tensor], weights: list[torch.Tensor], is_8bit: bool) -> _Chunk:
-        """The chunk of these shards, their state in its flat buffers: made there if none of them has state yet,
-        else copied there (a shard without state yet gets torchao's first)."""
-        if not any(self.state[param] for param in params):
+        """The chunk of these shards, their state in its flat buffers: made there if none of them has state yet
+        (and a view stays a view, _wraps_in_place), else copied there (a shard without state gets torchao's first)."""
+        if not any(self.state[param] for param in params) and all(map(_wraps_in_place, params)):
             buffers = self._new_states_in_flat_buffers(params, is_8bit)
         else:
             for param in params:
