@@ -37,6 +37,7 @@ class StopRequest:
         self.signal_name: str | None = None
         self._first_signal_at = 0.0
         self._training = False
+        self._start_up_stopped = False
         self._previous_handlers = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def training_begins(self) -> None:
@@ -46,6 +47,9 @@ class StopRequest:
     def _handle(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
         now = time.monotonic()
         if not self._training:
+            if self._start_up_stopped:  # the same stop again (torchrun forwards the one the terminal sent it): already ending
+                return
+            self._start_up_stopped = True
             raise StoppedDuringStartUp(
                 f"{signal.Signals(signum).name} received during start-up, before the first update: stopped there "
                 "(nothing was trained yet, so there was nothing to save)."
