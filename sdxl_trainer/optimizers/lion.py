@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Iterable
 
 import torch
 
 from sdxl_trainer.distributed.local_shard import local_shard
-from sdxl_trainer.optimizers.shards import StepsIfFinite, _entries_per_group, _Entry, device_step_counts, fp32_zeros_like, runs_of_at_most
+from sdxl_trainer.optimizers.shards import (
+    StepsIfFinite, _entries_per_group, device_step_counts, entries_by_kind, fp32_zeros_like, runs_of_at_most,
+)
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 
 # Values per chunk: the step's temporaries are a few fp32 copies of the values it updates at once, so it
@@ -55,10 +56,7 @@ class Lion(StepsIfFinite, torch.optim.Optimizer):
         False; None: always. Nothing here reads a value from the device."""
         for group, entries in _entries_per_group(self, self._new_state):
             beta1, beta2 = group["betas"]
-            by_kind: dict[tuple, list[_Entry]] = defaultdict(list)  # flattened together: one dtype and device each
-            for entry in entries:
-                by_kind[(entry.weights.dtype, entry.grad.dtype, entry.weights.device)].append(entry)
-            for kind_entries in by_kind.values():
+            for kind_entries in entries_by_kind(entries):
                 device = kind_entries[0].weights.device
                 verdict = torch.ones((), dtype=torch.bool, device=device) if finite is None else finite.to(device)
                 steps = device_step_counts(kind_entries, verdict)

@@ -43,12 +43,7 @@ class StepsIfFinite:
 
     def subsets(self, parts: list[list[torch.Tensor]]) -> list[ParameterSubset]:
         """A ParameterSubset for each list of this optimizer's parameters in `parts` (disjoint lists)."""
-        place = {}
-        index = 0
-        for group_number, group in enumerate(self.param_groups):
-            for param in group["params"]:
-                place[param] = (group_number, index)
-                index += 1
+        place = {param: (group_number, index) for group_number, members in _numbered_groups(self) for index, param in members}
         subsets, first_chunk = [], 0
         for number, part in enumerate(parts):
             by_group: dict[int, list[tuple[int, torch.Tensor]]] = {}
@@ -107,14 +102,7 @@ def _entries_per_group(optimizer: torch.optim.Optimizer, new_state) -> Iterable[
     """Each param group with its parameters that have a gradient; `new_state(param)` fills an empty state.
     While step_subset steps, only the subset's parameters, with the numbers they have in a whole step."""
     subset = getattr(optimizer, "_subset", None)
-    if subset is None:
-        numbered, first = [], 0
-        for group_number, group in enumerate(optimizer.param_groups):
-            numbered.append((group_number, list(enumerate(group["params"], start=first))))
-            first += len(group["params"])
-    else:
-        numbered = subset.groups
-    for group_number, members in numbered:
+    for group_number, members in _numbered_groups(optimizer) if subset is None else subset.groups:
         entries = []
         for index, param in members:
             if param.grad is not None:
@@ -124,6 +112,16 @@ def _entries_per_group(optimizer: torch.optim.Optimizer, new_state) -> Iterable[
                 entries.append(_Entry(index, param, local_shard(param), local_shard(param.grad), state))
         if entries:
             yield optimizer.param_groups[group_number], entries
+
+
+def _numbered_groups(optimizer: torch.optim.Optimizer) -> list[tuple[int, list[tuple[int, torch.Tensor]]]]:
+    """Each param group's number and its parameters as (number over all groups, parameter): the number keys a
+    parameter's stream of stochastic rounding, in a whole step and in a subset alike."""
+    numbered, first = [], 0
+    for group_number, group in enumerate(optimizer.param_groups):
+        numbered.append((group_number, list(enumerate(group["params"], start=first))))
+        first += len(group["params"])
+    return numbered
 
 
 def start_factored_step(entries: list[_Entry], finite: torch.Tensor | None) -> tuple[tuple[dist.ProcessGroup, ...], torch.Tensor, dict[int, torch.Tensor]]:
@@ -158,13 +156,17 @@ def runs_of_at_most(items: list, sizes: list[int], max_size: int) -> Iterable[li
         yield run
 
 
-def runs_by_kind(entries: list[_Entry], max_values: int) -> Iterable[list[_Entry]]:
-    """Runs of entries to flatten together: one dtype of weights and of gradients and one device each, at most
-    max_values values (a larger shard alone)."""
+def entries_by_kind(entries: list[_Entry]) -> Iterable[list[_Entry]]:
+    """The entries that can be flattened together: one dtype of weights and of gradients and one device each."""
     by_kind: dict[tuple, list[_Entry]] = {}
     for entry in entries:
         by_kind.setdefault((entry.weights.dtype, entry.grad.dtype, entry.weights.device), []).append(entry)
-    for kind_entries in by_kind.values():
+    return by_kind.values()
+
+
+def runs_by_kind(entries: list[_Entry], max_values: int) -> Iterable[list[_Entry]]:
+    """Runs of entries to flatten together (entries_by_kind), at most max_values values (a larger shard alone)."""
+    for kind_entries in entries_by_kind(entries):
         yield from runs_of_at_most(kind_entries, [entry.weights.numel() for entry in kind_entries], max_values)
 
 
