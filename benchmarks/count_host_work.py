@@ -95,7 +95,7 @@ def rank_main(flags: list[str], output: Path) -> None:
     finally:
         counted.close()
         run.close()
-    groups = {dist.group.WORLD.group_name: "world", run.stop.host_group.group_name: "host (gloo)"}
+    groups = {dist.group.WORLD.group_name: "world", run.monitor.host_group.group_name: "host (gloo)"}
     updates = []
     for number, counts in enumerate(counted.updates[1:-1], start=2):  # the first compiles; the last ends the run
         updates.append({
