@@ -11,7 +11,6 @@ checkpoints; what happens next depends on whether training goes on:
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from sdxl_trainer.state.dcp_json_index import JsonIndexWriter
 from sdxl_trainer.state.save import HasState, StagedState, Stateful, TensorStager, stage_training_state, write_staged_state
 from sdxl_trainer.state.trainer_state import DatasetIdentity, TrainerState
 from sdxl_trainer.state.verify import Verification, verify_checkpoint
+from sdxl_trainer.state.writer_process import WriterProcess, save_request
 
 
 @dataclass(kw_only=True)
@@ -242,10 +242,10 @@ class Checkpointer:
     DCP), the train step's counters and the data position, each through its own state_dict().
 
     Saves while training goes on (every N updates, at epoch saves) run in the background: the state is copied
-    into CPU memory at the update (the loop's only pause), and a thread writes it while the next updates train.
-    One save is in flight at a time: the next one, and every save at the run's end (a stop request, a NaN stop,
-    the end), waits for it first. The background writer's collectives run over a gloo group of its own, so
-    they never interleave with training's. What makes a save count is unchanged: it is `latest` only once
+    into shared CPU memory at the update (the loop's only pause), and a writer process (writer_process.py)
+    writes it while the next updates train. One save is in flight at a time: the next one, and every save at
+    the run's end (a stop request, a NaN stop, the end), waits for it first; those are written by the training
+    processes themselves, over a gloo group of their own, so their collectives never interleave with training's. What makes a save count is unchanged: it is `latest` only once
     written, checksummed and renamed, and a process killed meanwhile leaves a .tmp folder beside the previous
     checkpoints, which stay as they were."""
 
@@ -272,6 +272,7 @@ class Checkpointer:
         self.last_saved_dir: Path | None = None
         self._stager = TensorStager()
         self._writer_group = dist.new_group(backend="gloo")
+        self._writer: WriterProcess | None = None  # started at the first background save
         self._in_flight: _BackgroundSave | None = None
 
     @property
@@ -308,12 +309,14 @@ class Checkpointer:
         started = time.perf_counter()
         staged = self._staged(position)
         checkpoint_dir = self.checkpoints_dir / checkpoint_name(staged.trainer_state.update)
-        self._in_flight = _BackgroundSave(checkpoint_dir, staged.trainer_state, time.perf_counter() - started)
-        self._in_flight.start(lambda: write_staged_state(checkpoint_dir, staged, self._writer_group, self.writer_factory))
+        if self._writer is None:
+            self._writer = WriterProcess.start(self._writer_group)
+        self._writer.send(save_request(checkpoint_dir, staged, self._stager.buffer, self.writer_factory))
+        self._in_flight = _BackgroundSave(checkpoint_dir, staged.trainer_state, time.perf_counter() - started, self._writer)
 
     def writing_in_background(self) -> bool:
         """Whether a background save's writer is still writing (not collective)."""
-        return self._in_flight is not None and self._in_flight.writing()
+        return self._in_flight is not None and not self._writer.answered()
 
     def wait(self) -> None:
         """Collective: the background save in flight ended (a failure is a warning: training goes on) and reported."""
@@ -327,6 +330,14 @@ class Checkpointer:
             raise error
         else:
             self._saved(save.checkpoint_dir, save.state, f"(the loop paused {save.staging_s:.1f} s to copy it; written in the background in {save.writing_s:.1f} s)")
+
+    def close(self) -> None:
+        """Collective: waits for the save in flight (wait()), then ends the writer process; a later background
+        save starts another."""
+        self.wait()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     def _saved(self, checkpoint_dir: Path, state: TrainerState, how: str) -> None:
         """A save is written: it is the newest, and the limit removes older ones. A save made while updates are being
@@ -362,40 +373,28 @@ class Checkpointer:
         """Wait for the save in flight, then save the state of a run that ends now unless it is saved already;
         returns the newest checkpoint. Raises CheckpointError. A stop request or a NaN stop saves even with
         --no-save_state: the run is cut short."""
-        self.wait()
+        self.close()
         if self.last_saved_update != self._updates_done and (self.options.save_state or even_without_save_state):
             self.save(position)
         return self.last_saved_dir
 
 
 class _BackgroundSave:
-    """One save written by a thread of its own; join() gives the error it ended with (None: saved)."""
+    """One save handed to the writer process; join() gives the error it ended with (None: saved)."""
 
-    def __init__(self, checkpoint_dir: Path, state: TrainerState, staging_s: float):
+    def __init__(self, checkpoint_dir: Path, state: TrainerState, staging_s: float, writer: WriterProcess):
         self.checkpoint_dir = checkpoint_dir
         self.state = state
         self.update = state.update
         self.staging_s = staging_s
         self.writing_s = 0.0
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self, write: Callable[[], object]) -> None:
-        def run() -> None:
-            started = time.perf_counter()
-            try:
-                write()
-            except BaseException as error:  # noqa: BLE001 - handed to the training thread by join()
-                self._error = error
-            self.writing_s = time.perf_counter() - started
-
-        # A daemon: a job that dies meanwhile does not wait for it; its .tmp folder is never taken for a checkpoint.
-        self._thread = threading.Thread(target=run, name=f"state save {self.checkpoint_dir.name}", daemon=True)
-        self._thread.start()
-
-    def writing(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        self._writer = writer
 
     def join(self) -> BaseException | None:
-        self._thread.join()
-        return self._error
+        reply = self._writer.reply()
+        self.writing_s = reply.get("seconds", 0.0)
+        if "checkpoint_error" in reply:
+            return CheckpointError(reply["checkpoint_error"])
+        if "error" in reply:
+            return RuntimeError(f"The background save of {self.checkpoint_dir.name} failed in its writer process:\n{reply['error']}")
+        return None

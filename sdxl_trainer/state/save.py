@@ -5,7 +5,10 @@ into `update_<N>.tmp`, checksummed and renamed into place only once every rank s
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -60,35 +63,126 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: Statef
     return state
 
 
+class SharedBuffer:
+    """Bytes in an anonymous memory file (memfd), mapped here, and by another process of this user through
+    `path` (the background save's writer process, writer_process.py): nothing on disk, and not bounded by
+    /dev/shm's size. Its tensors (tensor_at) each own their stretch of it, rather than viewing one big tensor, so
+    that DCP writes each one's values alone. On a GPU machine the training process registers it as pinned
+    memory, so copies from the GPU run at the bus's speed."""
+
+    _made = 0
+
+    def __init__(self, size: int, path: str | None = None):
+        """A new buffer of `size` bytes, or (`path`) the one another process made, mapped here."""
+        self.size = size
+        if path is None:
+            SharedBuffer._made += 1
+            self.id = SharedBuffer._made  # a new buffer may reuse a closed one's descriptor, so its path
+            fd = os.memfd_create("sdxl_trainer_staged_state")
+            os.ftruncate(fd, max(size, 1))
+            self.path = f"/proc/{os.getpid()}/fd/{fd}"
+        else:
+            self.id, self.path, fd = 0, path, os.open(path, os.O_RDWR)
+        self._map = mmap.mmap(fd, max(size, 1))
+        self._address = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
+        pinned = path is None and torch.cuda.is_available() and _cuda_host_register(self._address, max(size, 1))
+        # The descriptor stays open for the writer to map the file by its path, and is closed with the buffer.
+        self._release = weakref.finalize(self, _release, fd, self._address if pinned else None)
+
+    def tensor_at(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `shape` and `dtype` over the buffer's bytes from `offset` (None: an empty tensor)."""
+        if offset is None:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self._map, dtype=dtype, count=shape.numel(), offset=offset).view(shape)
+
+    def offset_of(self, tensor: torch.Tensor) -> int | None:
+        """Where `tensor` (one of tensor_at's) starts in the buffer, in bytes; None for an empty one."""
+        if tensor.numel() == 0:
+            return None
+        offset = tensor.data_ptr() - self._address
+        if not (0 <= offset and offset + tensor.numel() * tensor.element_size() <= self.size and tensor.is_contiguous()):
+            raise ValueError("not a tensor of this buffer")
+        return offset
+
+    def close(self) -> None:
+        """Unpins and closes the file; the memory is freed once no tensor and no other process maps it."""
+        self._release()
+
+
+def _release(fd: int, pinned_address: int | None) -> None:
+    if pinned_address is not None:
+        torch.cuda.cudart().cudaHostUnregister(pinned_address)
+    os.close(fd)
+
+
+def _cuda_host_register(address: int, size: int) -> bool:
+    """Pins memory (cudaHostRegister, as DCP's process-based save pins its shared memory); False where the
+    driver refuses, and copies then run unpinned, slower."""
+    return int(torch.cuda.cudart().cudaHostRegister(address, size, 1)) == 0  # 1: cudaHostRegisterPortable
+
+
+ALIGNMENT = 64  # bytes: where each staged tensor starts in the shared buffer
+
+
 class TensorStager:
     """Copies of a state dict's tensors in CPU memory, of the same kinds (a DTensor stays a DTensor of the
     same layout, torchao's 8-bit state keeps its codes, scales and code table: every tensor subclass is copied
-    through the tensors it holds), into buffers kept for the next save (pinned on a GPU machine, so the copy
-    runs at the bus's speed). A buffer is reused only once the save that read it has ended."""
+    through the tensors it holds), laid out in one SharedBuffer that the background save's writer process
+    reads. The buffer is kept for the next save while the state has the same tensors; it is reused only once
+    the save that read it has ended."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self.buffer: SharedBuffer | None = None
+        self._shapes: list[tuple[torch.Size, torch.dtype]] = []
+        self._views: list[torch.Tensor] = []  # one per shape, in the buffer
 
     def stage(self, state: Any) -> Any:
-        staged = self._copy(state, ())
+        leaves: list[torch.Tensor] = []
+        _collect_tensors(state, leaves)
+        shapes = [(leaf.shape, leaf.dtype) for leaf in leaves]
+        if self.buffer is None or shapes != self._shapes:
+            self._new_buffer(shapes)
+        views = iter(self._views)
+        staged = _copied(state, views)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies from the GPU were queued without waiting
         return staged
 
-    def _copy(self, value: Any, path: tuple) -> Any:
-        if isinstance(value, dict):
-            return {key: self._copy(item, (*path, key)) for key, item in value.items()}
-        if is_traceable_wrapper_subclass(value):
-            names, context = value.__tensor_flatten__()
-            inner = {name: self._copy(getattr(value, name), (*path, name)) for name in names}
-            return type(value).__tensor_unflatten__(inner, context, value.size(), value.stride())
-        if isinstance(value, torch.Tensor):
-            buffer = self._buffers.get(path)
-            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-                self._buffers[path] = buffer
-            return buffer.copy_(value.detach(), non_blocking=value.is_cuda)
-        return value
+    def _new_buffer(self, shapes: list[tuple[torch.Size, torch.dtype]]) -> None:
+        offsets, end = [], 0
+        for shape, dtype in shapes:
+            offsets.append(end)
+            end += -(-shape.numel() * dtype.itemsize // ALIGNMENT) * ALIGNMENT
+        if self.buffer is not None:
+            self.buffer.close()
+        self.buffer, self._shapes = SharedBuffer(end), shapes
+        self._views = [self.buffer.tensor_at(offset if shape.numel() else None, shape, dtype) for offset, (shape, dtype) in zip(offsets, shapes)]
+
+
+def _collect_tensors(value: Any, leaves: list[torch.Tensor]) -> None:
+    """The plain tensors of a state dict, in the order _copied visits them."""
+    if isinstance(value, dict):
+        for item in value.values():
+            _collect_tensors(item, leaves)
+    elif is_traceable_wrapper_subclass(value):
+        names, _ = value.__tensor_flatten__()
+        for name in names:
+            _collect_tensors(getattr(value, name), leaves)
+    elif isinstance(value, torch.Tensor):
+        leaves.append(value)
+
+
+def _copied(value: Any, views) -> Any:
+    """`value` with each plain tensor copied into the next of `views` (same shape and dtype)."""
+    if isinstance(value, dict):
+        return {key: _copied(item, views) for key, item in value.items()}
+    if is_traceable_wrapper_subclass(value):
+        names, context = value.__tensor_flatten__()
+        inner = {name: _copied(getattr(value, name), views) for name in names}
+        return type(value).__tensor_unflatten__(inner, context, value.size(), value.stride())
+    if isinstance(value, torch.Tensor):
+        return next(views).copy_(value.detach(), non_blocking=value.is_cuda)
+    return value
 
 
 @dataclass

@@ -296,7 +296,11 @@ STATED: dict[str, list[str]] = {
         "at most 9.5 minutes", "every 100 ms",  # the battery's limit and sampling interval
     ],
     "docs/caching.md": ["in 8 MB requests"],  # the scan's request size
-    "docs/checkpoints.md": ["more than 3 s later", "within 3 s counts", "plain torchrun waits 30 s"],  # the trainer's and torchrun's limits
+    "docs/checkpoints.md": [
+        "more than 3 s later", "within 3 s counts", "plain torchrun waits 30 s",  # the trainer's and torchrun's limits
+        "Docker's default 64 MB",  # Docker's documented default --shm-size
+        "each save 2.3 GB",  # arithmetic: 225 M parameters x (4 bytes of weights + 4 of EMA + about 2 of 8-bit moments)
+    ],
     "docs/design.md": [
         # arithmetic from SDXL's sizes and parameter counts, and the share of values counted by splitting its tensors
         "UNet (5.1 GB)", "about 470 MB of the", "about 40 GB: fp32 weights", "needs about 10 ms at 4 TB/s",

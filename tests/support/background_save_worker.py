@@ -3,7 +3,8 @@ tiny UNet (2 processes, 8-bit AdamW, an EMA), in one of three modes, each writin
 with the full weights after its last update:
 - `straight`: updates 1-4, a background save after update 2 (written while updates 3 and 4 train);
 - `killed`: updates 1-2, a background save after update 2 and its wait; update 3, then a background save whose
-  writer kills rank 1 (SIGKILL) once its shards are written, while update 4 trains;
+  writer process kills rank 1's training process (SIGKILL, and so itself) once its shards are written, while
+  update 4 trains;
 - `resumed`: `latest` from the checkpoints folder, then the updates after it up to 4."""
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ UPDATES = 4
 
 
 class KillingWriter(JsonIndexWriter):
-    """Kills rank 1 after its shards are written, before the checkpoint is finished."""
+    """In rank 1's writer process: kills its training process (which takes the writer with it) after its shards
+    are written, before the checkpoint is finished."""
 
     def write_data(self, plan, planner):
         written = super().write_data(plan, planner)
         written.wait()
         if os.environ.get("RANK") == "1":
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getppid(), signal.SIGKILL)
+            signal.pause()  # until the parent's death signal
         return written
 
 
