@@ -1,5 +1,6 @@
 """The background save's writer process (state/writer_process.py): it writes what the training process would
-have written itself, reports a failed save and goes on, and dies with its training process."""
+have written itself, reports a failed save and goes on, outlives the job's Ctrl-C and SIGTERM (its training
+process decides), and dies with its training process."""
 
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ def test_the_writer_process_writes_the_same_checkpoint_as_the_training_process(t
         loaded_avg = fresh_optimizer.state[fresh_model[0].weight]["exp_avg"].to_local()
         assert torch.equal(loaded_avg.codes, exp_avg.to_local().codes) and torch.equal(loaded_avg.scale, exp_avg.to_local().scale)
 
+        # The Ctrl-C and SIGTERM that reach every process of a job leave the writer to its training process.
+        os.kill(writer.process.pid, signal.SIGINT)
+        os.kill(writer.process.pid, signal.SIGTERM)
         # A full disk is a failed save, reported as the training process would report it; the writer goes on.
         writer.send(save_request(tmp_path / "full", staged, stager.buffer, FullDiskWriter))
         reply = writer.reply()
