@@ -47,10 +47,10 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from sdxl_trainer.distributed.world import all_gather_text, collective_device, free_port
 from sdxl_trainer.state.checkpoint_layout import CheckpointError
+from sdxl_trainer.state.dcp_json_index import DTYPES
 from sdxl_trainer.state.save import SharedBuffer, StagedState, write_staged_state
 from sdxl_trainer.state.trainer_state import TrainerState
 
-DTYPES = {str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 
 
@@ -150,7 +150,7 @@ def save_request(checkpoint_dir: Path, staged: StagedState, buffer: SharedBuffer
 # The writer's side ------------------------------------------------------------------------------------------
 
 class _Rebuilder:
-    """Rebuilds a request's tensors as views into the trainer's shared buffer (mapped once per buffer)."""
+    """Rebuilds a request's tensors over the trainer's shared buffer (mapped once per buffer)."""
 
     def __init__(self) -> None:
         self.buffer_id: int | None = None
