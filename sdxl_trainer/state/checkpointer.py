@@ -245,9 +245,10 @@ class Checkpointer:
     into shared CPU memory at the update (the loop's only pause), and a writer process (writer_process.py)
     writes it while the next updates train. One save is in flight at a time: the next one, and every save at
     the run's end (a stop request, a NaN stop, the end), waits for it first; those are written by the training
-    processes themselves, over a gloo group of their own, so their collectives never interleave with training's. What makes a save count is unchanged: it is `latest` only once
-    written, checksummed and renamed, and a process killed meanwhile leaves a .tmp folder beside the previous
-    checkpoints, which stay as they were."""
+    processes themselves, over a gloo group of their own, so their collectives never interleave with
+    training's. What makes a save count is unchanged: it is `latest` only once written, checksummed and
+    renamed, and a process killed meanwhile leaves a .tmp folder beside the previous checkpoints, which stay
+    as they were."""
 
     def __init__(self, checkpoints_dir: Path, options: CheckpointOptions, model: nn.Module, optimizer: torch.optim.Optimizer, ema: Stateful | None,
                  step: CountsUpdates, run_facts: RunFacts, seed: int, report: Callable[[str], None], last_saved_update: int | None,
