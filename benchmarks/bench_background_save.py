@@ -38,7 +38,7 @@ from diffusers import UNet2DConditionModel  # noqa: E402
 from benchmarks.lib.results import device_name, write_json  # noqa: E402
 from benchmarks.lib.steps import StepSettings, build_trainer, make_optimizer  # noqa: E402
 from benchmarks.lib.timing import synchronize  # noqa: E402
-from benchmarks.lib.unets import MODEL_HELP, UNET_BUILDERS  # noqa: E402
+from benchmarks.lib.unets import MODEL_HELP, UNET_BUILDERS, UNET_CONFIGS  # noqa: E402
 from sdxl_trainer.distributed.fsdp import shard_unet  # noqa: E402
 from sdxl_trainer.distributed.world import World, init_distributed, shutdown_distributed  # noqa: E402
 from sdxl_trainer.models.sdxl import SDXL_UNET_CONFIG  # noqa: E402
@@ -53,9 +53,12 @@ from sdxl_trainer.training.stream import DataPosition  # noqa: E402
 SAVED_UNET_CONFIG = {**SDXL_UNET_CONFIG, "block_out_channels": (80, 160, 320), "norm_num_groups": 16}
 
 
-def saved_state(world: World) -> tuple[torch.nn.Module, torch.optim.Optimizer, ShardedEMA]:
-    """The quarter-width UNet, its 8-bit AdamW state (after one update) and an EMA."""
-    unet = shard_unet(UNet2DConditionModel(**SAVED_UNET_CONFIG), world.mesh, param_dtype=None)
+SAVED_UNETS = {"sdxl_quarter": SAVED_UNET_CONFIG, "tiny": UNET_CONFIGS["tiny"]}
+
+
+def saved_state(world: World, unet_config: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer, ShardedEMA]:
+    """The UNet, its 8-bit AdamW state (after one update) and an EMA."""
+    unet = shard_unet(UNet2DConditionModel(**unet_config), world.mesh, param_dtype=None)
     optimizer = make_optimizer("adamw8bit", unet.parameters())
     for param in unet.parameters():
         param.grad = torch.zeros_like(param)
@@ -76,10 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=tuple(UNET_BUILDERS), default="tiny", help="the UNet trained in the timed updates: " + MODEL_HELP)
     parser.add_argument("--resolution", type=int, default=128, help="square image side in px")
     parser.add_argument("--batch_size", type=int, default=1, help="images per update")
+    parser.add_argument("--saved_unet", choices=tuple(SAVED_UNETS), default="sdxl_quarter",
+                        help="whose state each save writes: sdxl_quarter = SDXL's UNet at a quarter width (2.3 GB with its 8-bit AdamW state and "
+                        "EMA); tiny = the tests' tiny UNet (a quick check that the benchmark runs)")
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads for the update (on a GPU machine: ignored)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three kinds, alternating")
     parser.add_argument("--quiet_updates", type=int, default=8, help="updates timed without a write, per round")
-    parser.add_argument("--work_dir", type=Path, default=Path("/tmp/bench_background_save"), help="where the checkpoints go (emptied first)")
+    parser.add_argument("--work_dir", type=Path, default=Path("/tmp/bench_background_save"), help="where the checkpoints go (its process/ and thread/ folders emptied first)")
     parser.add_argument("--output", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -99,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         updates += 1
         return time.perf_counter() - started
 
-    shutil.rmtree(args.work_dir, ignore_errors=True)
-    unet, optimizer, ema = saved_state(world)
+    shutil.rmtree(args.work_dir / "process", ignore_errors=True)
+    unet, optimizer, ema = saved_state(world, SAVED_UNETS[args.saved_unet])
     facts = RunFacts("adamw8bit", "fp32", True, False, "", world.world_size, 1)
     options = CheckpointOptions(save_state=True, save_state_every_n_updates=0, checkpoints_total_limit=1)
     checkpointer = Checkpointer(args.work_dir / "process", options, unet, optimizer, ema, path.train_step, facts, seed=0,
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     medians = {kind: 1000 * statistics.median(seconds) if seconds else float("nan") for kind, seconds in timed.items()}
     ratios = {kind: medians[kind] / medians["quiet"] for kind in ("thread", "process")}
     print(f"{args.model} UNet, {args.resolution} px, batch {args.batch_size}, {device_name(world.device)}, {args.threads} thread(s) for the update, "
-          f"{args.rounds} rounds; each save writes the state of SDXL's UNet at a quarter width, 8-bit AdamW and EMA:")  # fmt: skip
+          f"{args.rounds} rounds; each save writes the state of the {args.saved_unet} UNet, its 8-bit AdamW state and EMA:")  # fmt: skip
     print(f"  without a write: {medians['quiet']:.0f} ms per update (median of {len(timed['quiet'])})")
     for kind, where in (("process", "the trainer's writer process"), ("thread", "a thread of the training process")):
         print(f"  while {where} writes: {medians[kind]:.0f} ms per update (median of {len(timed[kind])}, "
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.output, {"settings": vars(args) | {"output": str(args.output), "work_dir": str(args.work_dir)},
                                  "update_seconds": timed, "write_seconds": writes, "median_ms": medians, "ratio": ratios}, world.device)  # fmt: skip
     shutdown_distributed()
-    shutil.rmtree(args.work_dir, ignore_errors=True)
+    shutil.rmtree(args.work_dir / "thread", ignore_errors=True)  # the process's newest checkpoint stays, as the trainer's would
     return 0
 
 

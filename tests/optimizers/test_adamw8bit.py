@@ -169,3 +169,39 @@ def test_the_first_update_makes_the_state_once_in_its_chunks_buffers(optimizer_c
         assert type(made_state) is type(expected) and made_state.dtype == expected.dtype and made_state.signed == expected.signed
         for name in ("codes", "scale", "qmap"):
             assert torch.equal(getattr(made_state, name), getattr(expected, name))
+
+
+def state_addresses(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> list[int]:
+    """Where every state tensor's values lie: update counts, and each moment's codes and scales (or fp32 values)."""
+    addresses = []
+    for param in params:
+        state = optimizer.state[param]
+        addresses.append(state["step"].data_ptr())
+        for name in ("exp_avg", "exp_avg_sq"):
+            moment = state[name]
+            addresses += [part.data_ptr() for part in ((moment.codes, moment.scale) if isinstance(moment, OptimState8bit) else (moment,))]
+    return addresses
+
+
+def test_the_state_stays_where_it_is_from_the_first_update_on_and_after_a_resume():
+    """What a CUDA graph of the step needs of the state: once a start or a resume has made its chunks' buffers,
+    every update reads and writes the same memory (while the same parameters have gradients, as in training)."""
+    straight_params = parameters()
+    straight = AdamW8bit(straight_params, **SETTINGS)
+    run_updates(straight, straight_params, range(1))
+    first = state_addresses(straight, straight_params)
+    run_updates(straight, straight_params, range(1, 3))
+    assert state_addresses(straight, straight_params) == first
+    # The resume: a new optimizer loads the state of a run that stops after the same updates (and is dropped).
+    resumed_params = parameters()
+    stopped = AdamW8bit(resumed_params, **SETTINGS)
+    run_updates(stopped, resumed_params, range(3))
+    resumed = AdamW8bit(resumed_params, **SETTINGS)
+    resumed.load_state_dict(stopped.state_dict())
+    del stopped
+    run_updates(straight, straight_params, range(4, 7))
+    run_updates(resumed, resumed_params, range(4, 5))
+    after_resume = state_addresses(resumed, resumed_params)
+    run_updates(resumed, resumed_params, range(5, 7))
+    assert state_addresses(resumed, resumed_params) == after_resume
+    assert all(torch.equal(param, resumed_param) for param, resumed_param in zip(straight_params, resumed_params))
