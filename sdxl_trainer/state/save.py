@@ -89,7 +89,7 @@ class SharedBuffer:
         # The descriptor stays open for the writer to map the file by its path, and is closed with the buffer.
         self._release = weakref.finalize(self, _release, fd, self._address if pinned else None)
 
-    def tensor_at(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def tensor_at(self, offset: int | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` and `dtype` over the buffer's bytes from `offset` (None: an empty tensor)."""
         if offset is None:
             return torch.empty(shape, dtype=dtype)
