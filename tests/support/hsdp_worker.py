@@ -1,7 +1,7 @@
 """Run under torchrun (4 CPU processes) by test_hsdp.py. The tiny UNet trains 2 updates on the same global
 batches with full sharding over the 4 ranks and with HSDP (2 replicated groups of 2, --replicate_groups 2),
-per optimizer. With 8-bit AdamW, HSDP saves its state after the first update, and that state is resumed
-both as HSDP and as full sharding (AdamW's moments are laid out as the weights, which every resume compares).
+per optimizer. With 8-bit AdamW, HSDP saves its state after the first update (written by writer processes, as
+a background save is: they rebuild the 2-D mesh), and that state is resumed both as HSDP and as full sharding (AdamW's moments are laid out as the weights, which every resume compares).
 Writes rank{N}.json with, per optimizer: the largest weight differences (HSDP against full sharding; for
 8-bit AdamW, HSDP resumed against HSDP straight and resumed across layouts against HSDP straight), this
 rank's local parameter bytes under each layout, and a checksum of its local shards (equal within a replica
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from diffusers import UNet2DConditionModel
 from train_step_worker import full_weights, rank_batch  # the same global batch in every layout
-from unet_batches import clipping_against_torch, make_train_step, save_training_state, saved_state_of
+from unet_batches import clipping_against_torch, make_train_step, save_training_state_by_writer_process, saved_state_of
 
 from sdxl_trainer.distributed.fsdp import local_parameter_bytes, shard_unet
 from sdxl_trainer.distributed.world import device_mesh, init_distributed, shutdown_distributed
@@ -59,7 +59,7 @@ def main(pipeline_dir: str, output_dir: str) -> None:
         unet, optimizer, step = fresh(pipeline, meshes["hsdp"], name)
         step(rank_batch(unet, world, 0), epoch=0)
         if name == RESUMED_OPTIMIZER:
-            save_training_state(checkpoint, unet, optimizer, None, *saved_state_of(step, name, world.world_size))
+            save_training_state_by_writer_process(checkpoint, unet, optimizer, None, *saved_state_of(step, name, world.world_size))
         step(rank_batch(unet, world, 1), epoch=0)
         hsdp = full_weights(unet)
         if "clipping" not in report:  # on the HSDP UNet as it is; replicas hold the same gradients

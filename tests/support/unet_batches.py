@@ -7,12 +7,14 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from diffusers import UNet2DConditionModel
 from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.state.dcp_json_index import JsonIndexWriter
 from sdxl_trainer.state.save import TensorStager, stage_training_state, write_staged_state
 from sdxl_trainer.state.trainer_state import TrainerState
+from sdxl_trainer.state.writer_process import WriterProcess, save_request
 from sdxl_trainer.training.gradient_norm import clip_gradients
 from sdxl_trainer.training.loss import build_noise_scheduler
 from sdxl_trainer.training.lr_schedule import LearningRateSchedule
@@ -142,6 +144,21 @@ def save_training_state(checkpoint_dir: Path, model, optimizer, ema, trainer_sta
     """Collective: the state saved at once, as the trainer's Checkpointer saves it (staged, then written)."""
     staged = stage_training_state(model, optimizer, ema, trainer_state, position, TensorStager())
     return write_staged_state(checkpoint_dir, staged, writer_factory=writer_factory)
+
+
+def save_training_state_by_writer_process(checkpoint_dir: Path, model, optimizer, ema, trainer_state: TrainerState, position: DataPosition) -> Path:
+    """Collective: the state saved as a background save writes it, by a writer process (state/writer_process.py)."""
+    stager = TensorStager()
+    staged = stage_training_state(model, optimizer, ema, trainer_state, position, stager)
+    writer = WriterProcess.start(dist.new_group(backend="gloo"))
+    try:
+        writer.send(save_request(checkpoint_dir, staged, stager.buffer, JsonIndexWriter))
+        reply = writer.reply()
+    finally:
+        writer.close()
+    if set(reply) != {"seconds"}:
+        raise AssertionError(f"the writer process did not save: {reply}")
+    return checkpoint_dir
 
 
 # Rates for the tiny UNet's 13 blocks (kohya's split): 1-4 x 1e-3, block 3 (its first downsampler) and 12 (the
