@@ -52,6 +52,7 @@ def trainer_state(update: int) -> TrainerState:
                         consecutive_skipped_updates=0, loss_scaler=None)  # fmt: skip
 
 
+@pytest.mark.multiprocess
 def test_the_writer_process_writes_the_same_checkpoint_as_the_training_process(tmp_path, world):
     model, optimizer = sharded_model_and_8bit_state(world)
     exp_avg = optimizer.state[model[0].weight]["exp_avg"]
@@ -113,6 +114,7 @@ def without_distributed_settings() -> dict[str, str]:
     return {**{name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENV}, "PYTHONPATH": str(REPO_ROOT)}
 
 
+@pytest.mark.multiprocess
 def test_the_writer_process_dies_with_its_training_process():
     parent = subprocess.Popen([sys.executable, "-c", KILLED_PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               cwd=REPO_ROOT, env=without_distributed_settings())  # fmt: skip
