@@ -133,14 +133,13 @@ class TensorStager:
 
     def __init__(self) -> None:
         self.buffer: SharedBuffer | None = None
-        self._shapes: list[tuple[torch.Size, torch.dtype]] = []
-        self._views: list[torch.Tensor] = []  # one per shape, in the buffer
+        self._views: list[torch.Tensor] = []  # one per plain tensor of the state, in the buffer
 
     def stage(self, state: Any) -> Any:
         leaves: list[torch.Tensor] = []
         _collect_tensors(state, leaves)
         shapes = [(leaf.shape, leaf.dtype) for leaf in leaves]
-        if self.buffer is None or shapes != self._shapes:
+        if self.buffer is None or shapes != [(view.shape, view.dtype) for view in self._views]:
             self._new_buffer(shapes)
         views = iter(self._views)
         staged = _copied(state, views)
@@ -155,7 +154,7 @@ class TensorStager:
             end += -(-shape.numel() * dtype.itemsize // ALIGNMENT) * ALIGNMENT
         if self.buffer is not None:
             self.buffer.close()
-        self.buffer, self._shapes = SharedBuffer(end), shapes
+        self.buffer = SharedBuffer(end)
         self._views = [self.buffer.tensor_at(offset if shape.numel() else None, shape, dtype) for offset, (shape, dtype) in zip(offsets, shapes)]
 
 

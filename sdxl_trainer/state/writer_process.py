@@ -150,12 +150,20 @@ def save_request(checkpoint_dir: Path, staged: StagedState, buffer: SharedBuffer
 # The writer's side ------------------------------------------------------------------------------------------
 
 class _Rebuilder:
-    """Rebuilds a request's tensors over the trainer's shared buffer (mapped once per buffer)."""
+    """Rebuilds a request's tensors over the trainer's shared buffer (mapped once per buffer), and finds what it
+    names (tensor subclasses, the DCP writer) once each: a writer_factory of a script runs that script's top level."""
 
     def __init__(self) -> None:
         self.buffer_id: int | None = None
         self.buffer: SharedBuffer | None = None
         self.meshes: dict[str, DeviceMesh] = {}
+        self._found: dict[str, Any] = {}
+
+    def imported(self, reference: dict) -> Any:
+        key = json.dumps(reference, sort_keys=True)
+        if key not in self._found:
+            self._found[key] = _imported(reference)
+        return self._found[key]
 
     def staged_state(self, request: dict) -> StagedState:
         described = request["buffer"]
@@ -187,7 +195,7 @@ class _Rebuilder:
                                       shape=torch.Size(spec["shape"]), stride=tuple(spec["stride"]))  # fmt: skip
         if "subclass" in node:
             spec = node["subclass"]
-            cls = _imported({"module": spec["module"], "name": spec["name"]})
+            cls = self.imported({"module": spec["module"], "name": spec["name"]})
             inner = {name: self._tensors(value) for name, value in spec["inner"].items()}
             return cls.__tensor_unflatten__(inner, _decoded_value(spec["context"]), torch.Size(spec["shape"]), tuple(spec["stride"]))
         spec = node["tensor"]
@@ -217,7 +225,7 @@ def writer_main(settings: dict) -> None:
         started = time.perf_counter()
         request = json.loads(line)
         try:
-            write_staged_state(Path(request["checkpoint_dir"]), rebuilder.staged_state(request), None, _imported(request["writer"]))
+            write_staged_state(Path(request["checkpoint_dir"]), rebuilder.staged_state(request), None, rebuilder.imported(request["writer"]))
             reply = {"seconds": time.perf_counter() - started}
         except CheckpointError as error:
             reply = {"checkpoint_error": str(error), "seconds": time.perf_counter() - started}

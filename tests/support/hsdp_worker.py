@@ -1,7 +1,8 @@
 """Run under torchrun (4 CPU processes) by test_hsdp.py. The tiny UNet trains 2 updates on the same global
 batches with full sharding over the 4 ranks and with HSDP (2 replicated groups of 2, --replicate_groups 2),
 per optimizer. With 8-bit AdamW, HSDP saves its state after the first update (written by writer processes, as
-a background save is: they rebuild the 2-D mesh), and that state is resumed both as HSDP and as full sharding (AdamW's moments are laid out as the weights, which every resume compares).
+a background save is: they rebuild the 2-D mesh), and that state is resumed both as HSDP and as full sharding
+(AdamW's moments are laid out as the weights, which every resume compares).
 Writes rank{N}.json with, per optimizer: the largest weight differences (HSDP against full sharding; for
 8-bit AdamW, HSDP resumed against HSDP straight and resumed across layouts against HSDP straight), this
 rank's local parameter bytes under each layout, and a checksum of its local shards (equal within a replica
