@@ -169,6 +169,15 @@ class Run:
         self.garbage.close()
 
 
+def loss_scaler(world: World, cpu_offload: bool) -> torch.amp.GradScaler:
+    """fp16's loss scaler. Under FSDP2 the sharded one, which agrees across the ranks on whether a step overflowed
+    (and takes gradients offloaded to the host); one plain module's needs no agreement, and torch's own scaler
+    makes no collective where the sharded one all-reduces its verdict on every update."""
+    if uses_sharding(world.world_size, cpu_offload):
+        return ShardedGradScaler(world.device.type)
+    return torch.amp.GradScaler(world.device.type)
+
+
 def build_run(config: TrainConfig, world: World, stop: StopRequest) -> Run:
     """Check everything, then build the run from its parts: data, models, optimizer, train step, logging,
     evaluator, checkpointer and exporter, each by its owner. `stop`: the stop signals' handler, installed
@@ -195,8 +204,7 @@ def build_run(config: TrainConfig, world: World, stop: StopRequest) -> Run:
     empty_prompt = tuple(tensor.to(world.device) for tensor in caches.empty_prompt)  # read and checked by check_before_start
     models, caption_encoder = build_models(config, world, data.dataset, seed, compute_dtype, caches.caption_chunks)
     exempt_live_objects_from_garbage_collection()  # the model libraries' objects too, imported by now
-    # fp16 needs loss scaling; the sharded scaler agrees across ranks on whether a step overflowed.
-    scaler = ShardedGradScaler(world.device.type) if compute_dtype == torch.float16 else None
+    scaler = loss_scaler(world, config.cpu_offload) if compute_dtype == torch.float16 else None
     if scaler is not None and config.optimizer_in_backward:
         raise SystemExit(
             "Cannot start training: this GPU has no bf16, so --mixed_precision auto computes in fp16, whose loss scaling "

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from sdxl_trainer.config import option
 from sdxl_trainer.optimizers.shards import StepsIfFinite
@@ -76,6 +75,13 @@ class StepOptions:
         if self.gc_every_n_updates < 0:
             problems.append("--gc_every_n_updates must be >= 0 (0 = Python's automatic garbage collection)")
         return problems
+
+
+def _average_over_ranks(value: torch.Tensor) -> None:
+    """`value` replaced by its mean over the ranks. One process skips the collective, which a GPU would still
+    launch (benchmarks/count_host_work.py counted it on every update)."""
+    if dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.AVG)
 
 
 class UpdateResult:
@@ -142,7 +148,7 @@ class TrainStep:
         empty_prompt: tuple[torch.Tensor, torch.Tensor],
         run_seed: int,
         max_grad_norm: float,
-        scaler: ShardedGradScaler | None = None,
+        scaler: torch.amp.GradScaler | None = None,
         ema: ShardedEMA | None = None,
         reduce_every_microbatch: bool = False,
         caption_encoder: StepCaptionEncoder | None = None,
@@ -237,7 +243,7 @@ class TrainStep:
             loss = self._microbatch_loss(batch, epoch) / len(microbatches)  # the mean over the update's samples, normalised once
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        _average_over_ranks(loss_sum)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip and check the true gradients, not the scaled ones
         grad_norm = clip_gradients(self.trained_parameters, self.max_grad_norm or math.inf).to(device, torch.float32)
@@ -282,7 +288,7 @@ class TrainStep:
         set_learning_rate(self.optimizer, learning_rate)
         loss = self._microbatch_loss(microbatches[0], epoch)
         loss_sum = loss.detach().clone()
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        _average_over_ranks(loss_sum)
         self.in_backward.begin(torch.isfinite(loss_sum))
         loss.backward()
         grad_norm, finite = self.in_backward.finish()

@@ -23,6 +23,7 @@ class CountedUpdate:
     logs: bool  # writes the scalars (every --log_every_n_updates)
     reads: dict[str, int]  # host reads by "file:function"
     host_collectives: int  # calls over the trainer's gloo group of host-side values
+    device_collectives: int  # calls over the other groups (the training group's, FSDP2's): values on the device
     garbage_collections: dict[str, int]  # "automatic" / "between updates" -> how many
 
 
@@ -65,6 +66,7 @@ def count_trainer_updates(flags: list[str], world: World) -> list[CountedUpdate]
             logs=number % config.log_every_n_updates == 0,
             reads={f"{file}:{function}": count for (file, function), count in counts.reads.items()},
             host_collectives=sum(count for (_, group), count in counts.collective_calls.items() if group == host_group),
+            device_collectives=sum(count for (_, group), count in counts.collective_calls.items() if group != host_group),
             garbage_collections=dict(counts.garbage_collections),
         )
         for number, counts in enumerate(counted.updates[1:-1], start=2)

@@ -38,7 +38,8 @@ def counted_run_flags(sample_cache_dir, tiny_pipeline_dir, output_dir, *extra: s
     )  # fmt: skip
 
 
-def assert_only_updates_that_log_wait(updates: list[CountedUpdate]) -> None:
+def assert_only_updates_that_log_wait(updates: list[CountedUpdate], processes: int = 1) -> None:
+    """On one process also no collective over the training group: alone, a GPU would still launch it."""
     assert [update.update for update in updates] == list(range(2, UPDATES))
     for update in updates:
         update.reads = {place: count for place, count in update.reads.items() if place not in CPU_DEVICE_READS}
@@ -49,6 +50,8 @@ def assert_only_updates_that_log_wait(updates: list[CountedUpdate]) -> None:
             assert update.reads == {}, f"update {update.update} does not log, yet reads: {update.reads}"
             assert update.host_collectives == 0, f"update {update.update} does not log, yet {update.host_collectives} host collectives"
         assert update.garbage_collections.get("automatic", 0) == 0, f"update {update.update}: {update.garbage_collections}"
+        if processes == 1:
+            assert update.device_collectives == 0, f"update {update.update} on one process: {update.device_collectives} collectives"
         assert update.garbage_collections.get("between updates", 0) == (1 if update.update % GC_EVERY == 0 else 0), update
 
 
@@ -56,7 +59,8 @@ def assert_only_updates_that_log_wait(updates: list[CountedUpdate]) -> None:
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_only_updates_that_log_wait_with_every_optimizer(world, sample_cache_dir, tiny_pipeline_dir, tmp_path, optimizer):
     """Prodigy's all-reduce of its step-size sums is a collective of device values over the training group (as
-    FSDP2's, as Adafactor's): queued on the GPU like them, not a host wait; one process makes none."""
+    FSDP2's, as Adafactor's): queued on the GPU like them, not a host wait; one process makes none, nor the
+    step's average of the loss."""
     rate = ("--learning_rate", "1.0") if optimizer == "prodigy" else ()  # Prodigy refuses AdamW's default rate
     flags = counted_run_flags(sample_cache_dir, tiny_pipeline_dir, tmp_path, "--optimizer", optimizer, *rate)
     assert_only_updates_that_log_wait(count_trainer_updates(flags, world))
@@ -81,7 +85,7 @@ def test_only_updates_that_log_wait_on_two_processes(sample_cache_dir, tiny_pipe
     run_processes(2, REPO_ROOT / "tests" / "support" / "host_waits_worker.py", [str(tmp_path / "counts"), *flags])
     for rank in range(2):
         counted = json.loads((tmp_path / "counts" / f"rank{rank}.json").read_text())
-        assert_only_updates_that_log_wait([CountedUpdate(**update) for update in counted])
+        assert_only_updates_that_log_wait([CountedUpdate(**update) for update in counted], processes=2)
 
 
 def test_garbage_is_collected_between_updates_on_every_rank_and_never_inside_one():

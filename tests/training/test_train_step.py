@@ -34,6 +34,11 @@ def sharded_unet(pipeline_dir, world, compile_blocks: bool = False, param_dtype:
     return unet
 
 
+def scaler_for(layout: str, init_scale: float) -> torch.amp.GradScaler:
+    """fp16's loss scaler as the trainer builds it for the layout (train_build.loss_scaler): the sharded one for FSDP2."""
+    return (ShardedGradScaler if layout == "fsdp2" else torch.amp.GradScaler)("cpu", init_scale=init_scale)
+
+
 def unet_in_layout(layout: str, pipeline_dir, world, param_dtype: torch.dtype | None = None):
     """"fsdp2": sharded as on several processes; "plain": what prepare_unet gives one process."""
     if layout == "fsdp2":
@@ -177,7 +182,7 @@ def test_clipping_bounds_the_true_gradient(world, tiny_pipeline_dir, loss_scale,
     optimizer = torch.optim.SGD(unet.parameters(), lr=1.0)
     step = make_train_step(unet, optimizer, tiny_pipeline_dir, max_grad_norm=1e-3)
     if loss_scale:
-        step.scaler = ShardedGradScaler("cpu", init_scale=loss_scale)
+        step.scaler = scaler_for(layout, loss_scale)
     result = step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0)
     after = weights(unet)
     moved = torch.sqrt(sum(((after[key] - before[key]) ** 2).sum() for key in before)).item()
@@ -245,13 +250,13 @@ def test_fp16_scaler_overflow_lowers_the_scale_and_skips_the_step(world, tiny_pi
     else:
         optimizer = build_optimizer(optimizer_name, unet.parameters(), 1e-3, 1e-2, (0.9, None), 1e-8)
     step = make_train_step(unet, optimizer, tiny_pipeline_dir)
-    step.scaler = ShardedGradScaler("cpu", init_scale=2.0**40)  # fp16 backward overflows at 65504
+    step.scaler = scaler_for(layout, 2.0**40)  # fp16 backward overflows at 65504
     result = step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0)
     assert not result.stepped and np.isfinite(result.loss)
     assert step.scaler.get_scale() == 2.0**39
     assert step.updates_done == 1
     assert largest_difference(before, weights(unet)) == 0.0
-    step.scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
+    step.scaler = scaler_for(layout, 2.0**8)
     assert step([synthetic_batch(unet, [0, 1], seed=4)], epoch=0).stepped
     assert step.updates_done == 2
 
