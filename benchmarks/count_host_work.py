@@ -8,11 +8,14 @@ block, layer and parameter tensor of the published architecture, 1,680 tensors) 
 tiny pipeline, on sample_dataset/ cached at 256-320 px, 8-bit AdamW, EMA, gradient checkpointing, batch 2 x
 2 microbatches per rank, a log every 3 updates. What it counts does not depend on the width: operators
 dispatched outside compiled regions (the stand-in for kernel launches), host reads, and collectives by kind
-and process group (their bytes at full size: --estimate_speed). Each update is counted from its step's start
+and process group (their bytes at full size: --estimate_speed). The exception is the optimizer's part, which is
+per chunk of up to 16 M values: the narrow UNet fills 2-3 of them, so the chunks the full-size UNet makes are
+printed beside it. Each update is counted from its step's start
 to the next one's, so its data fetch, logging, stop agreement and checkpointer's turn are in it; the first
 update (kernels compiled, the optimizer's state made) and the last are left out.
 
-Variants: eager or --compile_unet, on 1 process or 2 (FSDP2 over gloo, as train.sh runs it on a CPU).
+Variants: eager or --compile_unet, on 1 process or 2 (FSDP2 over gloo, as train.sh runs it on a CPU); bf16_1 computes in
+bf16 over fp32 weights as one GPU does (autocast), where the others compute in fp32 as a CPU does.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ from benchmarks.lib.results import write_json  # noqa: E402
 
 UPDATES = 8
 LOG_EVERY = 3
-VARIANTS = {"eager_1": (1, ()), "compile_1": (1, ("--compile_unet",)), "eager_2": (2, ()), "compile_2": (2, ("--compile_unet",))}
+VARIANTS = {
+    "eager_1": (1, ()), "compile_1": (1, ("--compile_unet",)), "eager_2": (2, ()), "compile_2": (2, ("--compile_unet",)),
+    # One GPU's precision over fp32 weights (torch.autocast in bf16, as on an H200), counted on the CPU.
+    "bf16_1": (1, ("--mixed_precision", "bf16")),
+}  # fmt: skip
 
 
 def narrow_pipeline(work_dir: Path) -> Path:
@@ -62,6 +69,26 @@ def sample_cache(work_dir: Path, pipeline: Path) -> Path:
             check=True, cwd=REPO_ROOT,
         )  # fmt: skip
     return cache
+
+
+def optimizer_chunks(unet_config: dict, ranks: int) -> int:
+    """The chunks rank 0's 8-bit AdamW step makes over a UNet of `unet_config` sharded over `ranks` (FSDP2's dim-0
+    shards, the step's rule for 8-bit moments and its CHUNK_VALUES), worked out on the meta device. The step's
+    host work is per chunk, and the narrow UNet's values fill only a few: the full-size UNet's chunks say what its
+    count means at full size."""
+    from diffusers import UNet2DConditionModel
+
+    from sdxl_trainer.optimizers.adamw8bit import BLOCK_SIZE, CHUNK_VALUES
+    from sdxl_trainer.optimizers.shards import runs_of_at_most
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**unet_config)
+    sizes_by_kind: dict[bool, list[int]] = {True: [], False: []}
+    for param in unet.parameters():
+        rows = -(-param.shape[0] // ranks)
+        size = rows * (param.numel() // param.shape[0])
+        sizes_by_kind[size >= 4096 and size % BLOCK_SIZE == 0].append(size)
+    return sum(len(list(runs_of_at_most(sizes, sizes, CHUNK_VALUES))) for sizes in sizes_by_kind.values())
 
 
 def trainer_flags(pipeline: Path, cache: Path, output_dir: Path, extra: tuple[str, ...]) -> list[str]:
@@ -157,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     cache = sample_cache(args.work_dir, pipeline)
     results = {name: run_variant(name, pipeline, cache, args.work_dir) for name in args.variants}
     print_table(results)
+    from sdxl_trainer.models.sdxl import SDXL_UNET_CONFIG
+
+    full_size_chunks = {ranks: optimizer_chunks(SDXL_UNET_CONFIG, ranks) for ranks in (1, 2, 8)}
+    print("\n8-bit AdamW's chunks on rank 0 at full size (1, 2, 8 ranks): " + ", ".join(map(str, full_size_chunks.values())))
     if args.json:
-        write_json(args.json, {"variants": results}, torch.device("cpu"))
+        write_json(args.json, {"variants": results, "full_size_optimizer_chunks": full_size_chunks}, torch.device("cpu"))
     return 0
 
 
