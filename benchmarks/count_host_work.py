@@ -148,10 +148,16 @@ def run_variant(name: str, pipeline: Path, cache: Path, work_dir: Path) -> list[
 
 
 def summary(updates: list[dict]) -> dict[str, dict]:
-    """Per kind of update (one that logs, one that does not): the counts of the last such update counted."""
+    """Per kind of update (one that logs, one that ends an epoch, which writes the epoch's loss, and one that
+    does neither): the counts of the last such update counted."""
     kinds = {}
     for update in updates:
-        kinds["an update that logs" if update["logs"] else "an update that does not log"] = update
+        if update["logs"]:
+            kinds["an update that logs"] = update
+        elif update["ops"].get("logging"):
+            kinds["an update that ends an epoch"] = update
+        else:
+            kinds["an update that does not log"] = update
     return kinds
 
 
