@@ -42,7 +42,10 @@ def squared_norm(grads: list[torch.Tensor]) -> tuple[torch.Tensor, dict[torch.dt
     for grad in grads:
         shard = local_shard(grad)
         by_dtype.setdefault(shard.dtype, []).append(shard)
-    squares = torch.stack([norm.float() for shards in by_dtype.values() for norm in torch._foreach_norm(shards, 2.0)]).square().sum()
+    # Each norm in fp32 from the foreach op itself: bf16 gradients' norms came back in bf16, and casting them one by
+    # one cost an operator per tensor (1,680 per update with --weights_dtype bf16: benchmarks/count_host_work.py).
+    norms = [norm for shards in by_dtype.values() for norm in torch._foreach_norm(shards, 2.0, dtype=torch.float32)]
+    squares = torch.stack(norms).square().sum()
     for mesh, placements in layouts:
         squares = squares.to(mesh.device_type)  # with --cpu_offload the shards are in host memory, NCCL reduces on the GPU
         for dim, placement in enumerate(placements):
