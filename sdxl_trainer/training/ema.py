@@ -22,8 +22,11 @@ from sdxl_trainer.distributed.fsdp import parameter_names, reshard_units
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import runs_of_at_most
 
-# Values whose evaluation weights are made at once (fp32 temporaries of 64 MB), with evaluation_weights.
+# Values whose evaluation weights, or bf16 weights cast to fp32, are made at once (fp32 temporaries of 64 MB).
 EVALUATION_RUN_VALUES = 1 << 24
+# Many tensors into one flat tensor and back as views of it, each in one call (as the 8-bit AdamW step does).
+_flatten = torch._C._nn.flatten_dense_tensors
+_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 @dataclass(kw_only=True)
@@ -98,24 +101,27 @@ class ShardedEMA:
             self._average_staged()
             self._stage(weight_of_new, finite)
             return
+        # The same fp32 weight as the scalar's where finite, 0 (the average unchanged) where not: made once for every run.
+        weight = weight_of_new if finite is None else finite.to(torch.float32) * weight_of_new
         if self.evaluation_weights is not None:
             for run in self._runs():
-                self._average_in([self.shadow[index] for index in run], self.evaluation_weights([self.parameters[index] for index in run]),
-                                 weight_of_new, finite)
+                new = self.evaluation_weights([self.parameters[index] for index in run])
+                torch._foreach_lerp_([self.shadow[index] for index in run], new, weight)
             return
-        self._average_in(self.shadow, [local_shard(parameter).detach().float() for parameter in self.parameters], weight_of_new, finite)
-
-    @staticmethod
-    def _average_in(shadow: list[torch.Tensor], current: list[torch.Tensor], weight_of_new: float, finite: torch.Tensor | None) -> None:
-        if finite is None:
-            torch._foreach_lerp_(shadow, current, weight_of_new)
-        else:
-            # The same fp32 weight as the scalar's where finite, 0 (the average unchanged) where not.
-            torch._foreach_lerp_(shadow, current, finite.to(torch.float32) * weight_of_new)
+        weights = [local_shard(parameter).detach() for parameter in self.parameters]
+        if all(tensor.dtype == torch.float32 for tensor in weights):
+            torch._foreach_lerp_(self.shadow, weights, weight)
+            return
+        # bf16 weights (--weights_dtype bf16): cast a run at a time, in one operator each, where casting every tensor
+        # on its own cost an operator per tensor (1,680 an update at SDXL's count) and made a whole fp32 copy at once.
+        for run in self._runs():
+            in_run = [weights[index] for index in run]
+            torch._foreach_lerp_([self.shadow[index] for index in run], _unflatten(_flatten(in_run).float(), in_run), weight)
 
     def _runs(self) -> Iterator[list[int]]:
-        """The parameters' indices in runs whose evaluation weights are made at once: they are new fp32 tensors,
-        so all of them at once would be a whole fp32 copy of this rank's shards beside the average."""
+        """The parameters' indices in runs whose fp32 weights (evaluation weights, or bf16 weights cast) are made at
+        once: they are new fp32 tensors, so all of them at once would be a whole fp32 copy of this rank's shards
+        beside the average."""
         indices = list(range(len(self.parameters)))
         yield from runs_of_at_most(indices, [local_shard(parameter).numel() for parameter in self.parameters], EVALUATION_RUN_VALUES)
 

@@ -12,11 +12,13 @@ from diffusers import UNet2DConditionModel
 from unet_batches import make_train_step, save_training_state, saved_state_of, synthetic_batch, trainer_state_for
 
 from sdxl_trainer.config import parse_config
+from sdxl_trainer.estimates.host_work import HostWork
 from sdxl_trainer.distributed.fsdp import prepare_unet, shard_unet
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer
 from sdxl_trainer.optimizers.prodigy import ProdigySettings
 from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key
 from sdxl_trainer.training.ema import ShardedEMA
+from sdxl_trainer.training.gradient_norm import clip_gradients
 
 BF16_STEP_AT_1 = 2.0**-7  # bf16 keeps 8 significant bits: its spacing between 1 and 2
 
@@ -183,3 +185,53 @@ def test_bf16_weights_need_bf16_compute_and_the_same_dtype_on_resume(capsys):
     assert "--weights_dtype bf16 computes in bf16: drop --mixed_precision fp16 (or pass bf16), or keep fp32 weights" in capsys.readouterr().err
     assert problems_resuming(trainer_state_for(weights_dtype="bf16"), config("--weights_dtype", "bf16")) == []
     assert problems_resuming(trainer_state_for(), config("--weights_dtype", "bf16")) == ["the checkpoint holds fp32 weights: resume with --weights_dtype fp32"]
+
+
+def test_clipping_bf16_gradients_measures_in_fp32_with_no_operator_per_tensor():
+    """bf16 gradients' norms come out of one foreach op in fp32: cast one by one from bf16 they cost an operator
+    per tensor (1,680 per update at SDXL's count) and were each rounded to 8 bits first."""
+    generator = torch.Generator().manual_seed(0)
+
+    def clipped(count: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        params = [torch.nn.Parameter(torch.zeros(33, 7, dtype=torch.bfloat16)) for _ in range(count)]
+        for param in params:
+            param.grad = torch.randn(33, 7, generator=generator).to(torch.bfloat16)
+        expected = torch.cat([param.grad.float().flatten() for param in params]).norm()
+        with HostWork(by_part=False) as counts:
+            norm = clip_gradients(params, max_norm=1e-3)
+        return norm, expected, counts.total_ops
+
+    (norm_10, expected_10, ops_10), (norm_100, expected_100, ops_100) = clipped(10), clipped(100)
+    assert ops_10 == ops_100  # the same operators for 10 tensors as for 100
+    for norm, expected in ((norm_10, expected_10), (norm_100, expected_100)):
+        assert norm.dtype == torch.float32
+        assert norm.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_the_ema_averages_bf16_weights_in_runs_as_each_tensor_cast_on_its_own(monkeypatch):
+    """A run of bf16 weights is cast to fp32 in one operator: the same average, bit for bit, as each tensor cast
+    on its own (the code before), and the same operators for 10 tensors as for 100; a run holds at most
+    EVALUATION_RUN_VALUES values, so no whole fp32 copy of the weights is made at once."""
+    import sdxl_trainer.training.ema as ema_module
+
+    generator = torch.Generator().manual_seed(0)
+
+    def averaged(count: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(33, 7, generator=generator).to(torch.bfloat16)) for _ in range(count)])
+        ema = ShardedEMA(model, decay=0.5, on_cpu=False)
+        with torch.no_grad():
+            for param in model:
+                param.copy_(torch.randn(33, 7, generator=generator))
+        expected = [shadow.lerp(param.float(), 1 - ema.current_decay()) for shadow, param in zip(ema.shadow, model)]
+        with HostWork(by_part=False) as counts:
+            ema.update(torch.ones((), dtype=torch.bool))
+        return ema.shadow, expected, counts.total_ops
+
+    shadow_10, expected_10, ops_10 = averaged(10)
+    shadow_100, expected_100, ops_100 = averaged(100)
+    assert ops_10 == ops_100
+    assert all(torch.equal(got, want) for got, want in zip(shadow_10 + shadow_100, expected_10 + expected_100))
+    monkeypatch.setattr(ema_module, "EVALUATION_RUN_VALUES", 33 * 7 * 10)  # runs of 10 tensors: 10 runs for 100
+    shadow_runs, expected_runs, ops_runs = averaged(100)
+    assert ops_10 < ops_runs <= 10 * ops_10  # grows with the runs, not with the tensors
+    assert all(torch.equal(got, want) for got, want in zip(shadow_runs, expected_runs))
