@@ -1,6 +1,6 @@
 """The host's work per update, counted on a CPU: what paces an update when the GPU waits for Python.
 
-    venv/bin/python benchmarks/count_host_work.py [--variants eager_1 compile_1 eager_2 compile_2] [--json OUT]
+    venv/bin/python benchmarks/count_host_work.py [--variants eager_1 eager_2 bf16_1 ...] [--json OUT]
 
 The trainer itself runs (sdxl_FSDP_train.py's config, build and loop: data stream, TrainStep, monitor, stop
 agreement, checkpointer) on SDXL's UNet at a narrow width (models/sdxl.py NARROW_SDXL_UNET_CONFIG: every
@@ -8,14 +8,15 @@ block, layer and parameter tensor of the published architecture, 1,680 tensors) 
 tiny pipeline, on sample_dataset/ cached at 256-320 px, 8-bit AdamW, EMA, gradient checkpointing, batch 2 x
 2 microbatches per rank, a log every 3 updates. What it counts does not depend on the width: operators
 dispatched outside compiled regions (the stand-in for kernel launches), host reads, and collectives by kind
-and process group (their bytes at full size: --estimate_speed). The exception is the optimizer's part, which is
-per chunk of up to 16 M values: the narrow UNet fills 2-3 of them, so the chunks the full-size UNet makes are
-printed beside it. Each update is counted from its step's start
-to the next one's, so its data fetch, logging, stop agreement and checkpointer's turn are in it; the first
-update (kernels compiled, the optimizer's state made) and the last are left out.
+and process group (their bytes at full size: --estimate_speed). The exception is the optimizer's part, which
+is per chunk of up to 16 M values: the narrow UNet fills 2-3 of them, so the chunks the full-size UNet makes
+are printed beside it. Each update is counted from its step's start to the next one's, so its data fetch,
+logging, stop agreement and checkpointer's turn are in it; the first update (kernels compiled, the
+optimizer's state made) and the last are left out.
 
-Variants: eager or --compile_unet, on 1 process or 2 (FSDP2 over gloo, as train.sh runs it on a CPU); bf16_1 computes in
-bf16 over fp32 weights as one GPU does (autocast), where the others compute in fp32 as a CPU does.
+Variants: eager or --compile_unet, on 1 process or 2 (FSDP2 over gloo, as train.sh runs it on a CPU), in fp32
+as a CPU computes; and in bf16 as GPUs compute: bf16_1 over fp32 weights on one process (torch.autocast),
+bf16_weights_1 over bf16 weights (--weights_dtype bf16), bf16_2 in FSDP2's bf16 param dtype on two.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ VARIANTS = {
     "eager_1": (1, ()), "compile_1": (1, ("--compile_unet",)), "eager_2": (2, ()), "compile_2": (2, ("--compile_unet",)),
     # One GPU's precision over fp32 weights (torch.autocast in bf16, as on an H200), counted on the CPU.
     "bf16_1": (1, ("--mixed_precision", "bf16")),
+    "bf16_weights_1": (1, ("--weights_dtype", "bf16")),  # the same compute over bf16 weights: nothing to cast
+    "bf16_2": (2, ("--mixed_precision", "bf16")),  # FSDP2's bf16 param dtype, as several GPUs run
 }  # fmt: skip
 
 
