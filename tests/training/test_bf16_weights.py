@@ -12,8 +12,8 @@ from diffusers import UNet2DConditionModel
 from unet_batches import make_train_step, save_training_state, saved_state_of, synthetic_batch, trainer_state_for
 
 from sdxl_trainer.config import parse_config
-from sdxl_trainer.estimates.host_work import HostWork
 from sdxl_trainer.distributed.fsdp import prepare_unet, shard_unet
+from sdxl_trainer.estimates.host_work import HostWork
 from sdxl_trainer.optimizers.build import OPTIMIZERS, build_optimizer
 from sdxl_trainer.optimizers.prodigy import ProdigySettings
 from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key
