@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
 from sdxl_trainer.distributed.local_shard import local_shard
-from sdxl_trainer.optimizers.shards import StepsIfFinite, fp32_zeros_like, runs_of_at_most
+from sdxl_trainer.optimizers.shards import StepsIfFinite, flatten_tensors, fp32_zeros_like, runs_of_at_most, unflatten_tensors
 from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key, runs_compiled
 
 # Values per chunk: the kernel's temporaries are about 16 bytes per value (270 MB at this size) and a
@@ -106,15 +106,10 @@ _compiled_step_8bit_moments = torch.compile(_step_8bit_moments, dynamic=True, fu
 _compiled_adamw = torch.compile(_adamw, dynamic=True, fullgraph=True)
 
 
-# Flatten many tensors into one and write one back into many, each in one call (torch's C++ helpers that
-# DDP's bucketing uses): a Python loop of reshapes, splits and views over SDXL's 1,680 tensors took most of
-# the step's host time (benchmarks/bench_optimizer_step.py --sdxl_tensor_count).
-_flatten = torch._C._nn.flatten_dense_tensors
-_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
-    torch._foreach_copy_(targets, _unflatten(flat, targets))
+    torch._foreach_copy_(targets, unflatten_tensors(flat, targets))
 
 
 def _views_of_one_buffer(buffer: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
@@ -147,7 +142,7 @@ def _share_one_buffer(tensors: list[torch.Tensor]) -> torch.Tensor:
     reads and writes the buffer in one call, where flattening the state and writing it back cost a call per
     tensor and direction. A save copies each view into a buffer of its own (TensorStager), so a checkpoint
     holds each tensor's values only, not the shared buffer."""
-    flat = _flatten(tensors)
+    flat = flatten_tensors(tensors)
     storage, offset = flat.untyped_storage(), 0
     for tensor in tensors:
         tensor.set_(storage, offset, tensor.shape)
@@ -338,7 +333,7 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
         step_8bit_moments = _step_8bit_moments if eager else _compiled_step_8bit_moments
         adamw = _adamw if eager else _compiled_adamw
         for chunk_number, chunk in enumerate(batch.chunks, start=first_chunk):
-            weights, grads = _flatten(chunk.weights), _flatten([local_shard(param.grad) for param in chunk.params])
+            weights, grads = flatten_tensors(chunk.weights), flatten_tensors([local_shard(param.grad) for param in chunk.params])
             kernel = step_8bit_moments if batch.is_8bit else adamw
             new_weights = kernel(weights, grads, *chunk.states, *chunk.code_values, *step_settings)
             if chunk.weights[0].dtype == torch.bfloat16:

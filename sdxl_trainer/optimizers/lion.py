@@ -9,15 +9,14 @@ import torch
 
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import (
-    StepsIfFinite, _entries_per_group, device_step_counts, entries_by_kind, fp32_zeros_like, runs_of_at_most,
+    StepsIfFinite, _entries_per_group, device_step_counts, entries_by_kind, flatten_tensors, fp32_zeros_like, runs_of_at_most,
+    unflatten_tensors,
 )
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 
 # Values per chunk: the step's temporaries are a few fp32 copies of the values it updates at once, so it
 # updates the parameters in runs of at most this many values (64 MB each in fp32), not all at once.
 CHUNK_VALUES = 1 << 24
-_flatten = torch._C._nn.flatten_dense_tensors
-_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 def _lion(weights: torch.Tensor, grads: torch.Tensor, momenta: torch.Tensor, lr: float, beta1: float, beta2: float, weight_decay: float,
@@ -64,12 +63,12 @@ class Lion(StepsIfFinite, torch.optim.Optimizer):
                     momenta = [local_shard(entry.state["exp_avg"]) for entry in chunk]
                     weights = [entry.weights for entry in chunk]
                     new_weights, new_momenta = _lion(
-                        _flatten(weights).float(), _flatten([entry.grad for entry in chunk]).float(), _flatten(momenta), group["lr"], beta1, beta2,
-                        group["weight_decay"], verdict,
+                        flatten_tensors(weights).float(), flatten_tensors([entry.grad for entry in chunk]).float(),
+                        flatten_tensors(momenta), group["lr"], beta1, beta2, group["weight_decay"], verdict,
                     )  # fmt: skip
-                    torch._foreach_copy_(momenta, _unflatten(new_momenta, momenta))
+                    torch._foreach_copy_(momenta, unflatten_tensors(new_momenta, momenta))
                     if weights[0].dtype == torch.float32:
-                        torch._foreach_copy_(weights, _unflatten(new_weights, weights))
+                        torch._foreach_copy_(weights, unflatten_tensors(new_weights, weights))
                         continue
-                    for entry, values in zip(chunk, _unflatten(new_weights, weights)):
+                    for entry, values in zip(chunk, unflatten_tensors(new_weights, weights)):
                         store_weights(entry.weights, values, rounding_key(steps[entry.index].long(), entry.index))

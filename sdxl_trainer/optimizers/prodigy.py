@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import (
-    StepsIfFinite, _entries_per_group, fp32_zeros_like, one_tensor_in_every_state, runs_by_kind, sum_over_all_shards,
+    StepsIfFinite, _entries_per_group, flatten_tensors, fp32_zeros_like, one_tensor_in_every_state, runs_by_kind, sum_over_all_shards,
+    unflatten_tensors,
 )
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 
@@ -23,8 +24,6 @@ CHUNK_VALUES = 1 << 24
 # the step size d, the largest estimate so far, the estimate's running numerator, and the updates taken.
 SHARED = "prodigy_d"
 D, D_MAX, NUMERATOR, UPDATES = range(4)
-_flatten = torch._C._nn.flatten_dense_tensors
-_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 @dataclass(frozen=True)
@@ -109,16 +108,17 @@ class Prodigy(StepsIfFinite, torch.optim.Optimizer):
         for (group, entries), step_size in zip(stepped, step_sizes):
             s_weight = d_scale * (d if settings.safeguard_warmup else step_size)
             for chunk in runs_by_kind(entries, CHUNK_VALUES):
-                grads, weights = _flatten([entry.grad for entry in chunk]).float(), _flatten([entry.weights for entry in chunk]).float()
-                starts = _flatten([local_shard(entry.state["p0"]) for entry in chunk]).float()
+                grads = flatten_tensors([entry.grad for entry in chunk]).float()
+                weights = flatten_tensors([entry.weights for entry in chunk]).float()
+                starts = flatten_tensors([local_shard(entry.state["p0"]) for entry in chunk]).float()
                 moments = [[local_shard(entry.state[key]) for entry in chunk] for key in ("exp_avg", "exp_avg_sq", "s")]
-                exp_avg, exp_avg_sq, s = (_flatten(tensors) for tensors in moments)
+                exp_avg, exp_avg_sq, s = (flatten_tensors(tensors) for tensors in moments)
                 new_exp_avg = exp_avg * beta1 + grads * (d * (1 - beta1))
                 new_exp_avg_sq = exp_avg_sq * beta2 + grads * grads * (d * d * (1 - beta2))
                 new_s = s * self.beta3 + grads * s_weight
                 sums += torch.stack([torch.dot(grads, starts - weights) * group["lr"], new_s.abs().sum()])
                 for tensors, old, new in zip(moments, (exp_avg, exp_avg_sq, s), (new_exp_avg, new_exp_avg_sq, new_s)):
-                    torch._foreach_copy_(tensors, _unflatten(torch.where(verdict, new, old), tensors))
+                    torch._foreach_copy_(tensors, unflatten_tensors(torch.where(verdict, new, old), tensors))
 
         # d from the sums over every rank: one all-reduce.
         dot, s_sum = sum_over_all_shards(sums, everything).unbind()
@@ -134,16 +134,16 @@ class Prodigy(StepsIfFinite, torch.optim.Optimizer):
         for (group, entries), step_size in zip(stepped, step_sizes):
             for chunk in runs_by_kind(entries, CHUNK_VALUES):
                 weights = [entry.weights for entry in chunk]
-                flat = _flatten(weights).float()
-                exp_avg = _flatten([local_shard(entry.state["exp_avg"]) for entry in chunk])
-                denominator = _flatten([local_shard(entry.state["exp_avg_sq"]) for entry in chunk]).sqrt() + new_d * self.eps
+                flat = flatten_tensors(weights).float()
+                exp_avg = flatten_tensors([local_shard(entry.state["exp_avg"]) for entry in chunk])
+                denominator = flatten_tensors([local_shard(entry.state["exp_avg_sq"]) for entry in chunk]).sqrt() + new_d * self.eps
                 new_weights = flat
                 if group["weight_decay"]:
                     new_weights = new_weights + new_weights * (-group["weight_decay"] * step_size)
                 new_weights = torch.where(steps, new_weights - step_size * exp_avg / denominator, flat)
                 if weights[0].dtype == torch.float32:
-                    torch._foreach_copy_(weights, _unflatten(new_weights, weights))
+                    torch._foreach_copy_(weights, unflatten_tensors(new_weights, weights))
                     continue
-                for entry, values in zip(chunk, _unflatten(new_weights, weights)):
+                for entry, values in zip(chunk, unflatten_tensors(new_weights, weights)):
                     store_weights(entry.weights, values, rounding_key(new_updates.long(), entry.index))
         shared.copy_(torch.where(steps, torch.stack([new_d, new_d_max, new_numerator, new_updates]), shared))

@@ -9,7 +9,9 @@ from typing import Iterable
 import torch
 
 from sdxl_trainer.distributed.local_shard import local_shard
-from sdxl_trainer.optimizers.shards import StepsIfFinite, _entries_per_group, fp32_zeros_like, one_tensor_in_every_state, runs_by_kind
+from sdxl_trainer.optimizers.shards import (
+    StepsIfFinite, _entries_per_group, flatten_tensors, fp32_zeros_like, one_tensor_in_every_state, runs_by_kind, unflatten_tensors,
+)
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
 
 # Values per chunk: the step's temporaries are a few fp32 copies of the values it updates at once (Lion's size).
@@ -18,8 +20,6 @@ CHUNK_VALUES = 1 << 24
 # state only): the updates taken, the sum of the averaging weights so far, and the largest learning rate so far.
 SHARED = "schedule_free_averaging"
 UPDATES, WEIGHT_SUM, LR_MAX = range(3)
-_flatten = torch._C._nn.flatten_dense_tensors
-_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 class ScheduleFreeAdamW(StepsIfFinite, torch.optim.Optimizer):
@@ -81,21 +81,22 @@ class ScheduleFreeAdamW(StepsIfFinite, torch.optim.Optimizer):
             for chunk in runs_by_kind(entries, CHUNK_VALUES):
                 weights = [entry.weights for entry in chunk]
                 z_list, sq_list = [local_shard(entry.state["z"]) for entry in chunk], [local_shard(entry.state["exp_avg_sq"]) for entry in chunk]
-                y, grads, z, exp_avg_sq = _flatten(weights).float(), _flatten([entry.grad for entry in chunk]).float(), _flatten(z_list), _flatten(sq_list)
+                y, grads = flatten_tensors(weights).float(), flatten_tensors([entry.grad for entry in chunk]).float()
+                z, exp_avg_sq = flatten_tensors(z_list), flatten_tensors(sq_list)
                 new_exp_avg_sq = exp_avg_sq * beta2 + grads * grads * (1 - beta2)
                 update = grads / ((new_exp_avg_sq / bias_correction2).sqrt() + eps)
                 if decay:
                     update = update + y * decay  # weight decay at y
                 new_y = y.lerp(z, share.float()) + update * y_step
                 new_z = z - update * lr
-                torch._foreach_copy_(z_list, _unflatten(torch.where(verdict, new_z, z), z_list))
-                torch._foreach_copy_(sq_list, _unflatten(torch.where(verdict, new_exp_avg_sq, exp_avg_sq), sq_list))
+                torch._foreach_copy_(z_list, unflatten_tensors(torch.where(verdict, new_z, z), z_list))
+                torch._foreach_copy_(sq_list, unflatten_tensors(torch.where(verdict, new_exp_avg_sq, exp_avg_sq), sq_list))
                 new_y = torch.where(verdict, new_y, y)
                 if weights[0].dtype == torch.float32:
-                    torch._foreach_copy_(weights, _unflatten(new_y, weights))
+                    torch._foreach_copy_(weights, unflatten_tensors(new_y, weights))
                     continue
                 counted = torch.where(verdict, new_updates, updates).long()
-                for entry, values in zip(chunk, _unflatten(new_y, weights)):
+                for entry, values in zip(chunk, unflatten_tensors(new_y, weights)):
                     store_weights(entry.weights, values, rounding_key(counted, entry.index))
             shared.copy_(torch.where(verdict, torch.stack([new_updates, new_weight_sum, new_lr_max]), shared))
 

@@ -12,6 +12,12 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from sdxl_trainer.distributed.local_shard import local_shard
 
+# Flatten many tensors into one and write one back into many, each in one call (torch's C++ helpers that
+# DDP's bucketing uses): a Python loop of reshapes, splits and views over SDXL's 1,680 tensors took most of
+# the 8-bit step's host time (benchmarks/bench_optimizer_step.py --sdxl_tensor_count).
+flatten_tensors = torch._C._nn.flatten_dense_tensors
+unflatten_tensors = torch._C._nn.unflatten_dense_tensors
+
 
 class ParameterSubset(NamedTuple):
     """Some of an optimizer's parameters, stepped on their own (StepsIfFinite.step_subset): the optimizer in
