@@ -20,13 +20,10 @@ from torch.distributed.tensor import DTensor
 from sdxl_trainer.config import option
 from sdxl_trainer.distributed.fsdp import parameter_names, reshard_units
 from sdxl_trainer.distributed.local_shard import local_shard
-from sdxl_trainer.optimizers.shards import runs_of_at_most
+from sdxl_trainer.optimizers.shards import flatten_tensors, runs_of_at_most, unflatten_tensors
 
 # Values whose evaluation weights, or bf16 weights cast to fp32, are made at once (fp32 temporaries of 64 MB).
 EVALUATION_RUN_VALUES = 1 << 24
-# Many tensors into one flat tensor and back as views of it, each in one call (as the 8-bit AdamW step does).
-_flatten = torch._C._nn.flatten_dense_tensors
-_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 @dataclass(kw_only=True)
@@ -70,6 +67,12 @@ class ShardedEMA:
         self.names = parameter_names(model)  # as the state dict names them (no checkpoint-wrapper prefix)
         self.parameters = [parameter for _, parameter in model.named_parameters()]
         self.model = model
+        # The parameters' indices in runs whose fp32 weights (evaluation weights, or bf16 weights cast) are made at
+        # once: they are new fp32 tensors, so all of them at once would be a whole fp32 copy of this rank's shards
+        # beside the average.
+        sizes = [local_shard(parameter).numel() for parameter in self.parameters]
+        self._runs = list(runs_of_at_most(list(range(len(self.parameters))), sizes, EVALUATION_RUN_VALUES))
+        self._weights_are_fp32 = all(local_shard(parameter).dtype == torch.float32 for parameter in self.parameters)
         device = torch.device("cpu") if on_cpu else None
         self.shadow = [local_shard(parameter).detach().to(device=device, dtype=torch.float32, copy=True) for parameter in self.parameters]
         pinned = on_cpu and torch.cuda.is_available()
@@ -104,33 +107,26 @@ class ShardedEMA:
         # The same fp32 weight as the scalar's where finite, 0 (the average unchanged) where not: made once for every run.
         weight = weight_of_new if finite is None else finite.to(torch.float32) * weight_of_new
         if self.evaluation_weights is not None:
-            for run in self._runs():
+            for run in self._runs:
                 new = self.evaluation_weights([self.parameters[index] for index in run])
                 torch._foreach_lerp_([self.shadow[index] for index in run], new, weight)
             return
         weights = [local_shard(parameter).detach() for parameter in self.parameters]
-        if all(tensor.dtype == torch.float32 for tensor in weights):
+        if self._weights_are_fp32:
             torch._foreach_lerp_(self.shadow, weights, weight)
             return
         # bf16 weights (--weights_dtype bf16): cast a run at a time, in one operator each, where casting every tensor
         # on its own cost an operator per tensor (1,680 an update at SDXL's count) and made a whole fp32 copy at once.
-        for run in self._runs():
+        for run in self._runs:
             in_run = [weights[index] for index in run]
-            torch._foreach_lerp_([self.shadow[index] for index in run], _unflatten(_flatten(in_run).float(), in_run), weight)
-
-    def _runs(self) -> Iterator[list[int]]:
-        """The parameters' indices in runs whose fp32 weights (evaluation weights, or bf16 weights cast) are made at
-        once: they are new fp32 tensors, so all of them at once would be a whole fp32 copy of this rank's shards
-        beside the average."""
-        indices = list(range(len(self.parameters)))
-        yield from runs_of_at_most(indices, [local_shard(parameter).numel() for parameter in self.parameters], EVALUATION_RUN_VALUES)
+            torch._foreach_lerp_([self.shadow[index] for index in run], unflatten_tensors(flatten_tensors(in_run).float(), in_run), weight)
 
     def _stage(self, weight_of_new: float, finite: torch.Tensor | None) -> None:
         """This update's weights and verdict copied to the host, queued behind the update (non-blocking)."""
         if self.evaluation_weights is None:
             torch._foreach_copy_(self._staged, [local_shard(parameter).detach() for parameter in self.parameters], non_blocking=True)
         else:
-            for run in self._runs():
+            for run in self._runs:
                 torch._foreach_copy_([self._staged[index] for index in run], self.evaluation_weights([self.parameters[index] for index in run]),
                                      non_blocking=True)
         if finite is None:
