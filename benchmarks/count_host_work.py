@@ -16,7 +16,8 @@ optimizer's state made) and the last are left out.
 
 Variants: eager or --compile_unet, on 1 process or 2 (FSDP2 over gloo, as train.sh runs it on a CPU), in fp32
 as a CPU computes; and in bf16 as GPUs compute: bf16_1 over fp32 weights on one process (torch.autocast),
-bf16_weights_1 over bf16 weights (--weights_dtype bf16), bf16_2 in FSDP2's bf16 param dtype on two.
+bf16_weights_1 over bf16 weights (--weights_dtype bf16), bf16_weights_lion_1 the same with Lion (an
+optimizer with fp32 moments, whose rounding is its own code), bf16_2 in FSDP2's bf16 param dtype on two.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ VARIANTS = {
     # One GPU's precision over fp32 weights (torch.autocast in bf16, as on an H200), counted on the CPU.
     "bf16_1": (1, ("--mixed_precision", "bf16")),
     "bf16_weights_1": (1, ("--weights_dtype", "bf16")),  # the same compute over bf16 weights: nothing to cast
+    "bf16_weights_lion_1": (1, ("--weights_dtype", "bf16", "--optimizer", "lion")),  # rounding in an fp32-moment optimizer
     "bf16_2": (2, ("--mixed_precision", "bf16")),  # FSDP2's bf16 param dtype, as several GPUs run
 }  # fmt: skip
 
@@ -95,10 +97,11 @@ def optimizer_chunks(unet_config: dict, ranks: int) -> int:
 
 
 def trainer_flags(pipeline: Path, cache: Path, output_dir: Path, extra: tuple[str, ...]) -> list[str]:
+    optimizer = () if "--optimizer" in extra else ("--optimizer", "adamw8bit")
     return [
         "--pretrained_model_name_or_path", str(pipeline), "--cached_dataset_dirs", str(cache), "--output_dir", str(output_dir),
         "--project_name", "counted", "--train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_train_updates", str(UPDATES),
-        "--log_every_n_updates", str(LOG_EVERY), "--use_ema", "--optimizer", "adamw8bit", "--no-validation_loss", "--no-validation_image",
+        "--log_every_n_updates", str(LOG_EVERY), "--use_ema", *optimizer, "--no-validation_loss", "--no-validation_image",
         "--no-save_samples", "--no-save_diffusers", "--no-save_state", "--overwrite_run", "--set_seed", "1", *extra,
     ]  # fmt: skip
 

@@ -10,7 +10,7 @@ import torch
 from sdxl_trainer.optimizers.shards import (
     StepsIfFinite, _entries_per_group, _Entry, _sum_over_shards, factored_zeros, fp32_zeros_like, scaled_by_factors, start_factored_step,
 )
-from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
+from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, store_weights
 from sdxl_trainer.distributed.local_shard import local_shard
 
 
@@ -68,7 +68,8 @@ class Adafactor(StepsIfFinite, torch.optim.Optimizer):
         for group, entries in _entries_per_group(self, self._new_state):
             shard_group, verdict, steps = start_factored_step(entries, finite)
             # 1 - beta2 of this step, for each entry; 0 where the update is skipped (the moments stay).
-            weights_of_new = torch.where(verdict, torch.stack([steps[entry.index] for entry in entries]).pow(group["decay_rate"]), 0.0)
+            counts = torch.stack([steps[entry.index] for entry in entries])
+            weights_of_new = torch.where(verdict, counts.pow(group["decay_rate"]), 0.0)
 
             # Rows and unfactored moments are local: update them; sum each factored weight's squared gradient
             # over its columns' local rows, and its new row statistics, then over every shard in one all-reduce.
@@ -98,14 +99,13 @@ class Adafactor(StepsIfFinite, torch.optim.Optimizer):
             numels = torch.tensor([float(entry.param.numel()) for entry in entries], device=squares.device)
             clip_divisors = ((squares.sqrt() / numels.sqrt()) / group["clip_threshold"]).clamp(min=1.0)
 
-            for entry, row_mean, clip_divisor in zip(entries, row_means, clip_divisors):
+            keys = None  # bf16 weights: each tensor's key from its step count and number
+            if any(entry.weights.dtype == torch.bfloat16 for entry in entries):
+                keys = rounding_keys(counts, [entry.index for entry in entries])
+            for number, (entry, row_mean, clip_divisor) in enumerate(zip(entries, row_means, clip_divisors)):
                 update = self._update(entry, row_mean).div_(clip_divisor).mul_(group["lr"])
                 weights = entry.weights.float()
                 if group["weight_decay"]:
                     weights = weights * (1 - group["lr"] * group["weight_decay"])
                 # A skipped update's moments may still hold zeros (skipped first updates), whose update is not finite.
-                new_weights = torch.where(verdict, weights - update, entry.weights.float())
-                if entry.weights.dtype == torch.float32:
-                    entry.weights.copy_(new_weights)
-                else:
-                    store_weights(entry.weights, new_weights, rounding_key(steps[entry.index].long(), entry.index))
+                store_weights(entry.weights, torch.where(verdict, weights - update, entry.weights.float()), keys, number)

@@ -34,8 +34,8 @@ from torch.distributed.tensor import DTensor
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
 from sdxl_trainer.distributed.local_shard import local_shard
-from sdxl_trainer.optimizers.shards import StepsIfFinite, flatten_tensors, fp32_zeros_like, runs_of_at_most, unflatten_tensors
-from sdxl_trainer.optimizers.stochastic_rounding import round_to_bf16, rounding_key, runs_compiled
+from sdxl_trainer.optimizers.shards import StepsIfFinite, flatten_tensors, fp32_zeros_like, runs_of_at_most
+from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, runs_compiled, store_run
 
 # Values per chunk: the kernel's temporaries are about 16 bytes per value (270 MB at this size) and a
 # larger chunk saves little host time, as SDXL's UNet makes about 150 chunks on one GPU. A larger shard is a
@@ -106,10 +106,6 @@ _compiled_step_8bit_moments = torch.compile(_step_8bit_moments, dynamic=True, fu
 _compiled_adamw = torch.compile(_adamw, dynamic=True, fullgraph=True)
 
 
-
-
-def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
-    torch._foreach_copy_(targets, unflatten_tensors(flat, targets))
 
 
 def _views_of_one_buffer(buffer: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
@@ -332,13 +328,15 @@ class AdamW8bit(StepsIfFinite, TorchaoAdamW8bit):
         eager = not runs_compiled()
         step_8bit_moments = _step_8bit_moments if eager else _compiled_step_8bit_moments
         adamw = _adamw if eager else _compiled_adamw
-        for chunk_number, chunk in enumerate(batch.chunks, start=first_chunk):
+        keys = None  # bf16 weights: the chunks' keys, rounding_key(step count, chunk number) each, hashed at once
+        if batch.chunks[0].weights[0].dtype == torch.bfloat16:  # a batch's shards share their dtype
+            numbers = torch.arange(first_chunk, first_chunk + len(batch.chunks), device=batch.step_counts.device)
+            keys = rounding_keys(batch.step_counts[0], numbers)
+        for number, chunk in enumerate(batch.chunks):
             weights, grads = flatten_tensors(chunk.weights), flatten_tensors([local_shard(param.grad) for param in chunk.params])
             kernel = step_8bit_moments if batch.is_8bit else adamw
             new_weights = kernel(weights, grads, *chunk.states, *chunk.code_values, *step_settings)
-            if chunk.weights[0].dtype == torch.bfloat16:
-                new_weights = round_to_bf16(new_weights, rounding_key(batch.step_counts[0].long(), chunk_number))  # the key made on the device
-            _write_back(chunk.weights, new_weights)
+            store_run(chunk.weights, new_weights, keys, number)
         return len(batch.chunks)
 
 

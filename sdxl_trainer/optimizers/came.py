@@ -11,7 +11,7 @@ from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import (
     StepsIfFinite, _entries_per_group, _Entry, _sum_over_shards, factored_zeros, fp32_zeros_like, scaled_by_factors, start_factored_step,
 )
-from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
+from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, store_weights
 
 
 class CAME(StepsIfFinite, torch.optim.Optimizer):
@@ -138,7 +138,10 @@ class CAME(StepsIfFinite, torch.optim.Optimizer):
             instability_means = self._move_columns(entries, sums, shard_group, "exp_avg_res", instability_weight)
 
             # Each weight moves by its momentum, divided by the root of its instability where it is factored.
-            for entry, instability_mean in zip(entries, instability_means):
+            keys = None  # bf16 weights: each tensor's key from its step count and number
+            if any(entry.weights.dtype == torch.bfloat16 for entry in entries):
+                keys = rounding_keys(torch.stack([steps[entry.index] for entry in entries]), [entry.index for entry in entries])
+            for number, (entry, instability_mean) in enumerate(zip(entries, instability_means)):
                 direction = local_shard(entry.state["exp_avg"])
                 if instability_mean is not None:
                     direction = scaled_by_factors(
@@ -148,8 +151,4 @@ class CAME(StepsIfFinite, torch.optim.Optimizer):
                 if group["weight_decay"]:
                     weights = weights * (1 - group["lr"] * group["weight_decay"])
                 # A skipped update's instability may still hold zeros (skipped first updates), whose update is not finite.
-                new_weights = torch.where(verdict, weights - group["lr"] * direction, entry.weights.float())
-                if entry.weights.dtype == torch.float32:
-                    entry.weights.copy_(new_weights)
-                else:
-                    store_weights(entry.weights, new_weights, rounding_key(steps[entry.index].long(), entry.index))
+                store_weights(entry.weights, torch.where(verdict, weights - group["lr"] * direction, entry.weights.float()), keys, number)

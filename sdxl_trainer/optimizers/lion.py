@@ -12,7 +12,7 @@ from sdxl_trainer.optimizers.shards import (
     StepsIfFinite, _entries_per_group, device_step_counts, entries_by_kind, flatten_tensors, fp32_zeros_like, runs_of_at_most,
     unflatten_tensors,
 )
-from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
+from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, store_run
 
 # Values per chunk: the step's temporaries are a few fp32 copies of the values it updates at once, so it
 # updates the parameters in runs of at most this many values (64 MB each in fp32), not all at once.
@@ -59,7 +59,11 @@ class Lion(StepsIfFinite, torch.optim.Optimizer):
                 device = kind_entries[0].weights.device
                 verdict = torch.ones((), dtype=torch.bool, device=device) if finite is None else finite.to(device)
                 steps = device_step_counts(kind_entries, verdict)
-                for chunk in runs_of_at_most(kind_entries, [entry.weights.numel() for entry in kind_entries], CHUNK_VALUES):
+                chunks = list(runs_of_at_most(kind_entries, [entry.weights.numel() for entry in kind_entries], CHUNK_VALUES))
+                keys = None  # bf16 weights: each chunk keyed by its first tensor's step count and number
+                if kind_entries[0].weights.dtype == torch.bfloat16:
+                    keys = rounding_keys(torch.stack([steps[chunk[0].index] for chunk in chunks]), [chunk[0].index for chunk in chunks])
+                for number, chunk in enumerate(chunks):
                     momenta = [local_shard(entry.state["exp_avg"]) for entry in chunk]
                     weights = [entry.weights for entry in chunk]
                     new_weights, new_momenta = _lion(
@@ -67,8 +71,4 @@ class Lion(StepsIfFinite, torch.optim.Optimizer):
                         flatten_tensors(momenta), group["lr"], beta1, beta2, group["weight_decay"], verdict,
                     )  # fmt: skip
                     torch._foreach_copy_(momenta, unflatten_tensors(new_momenta, momenta))
-                    if weights[0].dtype == torch.float32:
-                        torch._foreach_copy_(weights, unflatten_tensors(new_weights, weights))
-                        continue
-                    for entry, values in zip(chunk, unflatten_tensors(new_weights, weights)):
-                        store_weights(entry.weights, values, rounding_key(steps[entry.index].long(), entry.index))
+                    store_run(weights, new_weights, keys, number)

@@ -16,7 +16,7 @@ from sdxl_trainer.optimizers.shards import (
     StepsIfFinite, _entries_per_group, flatten_tensors, fp32_zeros_like, one_tensor_in_every_state, runs_by_kind, sum_over_all_shards,
     unflatten_tensors,
 )
-from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
+from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, store_run
 
 # Values per chunk: the step's temporaries are a few fp32 copies of the values it updates at once (Lion's size).
 CHUNK_VALUES = 1 << 24
@@ -132,7 +132,11 @@ class Prodigy(StepsIfFinite, torch.optim.Optimizer):
 
         # Pass 2: the weights, at this update's step size, with the new d's eps.
         for (group, entries), step_size in zip(stepped, step_sizes):
-            for chunk in runs_by_kind(entries, CHUNK_VALUES):
+            chunks = list(runs_by_kind(entries, CHUNK_VALUES))
+            keys = None  # bf16 weights: each chunk keyed by the update count and its first tensor's number
+            if any(chunk[0].weights.dtype == torch.bfloat16 for chunk in chunks):
+                keys = rounding_keys(new_updates, [chunk[0].index for chunk in chunks])
+            for number, chunk in enumerate(chunks):
                 weights = [entry.weights for entry in chunk]
                 flat = flatten_tensors(weights).float()
                 exp_avg = flatten_tensors([local_shard(entry.state["exp_avg"]) for entry in chunk])
@@ -141,9 +145,5 @@ class Prodigy(StepsIfFinite, torch.optim.Optimizer):
                 if group["weight_decay"]:
                     new_weights = new_weights + new_weights * (-group["weight_decay"] * step_size)
                 new_weights = torch.where(steps, new_weights - step_size * exp_avg / denominator, flat)
-                if weights[0].dtype == torch.float32:
-                    torch._foreach_copy_(weights, unflatten_tensors(new_weights, weights))
-                    continue
-                for entry, values in zip(chunk, unflatten_tensors(new_weights, weights)):
-                    store_weights(entry.weights, values, rounding_key(new_updates.long(), entry.index))
+                store_run(weights, new_weights, keys, number)
         shared.copy_(torch.where(steps, torch.stack([new_d, new_d_max, new_numerator, new_updates]), shared))

@@ -12,7 +12,7 @@ from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import (
     StepsIfFinite, _entries_per_group, flatten_tensors, fp32_zeros_like, one_tensor_in_every_state, runs_by_kind, unflatten_tensors,
 )
-from sdxl_trainer.optimizers.stochastic_rounding import rounding_key, store_weights
+from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, store_run
 
 # Values per chunk: the step's temporaries are a few fp32 copies of the values it updates at once (Lion's size).
 CHUNK_VALUES = 1 << 24
@@ -78,7 +78,11 @@ class ScheduleFreeAdamW(StepsIfFinite, torch.optim.Optimizer):
             # The new iterate's share of the average; 0 while every weight is 0 (a warm-up's first update at rate 0).
             share = torch.where(new_weight_sum > 0, weight / new_weight_sum, 0.0)
             y_step = lr * (beta1 * (1 - share) - 1)
-            for chunk in runs_by_kind(entries, CHUNK_VALUES):
+            chunks = list(runs_by_kind(entries, CHUNK_VALUES))
+            keys = None  # bf16 weights: each chunk keyed by the update count (kept where skipped) and its first tensor's number
+            if any(chunk[0].weights.dtype == torch.bfloat16 for chunk in chunks):
+                keys = rounding_keys(torch.where(verdict, new_updates, updates), [chunk[0].index for chunk in chunks])
+            for number, chunk in enumerate(chunks):
                 weights = [entry.weights for entry in chunk]
                 z_list, sq_list = [local_shard(entry.state["z"]) for entry in chunk], [local_shard(entry.state["exp_avg_sq"]) for entry in chunk]
                 y, grads = flatten_tensors(weights).float(), flatten_tensors([entry.grad for entry in chunk]).float()
@@ -91,13 +95,7 @@ class ScheduleFreeAdamW(StepsIfFinite, torch.optim.Optimizer):
                 new_z = z - update * lr
                 torch._foreach_copy_(z_list, unflatten_tensors(torch.where(verdict, new_z, z), z_list))
                 torch._foreach_copy_(sq_list, unflatten_tensors(torch.where(verdict, new_exp_avg_sq, exp_avg_sq), sq_list))
-                new_y = torch.where(verdict, new_y, y)
-                if weights[0].dtype == torch.float32:
-                    torch._foreach_copy_(weights, unflatten_tensors(new_y, weights))
-                    continue
-                counted = torch.where(verdict, new_updates, updates).long()
-                for entry, values in zip(chunk, unflatten_tensors(new_y, weights)):
-                    store_weights(entry.weights, values, rounding_key(counted, entry.index))
+                store_run(weights, torch.where(verdict, new_y, y), keys, number)
             shared.copy_(torch.where(verdict, torch.stack([new_updates, new_weight_sum, new_lr_max]), shared))
 
     @torch.no_grad()

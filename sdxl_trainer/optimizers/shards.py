@@ -23,8 +23,8 @@ class ParameterSubset(NamedTuple):
     """Some of an optimizer's parameters, stepped on their own (StepsIfFinite.step_subset): the optimizer in
     backward steps each unit's parameters once their gradients are final (training/in_backward.py).
     `groups`: for each param group holding any of them, the group's number and its members as (number over all
-    groups, the parameter), in the group's order, so each keeps the number (its stream of stochastic rounding)
-    it has in a whole step. `number` tells the subsets apart; `first_chunk` is where the numbers of this
+    groups, the parameter), in the group's order, so each keeps the number (the stream of its or its chunk's
+    rounding) it has in a whole step. `number` tells the subsets apart; `first_chunk` is where the numbers of this
     subset's chunks start in an optimizer that numbers its chunks within an update (8-bit AdamW's rounding
     key): the subsets' ranges do not overlap, as a chunk holds at least one parameter."""
 
@@ -94,8 +94,9 @@ def _sum_over_shards(values: torch.Tensor, groups: tuple[dist.ProcessGroup, ...]
 
 
 class _Entry(NamedTuple):
-    """One parameter with a gradient: its number over all groups (the stream of its stochastic rounding), the
-    parameter, and the local shards of its weights, its gradient and its state."""
+    """One parameter with a gradient: its number over all groups (the stream of the stochastic rounding of the
+    tensor, or of the chunk it starts), the parameter, and the local shards of its weights, its gradient and
+    its state."""
 
     index: int
     param: torch.Tensor
@@ -122,7 +123,7 @@ def _entries_per_group(optimizer: torch.optim.Optimizer, new_state) -> Iterable[
 
 def _numbered_groups(optimizer: torch.optim.Optimizer) -> list[tuple[int, list[tuple[int, torch.Tensor]]]]:
     """Each param group's number and its parameters as (number over all groups, parameter): the number keys a
-    parameter's stream of stochastic rounding, in a whole step and in a subset alike."""
+    parameter's stream of stochastic rounding (or its chunk's), in a whole step and in a subset alike."""
     numbered, first = [], 0
     for group_number, group in enumerate(optimizer.param_groups):
         numbered.append((group_number, list(enumerate(group["params"], start=first))))

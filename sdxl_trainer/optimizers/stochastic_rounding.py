@@ -9,7 +9,9 @@ average (Gupta et al. 2015; Zamirai et al. 2020 for bf16 training).
 The random bits are a hash of (key, position), not draws from a generator: nothing to checkpoint (a
 resume rounds exactly as the straight run did when it passes the same keys), nothing to thread through
 FSDP's DTensors, and a compiled kernel computes them in registers. Optimizers key each update by its
-step count and the tensor or chunk it rounds (rounding_key).
+step count and the tensor or chunk it rounds (rounding_key); an update's keys are hashed together, once
+(rounding_keys), and each rounding picks its own inside the compiled kernel, so a key costs no operator per
+chunk or tensor on the host (hashed eagerly one at a time, each took about 23).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 
 from sdxl_trainer.distributed.local_shard import local_shard
+from sdxl_trainer.optimizers.shards import unflatten_tensors
 
 _LOW_32_BITS = 0xFFFFFFFF
 # bf16 is the upper half of an fp32's bits: these are the bits rounding discards.
@@ -34,15 +37,27 @@ def _mix32(value):
     return (value >> 16) ^ value
 
 
-def rounding_key(step: int | torch.Tensor, stream: int) -> int | torch.Tensor:
+def rounding_key(step: int | torch.Tensor, stream: int | torch.Tensor) -> int | torch.Tensor:
     """The 32-bit key of one rounding: `step` is the optimizer's update count (different random bits every
     update), `stream` tells apart the tensors or chunks rounded in one update. A step count given as an int64
     tensor on the device gives the same key as a tensor there, without reading the count on the host."""
     return _mix32(_mix32(step & _LOW_32_BITS) ^ (stream & _LOW_32_BITS))
 
 
-def _round_to_bf16(values: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """`values`: 1-D, contiguous fp32 (round_to_bf16 makes it so)."""
+def rounding_keys(steps: torch.Tensor, streams: list[int] | torch.Tensor) -> torch.Tensor:
+    """The keys of an update's roundings, hashed in one go on the device: `steps` holds their update counts
+    (one for all, or one each, any dtype of whole values), `streams` tells them apart (a tensor on the
+    device, or a list copied there). Each key equals rounding_key(step, stream)."""
+    streams = torch.as_tensor(streams, dtype=torch.int64, device=steps.device)
+    return rounding_key(steps.long(), streams)
+
+
+def _round_to_bf16(values: torch.Tensor, keys: torch.Tensor, index: int | None) -> torch.Tensor:
+    """`values`: 1-D, contiguous fp32 (round_to_bf16 makes it so); the key: `keys` (0-d), or its element
+    `index`. Picked here, as an index the kernel reads, the key costs no operator on the host. (A stream
+    passed as an int for the kernel to hash fails to compile on the CPU: Inductor computes the int scalar in
+    the float vector's type, and float has no xor.)"""
+    key = keys if index is None else keys[index]
     position = torch.arange(values.numel(), device=values.device, dtype=torch.int64)
     random_bits = (_mix32(position ^ key) & ((1 << _DISCARDED_BITS) - 1)).to(torch.int32)
     # Adding uniform random bits below the kept ones carries into the kept part with probability equal to
@@ -62,23 +77,42 @@ def runs_compiled() -> bool:
     return not any_torch_dispatch_mode_on_stack()
 
 
-def round_to_bf16(values: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
-    """`values` rounded stochastically to bf16, the random bits fixed by `key` (rounding_key) and each
-    value's position (in row-major order). Compiled where runs_compiled() says so, else eager: the compiled
+def round_to_bf16(values: torch.Tensor, key: int | torch.Tensor, index: int | None = None) -> torch.Tensor:
+    """`values` rounded stochastically to bf16, the random bits fixed by `key` (rounding_key), or with `index`
+    by element `index` of the 1-D tensor of keys `key` (rounding_keys), and each value's position (in
+    row-major order). Compiled where runs_compiled() says so, else eager: the compiled
     function sees one kind of input, a 1-D contiguous fp32 tensor of any length, so every caller's tensors
     share one graph (each dimensionality, dtype or layout would be a graph of its own, and a process that
     rounds many kinds would run past Dynamo's recompile limit, a hard error under fullgraph)."""
     round_fn = _compiled_round_to_bf16 if runs_compiled() else _round_to_bf16
     flat = values.float().contiguous().view(-1).detach()  # detached: no view base for Dynamo to guard on
-    return round_fn(flat, torch.as_tensor(key, dtype=torch.int64, device=values.device)).view(values.shape)
+    return round_fn(flat, torch.as_tensor(key, dtype=torch.int64, device=values.device), index).view(values.shape)
 
 
-def store_weights(weights: torch.Tensor, new_values: torch.Tensor, key: int) -> None:
-    """Write an optimizer's fp32 result into the weights: as it is into fp32 weights, stochastically rounded
-    into bf16 ones. DTensors round their local shards (the positions are the shard's own)."""
+def _checked_rounds(weights: torch.Tensor) -> bool:
+    """Whether an optimizer's fp32 result is rounded into these weights: bf16 ones, not fp32 ones."""
     if weights.dtype == torch.float32:
-        weights.copy_(new_values)
-        return
+        return False
     if weights.dtype != torch.bfloat16:
         raise TypeError(f"weights of dtype {weights.dtype}: stochastic rounding is for bf16 weights")
-    local_shard(weights).copy_(round_to_bf16(local_shard(new_values), key))
+    return True
+
+
+def store_weights(weights: torch.Tensor, new_values: torch.Tensor, keys: torch.Tensor | None, index: int) -> None:
+    """Write an optimizer's fp32 result into one tensor's weights: as it is into fp32 weights, stochastically
+    rounded with key `keys[index]` (rounding_keys; None for fp32 weights) into bf16 ones. DTensors round
+    their local shards (the positions are the shard's own)."""
+    if _checked_rounds(weights):
+        local_shard(weights).copy_(round_to_bf16(local_shard(new_values), keys, index))
+    else:
+        weights.copy_(new_values)
+
+
+def store_run(weights: list[torch.Tensor], new_values: torch.Tensor, keys: torch.Tensor | None, index: int) -> None:
+    """Write an optimizer's flat fp32 result for a run of local tensors of one dtype into them: as it is into
+    fp32 weights, into bf16 ones rounded once for the whole run with key `keys[index]` (rounding_keys; None
+    for fp32 weights), the positions running through the run: no operator per tensor but the one copy that
+    writes them all."""
+    if _checked_rounds(weights[0]):
+        new_values = round_to_bf16(new_values, keys, index)
+    torch._foreach_copy_(weights, unflatten_tensors(new_values, weights))
