@@ -4,7 +4,9 @@ waits for Python (docs/gpu_results.md).
 - ops: operators dispatched to a kernel outside compiled regions (views, which launch nothing, left out): a
   stand-in for the kernel launches the host makes, by the part of the update that made them;
 - reads: every read of a tensor's value on the host (.item(), .tolist(), a truth value, ...), by place: on a GPU
-  each waits for the device to catch up;
+  each waits for the device to catch up; and every copy of host values to a device made by torch.tensor or
+  torch.as_tensor with a `device` (a list, a number): on a GPU that copy is blocking, and torch waits for the
+  device's whole queue after it (copy to the device with non_blocking=True instead);
 - collectives: by kind and process group, calls and bytes (FSDP2's all-gathers and reduce-scatters over the
   training group; a collective over a gloo group of CPU tensors blocks the host until every rank is there).
 
@@ -16,6 +18,7 @@ calls through the dispatcher are seen, not those fused into its kernels.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,6 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # The tensor methods that read a value on the host (on a GPU, each waits for the device to catch up).
 HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero"})
+# The factories that copy host values to their `device` argument; on a GPU a blocking copy: the host waits for
+# the device's queue to drain after it, as after a read.
+HOST_VALUE_COPIES = frozenset({"tensor", "as_tensor"})
 COLLECTIVES = {
     "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
     "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
@@ -135,10 +141,23 @@ class _Reads(TorchFunctionMode):
         self.counts = counts
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in HOST_READS:
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS or name in HOST_VALUE_COPIES:  # only then the caller's frame (Dynamo traces this method)
             caller = sys._getframe(1)
-            self.counts.reads[(caller.f_code.co_filename.rsplit("/", 1)[-1], caller.f_code.co_name)] += 1
+            if name in HOST_READS or _copies_host_values(args, kwargs or {}, caller.f_code.co_filename):
+                self.counts.reads[(caller.f_code.co_filename.rsplit("/", 1)[-1], caller.f_code.co_name)] += 1
         return func(*args, **(kwargs or {}))
+
+
+_TORCH_PACKAGE = os.path.dirname(torch.__file__) + os.sep
+
+
+def _copies_host_values(args: tuple, kwargs: dict, caller_file: str) -> bool:
+    """Whether torch.tensor / torch.as_tensor copies host values to a device: data that is not a tensor, and a
+    `device` given. Here every device is the CPU, so the call is what tells: torch's own calls (Dynamo passing a
+    Python number to compiled code as a CPU tensor) are left out."""
+    has_host_data = bool(args) and not isinstance(args[0], torch.Tensor)
+    return has_host_data and kwargs.get("device") is not None and not caller_file.startswith(_TORCH_PACKAGE)
 
 
 def _started_between_updates() -> bool:

@@ -8,7 +8,8 @@ from typing import Iterable
 import torch
 
 from sdxl_trainer.optimizers.shards import (
-    StepsIfFinite, _entries_per_group, _Entry, _sum_over_shards, factored_zeros, fp32_zeros_like, scaled_by_factors, start_factored_step,
+    StepsIfFinite, _entries_per_group, _Entry, _sum_over_shards, factored_zeros, fp32_zeros_like, host_values_to, scaled_by_factors,
+    start_factored_step,
 )
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, store_weights
 from sdxl_trainer.distributed.local_shard import local_shard
@@ -96,7 +97,7 @@ class Adafactor(StepsIfFinite, torch.optim.Optimizer):
                 row_means.append(row_mean)
                 squares.append(self._update(entry, row_mean).square().sum())
             squares = _sum_over_shards(torch.stack(squares), shard_group)
-            numels = torch.tensor([float(entry.param.numel()) for entry in entries], device=squares.device)
+            numels = host_values_to([float(entry.param.numel()) for entry in entries], torch.float32, squares.device)
             clip_divisors = ((squares.sqrt() / numels.sqrt()) / group["clip_threshold"]).clamp(min=1.0)
 
             keys = None  # bf16 weights: each tensor's key from its step count and number

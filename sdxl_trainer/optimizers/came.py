@@ -9,7 +9,8 @@ import torch
 
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import (
-    StepsIfFinite, _entries_per_group, _Entry, _sum_over_shards, factored_zeros, fp32_zeros_like, scaled_by_factors, start_factored_step,
+    StepsIfFinite, _entries_per_group, _Entry, _sum_over_shards, factored_zeros, fp32_zeros_like, host_values_to, scaled_by_factors,
+    start_factored_step,
 )
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, store_weights
 
@@ -121,7 +122,7 @@ class CAME(StepsIfFinite, torch.optim.Optimizer):
             # The normalised gradients' RMS over every shard: each one's clipping divisor.
             squares = torch.stack([self._normalised(entry, row_mean).square().sum() for entry, row_mean in zip(entries, row_means)])
             norms = _sum_over_shards(squares, shard_group)
-            numels = torch.tensor([float(entry.param.numel()) for entry in entries], device=norms.device)
+            numels = host_values_to([float(entry.param.numel()) for entry in entries], torch.float32, norms.device)
             clip_divisors = ((norms.sqrt() / numels.sqrt()) / group["clip_threshold"]).clamp(min=1.0)
 
             # The momentum, and the instability (its deviation from the clipped update) of factored weights.

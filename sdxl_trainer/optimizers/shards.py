@@ -19,6 +19,13 @@ flatten_tensors = torch._C._nn.flatten_dense_tensors
 unflatten_tensors = torch._C._nn.unflatten_dense_tensors
 
 
+def host_values_to(values: list[float] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Numbers from the host as a tensor on `device`, copied without a wait: torch.tensor(values, device=...)
+    on a GPU makes a blocking copy, after which the host waits for the device's whole queue. From host memory
+    to the device, non_blocking=True is safe: the values are staged before the call returns."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 class ParameterSubset(NamedTuple):
     """Some of an optimizer's parameters, stepped on their own (StepsIfFinite.step_subset): the optimizer in
     backward steps each unit's parameters once their gradients are final (training/in_backward.py).

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 
 from sdxl_trainer.distributed.local_shard import local_shard
-from sdxl_trainer.optimizers.shards import unflatten_tensors
+from sdxl_trainer.optimizers.shards import host_values_to, unflatten_tensors
 
 _LOW_32_BITS = 0xFFFFFFFF
 # bf16 is the upper half of an fp32's bits: these are the bits rounding discards.
@@ -47,8 +47,9 @@ def rounding_key(step: int | torch.Tensor, stream: int | torch.Tensor) -> int | 
 def rounding_keys(steps: torch.Tensor, streams: list[int] | torch.Tensor) -> torch.Tensor:
     """The keys of an update's roundings, hashed in one go on the device: `steps` holds their update counts
     (one for all, or one each, any dtype of whole values), `streams` tells them apart (a tensor on the
-    device, or a list copied there). Each key equals rounding_key(step, stream)."""
-    streams = torch.as_tensor(streams, dtype=torch.int64, device=steps.device)
+    device, or a list copied there without a wait). Each key equals rounding_key(step, stream)."""
+    if not isinstance(streams, torch.Tensor):
+        streams = host_values_to(streams, torch.int64, steps.device)
     return rounding_key(steps.long(), streams)
 
 

@@ -1,6 +1,7 @@
 """What makes a GPU's host wait, counted over the trainer's own run (its build and loop: data stream, TrainStep,
 monitor, the stop agreement, garbage collection) on the tiny model: every read of a tensor's value on the host
-(.item(), .tolist(), a truth value, int() / float(), .numpy(), .cpu(), nonzero), every collective over the
+(.item(), .tolist(), a truth value, int() / float(), .numpy(), .cpu(), nonzero) and every blocking copy of host
+values to the device (torch.tensor(values, device=...)), every collective over the
 trainer's gloo group of host-side values, and every Python garbage collection (estimates/host_work.py). On a
 GPU each read of a device tensor stops the host until the GPU has caught up, and the GPU then idles while the
 host prepares what comes next; a host collective waits for the slowest rank.
@@ -86,6 +87,30 @@ def test_only_updates_that_log_wait_on_two_processes(sample_cache_dir, tiny_pipe
     for rank in range(2):
         counted = json.loads((tmp_path / "counts" / f"rank{rank}.json").read_text())
         assert_only_updates_that_log_wait([CountedUpdate(**update) for update in counted], processes=2)
+
+
+def test_a_blocking_copy_of_host_values_to_the_device_counts_as_a_wait_and_a_non_blocking_one_does_not():
+    """On a GPU torch.tensor(values, device=...) copies and then waits for the device's whole queue, as a read
+    does: Adafactor and CAME made such a copy of their tensors' sizes at every update. The copy that does not
+    wait (host_values_to), a tensor made on the host, and torch's own Python numbers passed to compiled code
+    as CPU tensors are not counted."""
+    from sdxl_trainer.estimates.host_work import HostWork
+    from sdxl_trainer.optimizers.shards import host_values_to
+
+    device = torch.device("cpu")  # the training device here
+    step = torch.compile(lambda values, rate: values * rate, fullgraph=True)
+    step(torch.ones(2), 0.5)  # compiled before the count: its later calls pass the rate as a CPU tensor
+    with HostWork(by_part=False) as counts:
+        torch.tensor([1.0, 2.0], device=device)
+        torch.as_tensor([3], dtype=torch.int64, device=device)
+    assert counts.reads == {("test_host_waits.py", "test_a_blocking_copy_of_host_values_to_the_device_counts_as_a_wait_and_a_non_blocking_one_does_not"): 2}
+    with HostWork(by_part=False) as counts:
+        copied = host_values_to([1.0, 2.0], torch.float32, device)
+        torch.tensor([1.0])
+        torch.as_tensor(copied, device=device)
+        step(copied, 0.25)
+    assert counts.total_reads == 0
+    assert copied.dtype == torch.float32 and copied.tolist() == [1.0, 2.0]
 
 
 def test_garbage_is_collected_between_updates_on_every_rank_and_never_inside_one():
