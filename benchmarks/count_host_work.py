@@ -18,6 +18,7 @@ Variants: eager or --compile_unet, on 1 process or 2 (FSDP2 over gloo, as train.
 as a CPU computes; and in bf16 as GPUs compute: bf16_1 over fp32 weights on one process (torch.autocast),
 bf16_weights_1 over bf16 weights (--weights_dtype bf16), bf16_weights_lion_1 the same with Lion (an
 optimizer with fp32 moments, whose rounding is its own code), bf16_2 in FSDP2's bf16 param dtype on two.
+adafactor_1 is eager_1 with Adafactor, which steps tensor by tensor.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ VARIANTS = {
     "bf16_weights_1": (1, ("--weights_dtype", "bf16")),  # the same compute over bf16 weights: nothing to cast
     "bf16_weights_lion_1": (1, ("--weights_dtype", "bf16", "--optimizer", "lion")),  # rounding in an fp32-moment optimizer
     "bf16_2": (2, ("--mixed_precision", "bf16")),  # FSDP2's bf16 param dtype, as several GPUs run
+    "adafactor_1": (1, ("--optimizer", "adafactor")),  # an optimizer that steps tensor by tensor (its factored moments)
 }  # fmt: skip
 
 
@@ -74,6 +76,16 @@ def sample_cache(work_dir: Path, pipeline: Path) -> Path:
             check=True, cwd=REPO_ROOT,
         )  # fmt: skip
     return cache
+
+
+def tensor_shapes(unet_config: dict) -> int:
+    """How many shapes a UNet of `unet_config`'s tensors come in, worked out on the meta device: what a step over
+    same-shaped tensors at once would loop over, where Adafactor and CAME now loop over every tensor."""
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**unet_config)
+    return len({tuple(param.shape) for param in unet.parameters()})
 
 
 def optimizer_chunks(unet_config: dict, ranks: int) -> int:
@@ -200,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
 
     full_size_chunks = {ranks: optimizer_chunks(SDXL_UNET_CONFIG, ranks) for ranks in (1, 2, 8)}
     print("\n8-bit AdamW's chunks on rank 0 at full size (1, 2, 8 ranks): " + ", ".join(map(str, full_size_chunks.values())))
+    full_size_shapes = tensor_shapes(SDXL_UNET_CONFIG)
+    print(f"Shapes of the full-size UNet's tensors: {full_size_shapes}")
     if args.json:
-        write_json(args.json, {"variants": results, "full_size_optimizer_chunks": full_size_chunks}, torch.device("cpu"))
+        facts = {"variants": results, "full_size_optimizer_chunks": full_size_chunks, "full_size_tensor_shapes": full_size_shapes}
+        write_json(args.json, facts, torch.device("cpu"))
     return 0
 
 
