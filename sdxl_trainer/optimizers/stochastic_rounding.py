@@ -90,8 +90,9 @@ def round_to_bf16(values: torch.Tensor, key: int | torch.Tensor, index: int | No
     return round_fn(flat, torch.as_tensor(key, dtype=torch.int64, device=values.device), index).view(values.shape)
 
 
-def _checked_rounds(weights: torch.Tensor) -> bool:
-    """Whether an optimizer's fp32 result is rounded into these weights: bf16 ones, not fp32 ones."""
+def _rounds_into(weights: torch.Tensor) -> bool:
+    """Whether an optimizer's fp32 result is rounded into these weights (bf16 ones) or copied (fp32 ones);
+    other dtypes are refused."""
     if weights.dtype == torch.float32:
         return False
     if weights.dtype != torch.bfloat16:
@@ -103,7 +104,7 @@ def store_weights(weights: torch.Tensor, new_values: torch.Tensor, keys: torch.T
     """Write an optimizer's fp32 result into one tensor's weights: as it is into fp32 weights, stochastically
     rounded with key `keys[index]` (rounding_keys; None for fp32 weights) into bf16 ones. DTensors round
     their local shards (the positions are the shard's own)."""
-    if _checked_rounds(weights):
+    if _rounds_into(weights):
         local_shard(weights).copy_(round_to_bf16(local_shard(new_values), keys, index))
     else:
         weights.copy_(new_values)
@@ -114,6 +115,6 @@ def store_run(weights: list[torch.Tensor], new_values: torch.Tensor, keys: torch
     fp32 weights, into bf16 ones rounded once for the whole run with key `keys[index]` (rounding_keys; None
     for fp32 weights), the positions running through the run: no operator per tensor but the one copy that
     writes them all."""
-    if _checked_rounds(weights[0]):
+    if _rounds_into(weights[0]):
         new_values = round_to_bf16(new_values, keys, index)
     torch._foreach_copy_(weights, unflatten_tensors(new_values, weights))
