@@ -18,7 +18,8 @@ Variants: eager or --compile_unet, on 1 process or 2 (FSDP2 over gloo, as train.
 as a CPU computes; and in bf16 as GPUs compute: bf16_1 over fp32 weights on one process (torch.autocast),
 bf16_weights_1 over bf16 weights (--weights_dtype bf16), bf16_weights_lion_1 the same with Lion (an
 optimizer with fp32 moments, whose rounding is its own code), bf16_2 in FSDP2's bf16 param dtype on two.
-adafactor_1 is eager_1 with Adafactor, which steps tensor by tensor.
+adafactor_1 and came_1 are eager_1 with Adafactor and with CAME, which step runs of same-shaped tensors (up to 16 M
+values each): the narrow UNet makes one per shape, so the runs the full-size UNet makes are printed too.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ VARIANTS = {
     "bf16_weights_1": (1, ("--weights_dtype", "bf16")),  # the same compute over bf16 weights: nothing to cast
     "bf16_weights_lion_1": (1, ("--weights_dtype", "bf16", "--optimizer", "lion")),  # rounding in an fp32-moment optimizer
     "bf16_2": (2, ("--mixed_precision", "bf16")),  # FSDP2's bf16 param dtype, as several GPUs run
-    "adafactor_1": (1, ("--optimizer", "adafactor")),  # an optimizer that steps tensor by tensor (its factored moments)
+    "adafactor_1": (1, ("--optimizer", "adafactor")),  # an optimizer that steps runs of same-shaped tensors (its factored moments)
+    "came_1": (1, ("--optimizer", "came")),  # Adafactor's factored moments with a momentum and its factored confidence
 }  # fmt: skip
 
 
@@ -78,14 +80,17 @@ def sample_cache(work_dir: Path, pipeline: Path) -> Path:
     return cache
 
 
-def tensor_shapes(unet_config: dict) -> int:
-    """How many shapes a UNet of `unet_config`'s tensors come in, worked out on the meta device: what a step over
-    same-shaped tensors at once would loop over, where Adafactor and CAME now loop over every tensor."""
+def factored_runs(unet_config: dict, ranks: int) -> int:
+    """The runs of same-shaped tensors that Adafactor and CAME step on rank 0 over a UNet of `unet_config` sharded
+    over `ranks` (speed_estimate.factored_step_runs, the step's own rule), worked out on the meta device: their
+    host work is per run, and the narrow UNet's tensors fill one run per shape."""
     from diffusers import UNet2DConditionModel
+
+    from sdxl_trainer.estimates.speed_estimate import factored_step_runs
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(**unet_config)
-    return len({tuple(param.shape) for param in unet.parameters()})
+    return len(factored_step_runs([tuple(param.shape) for param in unet.parameters()], ranks))
 
 
 def optimizer_chunks(unet_config: dict, ranks: int) -> int:
@@ -212,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
 
     full_size_chunks = {ranks: optimizer_chunks(SDXL_UNET_CONFIG, ranks) for ranks in (1, 2, 8)}
     print("\n8-bit AdamW's chunks on rank 0 at full size (1, 2, 8 ranks): " + ", ".join(map(str, full_size_chunks.values())))
-    full_size_shapes = tensor_shapes(SDXL_UNET_CONFIG)
-    print(f"Shapes of the full-size UNet's tensors: {full_size_shapes}")
+    full_size_runs = {ranks: factored_runs(SDXL_UNET_CONFIG, ranks) for ranks in (1, 2, 8)}
+    print("Adafactor's and CAME's runs of same-shaped tensors on rank 0 at full size (1, 2, 8 ranks): " + ", ".join(map(str, full_size_runs.values())))
     if args.json:
-        facts = {"variants": results, "full_size_optimizer_chunks": full_size_chunks, "full_size_tensor_shapes": full_size_shapes}
+        facts = {"variants": results, "full_size_optimizer_chunks": full_size_chunks, "full_size_factored_runs": full_size_runs}
         write_json(args.json, facts, torch.device("cpu"))
     return 0
 

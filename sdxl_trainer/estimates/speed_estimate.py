@@ -22,10 +22,11 @@ What it adds up, per FSDP2 unit of the UNet as distributed/fsdp.shard_unet wraps
 - the optimizer step: the larger of its memory traffic (STEP_BYTES a value of the rank's shard: 16 for the 8-bit
   AdamW) at the GPU's bandwidth and the host time measured on the H200 for the 8-bit AdamW step (host-bound; the
   other optimizers' host time is not measured, and this floor stands in for it). Prodigy's all-reduce of two
-  numbers per update is latency only, not counted. CAME's step has not run on a GPU: the larger of its own
-  memory traffic and its operators (counted per tensor, CAME_STEP_WORK) at the host time per kernel of the
-  H200's host-bound batch-1 update (that update's time over the kernels its profile counted, H200_PROFILES);
-  its all-reduces of column statistics (a few MB) are left out.
+  numbers per update is latency only, not counted. Adafactor's and CAME's steps have not run on a GPU: the
+  larger of their own memory traffic and their operators (counted per run of same-shaped tensors,
+  FACTORED_STEP_WORK) at the host time per kernel of the H200's host-bound batch-1 update (that update's time
+  over the kernels its profile counted, H200_PROFILES); their all-reduces of column statistics (a few MB) are
+  left out.
 Nothing else (data loading, logging, saves) is counted: the battery's end-to-end part measures that.
 """
 
@@ -40,6 +41,8 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from sdxl_trainer.optimizers.shards import FACTORED_RUN_VALUES, runs_of_at_most
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 H200_MEASUREMENT = REPO_ROOT / "benchmarks" / "results" / "2026-11-27-h200-gpu_check.json"
@@ -115,7 +118,7 @@ class SpeedSettings:
     gpu: str
     interconnect: str
     reduce_bytes: int = 4  # 4 (fp32) or 2 (bf16): what the gradients are reduce-scattered in (--reduce_dtype)
-    optimizer: str = "adamw8bit"  # --optimizer: its step's memory traffic (STEP_BYTES; CAME's costed apart, optimizer_seconds)
+    optimizer: str = "adamw8bit"  # --optimizer: its step's memory traffic (STEP_BYTES; Adafactor's and CAME's work apart, optimizer_seconds)
 
     @property
     def shard_group(self) -> int:
@@ -237,11 +240,11 @@ def microbatch_compute(settings: SpeedSettings, flop_per_image: float) -> Comput
 
 
 # Bytes each optimizer's step reads and writes per value of the rank's shard, with fp32 weights and gradients: the
-# weights read and written (8) and the gradient read (4), and its state read and written. CAME: CAME_STEP_WORK.
+# weights read and written (8) and the gradient read (4), and its state read and written. Adafactor and CAME:
+# FACTORED_STEP_WORK.
 STEP_BYTES = {
     "adamw8bit": 16,  # two 1-byte moments (their scales, one fp32 per 256 values, left out)
     "adamw": 28,  # two fp32 moments
-    "adafactor": 20,  # factored moments (a few values per row and column), the gradient read twice more for the update
     "lion": 20,  # one fp32 momentum
     "prodigy": 52,  # first pass: three fp32 moments and p0 read (36); second: the weights and two moments again (16)
     "adamw_schedulefree": 28,  # z and the second moment, fp32
@@ -250,17 +253,32 @@ STEP_BYTES = {
 
 @dataclass(frozen=True)
 class StepWork:
-    """What an eager optimizer step does per parameter tensor of a kind: operators dispatched (each launches a
-    kernel on a GPU), and bytes its operators read and write per value of the tensor."""
+    """What an eager optimizer step does per run of same-shaped tensors of a kind (shards.StackedRun): operators
+    dispatched (each launches a kernel on a GPU), and bytes its operators read and write per value of the run."""
 
     ops: int
     bytes_per_value: float
 
 
-# CAME's step (optimizers/came.py) per factored (2 or more dims) and unfactored tensor, counted on the CPU
-# (tests/estimates/test_speed_estimate.py recounts them), and the ops each update adds once.
-CAME_STEP_WORK = {"factored": StepWork(43, 220), "unfactored": StepWork(16, 180)}
-CAME_OPS_PER_UPDATE = 23
+# Adafactor's and CAME's steps (optimizers/adafactor.py, came.py) per run of factored (2 or more dims) and
+# unfactored tensors, and the operators each update adds once, counted on the CPU
+# (tests/estimates/test_speed_estimate.py recounts them).
+FACTORED_STEP_WORK = {
+    "adafactor": {"factored": StepWork(38, 172), "unfactored": StepWork(24, 200)},
+    "came": {"factored": StepWork(62, 272), "unfactored": StepWork(29, 248)},
+}
+FACTORED_OPS_PER_UPDATE = {"adafactor": 15, "came": 18}
+
+
+def factored_step_runs(shapes: list[tuple[int, ...]], shards: int) -> list[tuple[str, int]]:
+    """The runs a factored optimizer steps (shards.stacked_runs) over one rank's shards of parameters of these
+    `shapes` (dim 0 split over `shards` ranks): each one's kind and values."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for shape in shapes:
+        rows = -(-shape[0] // shards) if shape else 1
+        by_shape.setdefault(tuple(shape), []).append(rows * math.prod(shape[1:]))
+    return [("factored" if len(shape) >= 2 else "unfactored", sum(run))
+            for shape, sizes in by_shape.items() for run in runs_of_at_most(sizes, sizes, FACTORED_RUN_VALUES)]
 
 
 @functools.cache
@@ -273,17 +291,18 @@ def host_seconds_per_kernel() -> float:
 
 def optimizer_seconds(settings: SpeedSettings, shapes: list[tuple[int, ...]]) -> float:
     """The optimizer step over a rank's shards of parameters of these `shapes`: its memory traffic at 70% of
-    the GPU's bandwidth, or its host time, whichever is longer. Every optimizer but CAME: STEP_BYTES a value,
-    the host time the H200 measured for the 8-bit AdamW step (the least of its rows). CAME: its work per tensor
-    (CAME_STEP_WORK), its kernels at host_seconds_per_kernel; every rank steps every tensor."""
-    values = sum(math.prod(shape) for shape in shapes)
+    the GPU's bandwidth, or its host time, whichever is longer. Adafactor and CAME: their work per run of
+    same-shaped tensors (FACTORED_STEP_WORK), their kernels at host_seconds_per_kernel. The others: STEP_BYTES
+    a value, the host time the H200 measured for the 8-bit AdamW step (the least of its rows)."""
     bandwidth = GPUS[settings.gpu].memory_bandwidth * 0.7
-    if settings.optimizer != "came":
+    if settings.optimizer not in FACTORED_STEP_WORK:
+        values = sum(math.prod(shape) for shape in shapes)
         host = min(row["optimizer_seconds"] for row in _h200_trainer_rows() if row["optimizer_seconds"])
         return max(STEP_BYTES[settings.optimizer] * values / settings.shard_group / bandwidth, host)
-    work = [CAME_STEP_WORK["factored" if len(shape) >= 2 else "unfactored"] for shape in shapes]
-    traffic = sum(kind.bytes_per_value * math.prod(shape) for kind, shape in zip(work, shapes)) / settings.shard_group
-    kernels = CAME_OPS_PER_UPDATE + sum(kind.ops for kind in work)
+    work = FACTORED_STEP_WORK[settings.optimizer]
+    runs = factored_step_runs(shapes, settings.shard_group)
+    traffic = sum(work[kind].bytes_per_value * values for kind, values in runs)
+    kernels = FACTORED_OPS_PER_UPDATE[settings.optimizer] + sum(work[kind].ops for kind, _ in runs)
     return max(traffic / bandwidth, kernels * host_seconds_per_kernel())
 
 
@@ -339,9 +358,10 @@ class SpeedEstimate:
             lines.append(f"  {share:.0%} of the update waits for the link: try " + "; ".join(advice) + ".")
         lines.append(f"  compute from {self.compute_source} (per unit: by FLOP; a placeholder until the GPU battery measures units)"
                      + (f"; link {settings.interconnect}: {link.source}" if settings.gpus > 1 else ""))
-        if settings.optimizer == "came":
-            lines.append(f"  optimizer: CAME's step by its operators counted per tensor, at the host time per kernel of {H200_PROFILES.name}'s "
-                         "update (likely an upper bound: that update's Python is heavier; CAME has not run on a GPU)")
+        if settings.optimizer in FACTORED_STEP_WORK:
+            name = "CAME" if settings.optimizer == "came" else "Adafactor"
+            lines.append(f"  optimizer: {name}'s step by its operators counted per run of same-shaped tensors, at the host time per kernel of "
+                         f"{H200_PROFILES.name}'s update (likely an upper bound: that update's Python is heavier; {name} has not run on a GPU)")
         return "\n".join(lines)
 
 

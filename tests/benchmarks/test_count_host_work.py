@@ -1,4 +1,4 @@
-"""count_host_work.py's arithmetic of the 8-bit step's chunks, against the step's own layout."""
+"""count_host_work.py's arithmetic of the 8-bit step's chunks, against the step's own layout, and of Adafactor's and CAME's runs."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from benchmarks.count_host_work import optimizer_chunks
-from sdxl_trainer.models.sdxl import NARROW_SDXL_UNET_CONFIG
+from benchmarks.count_host_work import factored_runs, optimizer_chunks
+from sdxl_trainer.models.sdxl import NARROW_SDXL_UNET_CONFIG, SDXL_UNET_CONFIG
 from sdxl_trainer.optimizers.adamw8bit import AdamW8bit
 
 
@@ -21,3 +21,13 @@ def test_the_chunks_worked_out_on_the_meta_device_are_the_ones_the_step_makes():
     layout = optimizer._layout((0, None), params)
     made = sum(len(batch.chunks) for batch in layout.batches)
     assert made == optimizer_chunks(NARROW_SDXL_UNET_CONFIG, ranks=1) == 3
+
+
+def test_the_narrow_unet_makes_one_factored_run_per_shape_and_the_full_size_one_more():
+    """Adafactor's and CAME's host work is per run of same-shaped tensors: at the narrow width every shape's
+    tensors fit one run (the counted figure), at full size the largest groups take several."""
+    with torch.device("meta"):
+        shapes = {tuple(param.shape) for param in UNet2DConditionModel(**SDXL_UNET_CONFIG).parameters()}
+    assert len(shapes) == 44
+    assert factored_runs(NARROW_SDXL_UNET_CONFIG, ranks=1) == 44
+    assert [factored_runs(SDXL_UNET_CONFIG, ranks) for ranks in (1, 2, 8)] == [204, 118, 58]

@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_leaves
 from sdxl_trainer.config import parse_config
 from sdxl_trainer.estimates.host_work import HostWork
 from sdxl_trainer.estimates.speed_estimate import (
-    CAME_OPS_PER_UPDATE,
-    CAME_STEP_WORK,
+    FACTORED_OPS_PER_UPDATE,
+    FACTORED_STEP_WORK,
     GPUS,
     LINKS,
     SpeedSettings,
@@ -30,11 +30,13 @@ from sdxl_trainer.estimates.speed_estimate import (
     _Timeline,
     collective_bytes,
     estimate_speed,
+    factored_step_runs,
     sdxl_units,
     units_of,
 )
 from sdxl_trainer.jobs.train_config import TrainConfig, speed_settings
 from sdxl_trainer.models.tiny import TINY_UNET_CONFIG
+from sdxl_trainer.optimizers.adafactor import Adafactor
 from sdxl_trainer.optimizers.came import CAME
 
 SHIPPED_CONFIGS = ("1x24gb_bf16.toml", "2x24gb_consumer.toml", "8x80gb_datacenter.toml", "multinode_4x8x80gb.toml")
@@ -222,11 +224,11 @@ class OperatorBytes(TorchDispatchMode):
         return result
 
 
-def came_step_work(shapes: list[tuple[int, ...]]) -> tuple[int, int]:
-    """Operators and bytes of one CAME step (as TrainStep calls it, with a verdict) over fp32 weights of
-    these shapes, their state made by a first step."""
+def factored_step_work(optimizer_class, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+    """Operators and bytes of one step of Adafactor or CAME (as TrainStep calls it, with a verdict) over fp32
+    weights of these shapes, their state made by a first step."""
     parameters = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
-    optimizer = CAME(parameters, lr=1e-3)
+    optimizer = optimizer_class(parameters, lr=1e-3)
     for parameter in parameters:
         parameter.grad = torch.randn(parameter.shape)
     optimizer.step(finite=torch.tensor(True))
@@ -235,23 +237,44 @@ def came_step_work(shapes: list[tuple[int, ...]]) -> tuple[int, int]:
     return counts.total_ops, traffic.bytes
 
 
-def test_cames_step_work_is_what_its_step_dispatches():
-    """CAME_STEP_WORK, which prices CAME's step, recounted: the operators of a step over a factored and an
-    unfactored tensor, and over two of each (the difference is per tensor); the bytes per value of two large
-    tensors of a kind (the gradients of several tensors are concatenated for the NaN/inf selection)."""
+@pytest.mark.parametrize("name, optimizer_class", [("adafactor", Adafactor), ("came", CAME)])
+def test_factored_step_work_is_what_the_step_dispatches(name, optimizer_class):
+    """FACTORED_STEP_WORK, which prices Adafactor's and CAME's steps, recounted: the operators of a step over a
+    factored and an unfactored tensor; one more run of each kind (another shape) adds its kind's operators, one
+    more tensor of a shape none (it joins that shape's run); the bytes per value of a run of two large tensors
+    of a kind (the gradients of several tensors are concatenated for the NaN/inf selection)."""
+    work = FACTORED_STEP_WORK[name]
     factored, unfactored = (512, 512), (1 << 18,)
-    ops, _ = came_step_work([factored, unfactored])
-    doubled, _ = came_step_work([factored, factored, unfactored, unfactored])
-    assert doubled - ops == CAME_STEP_WORK["factored"].ops + CAME_STEP_WORK["unfactored"].ops
-    assert ops == CAME_OPS_PER_UPDATE + CAME_STEP_WORK["factored"].ops + CAME_STEP_WORK["unfactored"].ops
+    ops, _ = factored_step_work(optimizer_class, [factored, unfactored])
+    assert ops == FACTORED_OPS_PER_UPDATE[name] + work["factored"].ops + work["unfactored"].ops
+    assert factored_step_work(optimizer_class, [factored, factored, unfactored, unfactored])[0] == ops
+    more_runs, _ = factored_step_work(optimizer_class, [factored, (256, 1024), unfactored, (1 << 17,)])
+    assert more_runs - ops == work["factored"].ops + work["unfactored"].ops
     for shape, kind in ((factored, "factored"), (unfactored, "unfactored")):
-        _, traffic = came_step_work([shape, shape])
-        assert traffic / (2 * math.prod(shape)) == pytest.approx(CAME_STEP_WORK[kind].bytes_per_value, rel=0.02)
+        _, traffic = factored_step_work(optimizer_class, [shape, shape])
+        assert traffic / (2 * math.prod(shape)) == pytest.approx(work[kind].bytes_per_value, rel=0.02)
 
 
-def test_came_is_priced_by_its_own_step_and_the_flag_reaches_the_estimate():
-    came = speed(optimizer="came")
-    assert estimate_speed(came).optimizer_seconds != estimate_speed(speed()).optimizer_seconds
-    config = parse_config(TrainConfig, ["--config", str(REPO_ROOT / "configs" / "2x24gb_consumer.toml"), "--estimate_speed", "--optimizer", "came"])
-    assert speed_settings(config).optimizer == "came"
-    assert "optimizer: CAME's step by its operators counted per tensor" in estimate_speed(speed_settings(config)).report()
+def test_the_runs_priced_are_the_runs_the_step_makes():
+    """factored_step_runs, from shapes alone, makes the runs shards.stacked_runs makes of the full-size UNet's
+    parameters (on the meta device), and of one rank's shards of 8 (dim 0 split, as FSDP2 splits it)."""
+    from sdxl_trainer.models.sdxl import SDXL_UNET_CONFIG
+    from sdxl_trainer.optimizers.shards import _Entry, stacked_runs
+
+    with torch.device("meta"):
+        parameters = list(UNet2DConditionModel(**SDXL_UNET_CONFIG).parameters())
+    shapes = [tuple(parameter.shape) for parameter in parameters]
+    entries = [_Entry(index, parameter, parameter, parameter, {}) for index, parameter in enumerate(parameters)]
+    made = sorted(("factored" if run.factored else "unfactored", sum(entry.weights.numel() for entry in run.entries)) for run in stacked_runs(entries))
+    assert sorted(factored_step_runs(shapes, 1)) == made
+    assert len(made) == 204  # 44 shapes, the largest groups (616 biases of 1,280, 381 weights of 1,280 x 1,280) in several runs
+    rank_runs = factored_step_runs(shapes, 8)
+    assert sum(values for _, values in rank_runs) == sum(-(-shape[0] // 8) * math.prod(shape[1:]) for shape in shapes)
+
+
+@pytest.mark.parametrize("name, shown", [("adafactor", "Adafactor"), ("came", "CAME")])
+def test_a_factored_optimizer_is_priced_by_its_own_step_and_the_flag_reaches_the_estimate(name, shown):
+    assert estimate_speed(speed(optimizer=name)).optimizer_seconds != estimate_speed(speed()).optimizer_seconds
+    config = parse_config(TrainConfig, ["--config", str(REPO_ROOT / "configs" / "2x24gb_consumer.toml"), "--estimate_speed", "--optimizer", name])
+    assert speed_settings(config).optimizer == name
+    assert f"optimizer: {shown}'s step by its operators counted per run of same-shaped tensors" in estimate_speed(speed_settings(config)).report()
