@@ -264,8 +264,8 @@ class StepWork:
 # unfactored tensors, and the operators each update adds once, counted on the CPU
 # (tests/estimates/test_speed_estimate.py recounts them).
 FACTORED_STEP_WORK = {
-    "adafactor": {"factored": StepWork(38, 172), "unfactored": StepWork(24, 200)},
-    "came": {"factored": StepWork(62, 272), "unfactored": StepWork(29, 248)},
+    "adafactor": {"factored": StepWork(35, 172), "unfactored": StepWork(23, 192)},
+    "came": {"factored": StepWork(59, 272), "unfactored": StepWork(28, 240)},
 }
 FACTORED_OPS_PER_UPDATE = {"adafactor": 15, "came": 18}
 

@@ -69,17 +69,17 @@ class Adafactor(StepsIfFinite, torch.optim.Optimizer):
             # The second moments: unfactored ones and rows are local, columns and mean rows need every shard.
             sums: list[torch.Tensor] = []
             moved = [move_statistic(run, "exp_avg_sq", run.grads().square_().add_(group["eps"]), weight, sums) for run, weight in zip(runs, weights_of_new)]
-            second_moments = finish_statistics(runs, moved, sums, shard_group, "exp_avg_sq", weights_of_new)
+            moment_scales = finish_statistics(runs, moved, sums, shard_group, "exp_avg_sq", weights_of_new)
 
             # Each tensor's update's RMS over every shard: its clipping divisor.
-            squares = torch.cat([run.sums_per_tensor(normalised(run.grads(), moment).square_()) for run, moment in zip(runs, second_moments)])
+            squares = torch.cat([run.sums_per_tensor(normalised(run.grads(), scales).square_()) for run, scales in zip(runs, moment_scales)])
             squares = _sum_over_shards(squares, shard_group).split([len(run) for run in runs])
 
             keys = None  # bf16 weights: each run keyed by its first tensor's step count and number
             if any(run.entries[0].weights.dtype == torch.bfloat16 for run in runs):
                 keys = rounding_keys(torch.stack([steps[run.entries[0].index] for run in runs]), [run.entries[0].index for run in runs])
-            for number, (run, moment, run_squares) in enumerate(zip(runs, second_moments, squares)):
-                update = normalised(run.grads(), moment)
+            for number, (run, scales, run_squares) in enumerate(zip(runs, moment_scales, squares)):
+                update = normalised(run.grads(), scales)
                 update.div_(run.per_tensor(run.clip_divisors(run_squares, group["clip_threshold"]), update)).mul_(group["lr"])
                 weights = run.weights()
                 decayed = weights * (1 - group["lr"] * group["weight_decay"]) if group["weight_decay"] else weights

@@ -10,7 +10,7 @@ import torch
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import (
     StepsIfFinite, _entries_per_group, _sum_over_shards, factored_zeros, finish_statistics, fp32_zeros_like, move_statistic, normalised,
-    scaled_by_factors, stacked_runs, start_factored_step,
+    stacked_runs, start_factored_step,
 )
 from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, store_run
 
@@ -78,16 +78,16 @@ class CAME(StepsIfFinite, torch.optim.Optimizer):
             # Second moments: unfactored ones and rows are local; columns and the mean row need every shard.
             sums: list[torch.Tensor] = []
             moved = [move_statistic(run, "exp_avg_sq", run.grads().square_().add_(eps_squared), square_weight, sums) for run in runs]
-            second_moments = finish_statistics(runs, moved, sums, shard_group, "exp_avg_sq", [square_weight] * len(runs))
+            moment_scales = finish_statistics(runs, moved, sums, shard_group, "exp_avg_sq", [square_weight] * len(runs))
 
             # The normalised gradients' RMS over every shard: each one's clipping divisor.
-            squares = torch.cat([run.sums_per_tensor(normalised(run.grads(), moment).square_()) for run, moment in zip(runs, second_moments)])
+            squares = torch.cat([run.sums_per_tensor(normalised(run.grads(), scales).square_()) for run, scales in zip(runs, moment_scales)])
             squares = _sum_over_shards(squares, shard_group).split([len(run) for run in runs])
 
             # The momentum, and the instability (its deviation from the clipped update) of factored weights.
             sums, moved = [], []
-            for run, moment, run_squares in zip(runs, second_moments, squares):
-                update = normalised(run.grads(), moment)
+            for run, scales, run_squares in zip(runs, moment_scales, squares):
+                update = normalised(run.grads(), scales)
                 update.div_(run.per_tensor(run.clip_divisors(run_squares, group["clip_threshold"]), update))
                 momentum = run.state("exp_avg")
                 if finite is not None:  # a skipped first update's zero moments make it 0/0: weigh the momentum itself
@@ -95,16 +95,16 @@ class CAME(StepsIfFinite, torch.optim.Optimizer):
                 run.store("exp_avg", momentum.lerp_(update, momentum_weight))
                 instability = (update - momentum).square_().add_(eps_instability) if run.factored else None
                 moved.append(None if instability is None else move_statistic(run, "exp_avg_res", instability, instability_weight, sums))
-            instabilities = finish_statistics(runs, moved, sums, shard_group, "exp_avg_res", [instability_weight] * len(runs))
+            instability_scales = finish_statistics(runs, moved, sums, shard_group, "exp_avg_res", [instability_weight] * len(runs))
 
             # Each weight moves by its momentum, divided by the root of its instability where it is factored.
             keys = None  # bf16 weights: each run keyed by its first tensor's step count and number
             if any(run.entries[0].weights.dtype == torch.bfloat16 for run in runs):
                 keys = rounding_keys(torch.stack([steps[run.entries[0].index] for run in runs]), [run.entries[0].index for run in runs])
-            for number, (run, instability) in enumerate(zip(runs, instabilities)):
+            for number, (run, scales) in enumerate(zip(runs, instability_scales)):
                 direction = run.state("exp_avg")
-                if instability is not None:
-                    direction = scaled_by_factors(direction, instability)
+                if scales is not None:
+                    direction = normalised(direction, scales)
                 weights = run.weights()
                 decayed = weights * (1 - group["lr"] * group["weight_decay"]) if group["weight_decay"] else weights
                 # A skipped update's instability may still hold zeros (skipped first updates), whose update is not finite.

@@ -326,28 +326,21 @@ def stacked_runs(entries: list[_Entry]) -> list[StackedRun]:
     return runs
 
 
-class Factors(NamedTuple):
-    """A run's factored statistic: each tensor's row statistics (tensors x local rows), the mean of each one's
-    row statistics over all its rows (every shard's), and its column statistics (tensors x columns)."""
+class FactoredScales(NamedTuple):
+    """What divides a run's values by the root of their factored statistic (rows x columns / the mean row): the
+    inverse roots of each tensor's rows over its mean row (tensors x local rows x 1) and of its columns
+    (tensors x 1 x columns), worked out once per update for every use."""
 
     rows: torch.Tensor
-    row_mean: torch.Tensor
     columns: torch.Tensor
 
 
-def scaled_by_factors(values: torch.Tensor, factors: Factors) -> torch.Tensor:
-    """`values` (a run's stacked local shards) divided by the root of the factored estimate of their statistic:
-    rows x columns / the mean row."""
-    row_scales = (factors.rows / factors.row_mean[:, None]).rsqrt()
-    return (values.flatten(2) * row_scales[:, :, None] * factors.columns.rsqrt()[:, None, :]).view_as(values)
-
-
-def normalised(values: torch.Tensor, statistic: torch.Tensor | Factors) -> torch.Tensor:
-    """`values` (a run's stacked local shards) over the root of their second-moment statistic: whole, or
-    factored."""
-    if isinstance(statistic, Factors):
-        return scaled_by_factors(values, statistic)
-    return values * statistic.rsqrt()
+def normalised(values: torch.Tensor, scales: torch.Tensor | FactoredScales) -> torch.Tensor:
+    """`values` (a run's stacked local shards) over the root of their statistic: `scales` is its inverse root,
+    whole or factored (finish_statistics)."""
+    if isinstance(scales, FactoredScales):
+        return (values.flatten(2) * scales.rows * scales.columns).view_as(values)
+    return values * scales
 
 
 def move_statistic(run: StackedRun, name: str, values: torch.Tensor, weight_of_new: torch.Tensor, sums: list[torch.Tensor]) -> torch.Tensor:
@@ -367,17 +360,20 @@ def move_statistic(run: StackedRun, name: str, values: torch.Tensor, weight_of_n
 
 def finish_statistics(
     runs: list[StackedRun], moved: list[torch.Tensor | None], sums: list[torch.Tensor], shard_group: tuple, name: str, weights_of_new: list[torch.Tensor],
-) -> list[torch.Tensor | Factors | None]:
+) -> list[torch.Tensor | FactoredScales | None]:
     """move_statistic's `sums` (of every factored run, in order) summed over the shards in one all-reduce, then
-    each factored run's columns (`name`_col) moved towards the column means. Returns each run's statistic:
-    what move_statistic returned for an unfactored run (or None where it was not moved), Factors for a
-    factored one."""
+    each factored run's columns (`name`_col) moved towards the column means. Returns the inverse root of each
+    run's statistic, for normalised(): whole for an unfactored run, FactoredScales for a factored one (None
+    where move_statistic was not called)."""
     summed = iter(_sum_over_shards(torch.cat(sums), shard_group).split([part.numel() for part in sums])) if sums else iter(())
-    statistics = []
+    scales = []
     for run, statistic, weight_of_new in zip(runs, moved, weights_of_new):
-        if run.factored and statistic is not None:
+        if statistic is not None and run.factored:
             column_means = next(summed).view(len(run), -1) / run.row_count
             columns = run.store(f"{name}_col", run.state(f"{name}_col").lerp_(column_means, run.per_tensor(weight_of_new, column_means)))
-            statistic = Factors(statistic, next(summed) / run.row_count, columns)
-        statistics.append(statistic)
-    return statistics
+            row_mean = next(summed) / run.row_count
+            statistic = FactoredScales((statistic / row_mean.unsqueeze(1)).rsqrt_().unsqueeze(2), columns.rsqrt().unsqueeze(1))
+        elif statistic is not None:
+            statistic = statistic.rsqrt()
+        scales.append(statistic)
+    return scales
