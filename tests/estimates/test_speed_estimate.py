@@ -257,7 +257,8 @@ def test_factored_step_work_is_what_the_step_dispatches(name, optimizer_class):
 
 def test_the_runs_priced_are_the_runs_the_step_makes():
     """factored_step_runs, from shapes alone, makes the runs shards.stacked_runs makes of the full-size UNet's
-    parameters (on the meta device), and of one rank's shards of 8 (dim 0 split, as FSDP2 splits it)."""
+    parameters (on the meta device); on 8 ranks, rank 0's runs hold its shards' values (dim 0 padded and
+    split, as FSDP2 splits it)."""
     from sdxl_trainer.models.sdxl import SDXL_UNET_CONFIG
     from sdxl_trainer.optimizers.shards import _Entry, stacked_runs
 
