@@ -48,8 +48,8 @@ class StepsIfFinite:
     torch's optimizer step hooks still run.
 
     step_subset steps only some parameters (the optimizer in backward): every optimizer whose step treats each
-    parameter on its own, or sums only over one parameter's shards, gives those parameters exactly what a
-    whole step would. One whose step needs every parameter first (Prodigy's step-size sums, schedule-free
+    parameter on its own, or sums only over one parameter's shards, gives those parameters what a whole step
+    would (where their rounding can differ: training/in_backward.py). One whose step needs every parameter first (Prodigy's step-size sums, schedule-free
     AdamW's averaging scalars shared by all) sets `steps_in_parts` to the reason it cannot."""
 
     steps_in_parts: str | None = None  # None: step_subset works; else why it cannot

@@ -26,9 +26,13 @@ What differs from the ordinary step (TrainStep), by construction:
 - Optimizers whose step needs every parameter before any moves (Prodigy, schedule-free AdamW:
   StepsIfFinite.steps_in_parts) are refused.
 Each parameter gets the same arithmetic as in the ordinary step (with fp32 weights the same weights bit for
-bit, tests/training/test_in_backward.py), and the same optimizer state and checkpoints. With bf16 weights the
-8-bit AdamW step numbers its chunks per unit, so its stochastic rounding draws other (still reproducible)
-bits than the ordinary step's.
+bit, tests/training/test_in_backward.py), and the same optimizer state and checkpoints. Two roundings can
+differ, as a unit's chunks and runs are not the whole step's. Adafactor and CAME reduce each tensor inside a
+stack of same-shaped tensors, and a large tensor's sum of squares (its update's RMS) can round differently
+with the stack's length (seen on a 2-thread CPU for tensors of SDXL's sizes), so their weights may agree
+only to fp32 rounding. With bf16 weights each chunk or run has its own key (the 8-bit AdamW numbers its
+chunks per unit; Lion, Adafactor and CAME key one by its first tensor), so the stochastic rounding draws
+other (still reproducible) bits than the ordinary step's.
 """
 
 from __future__ import annotations
