@@ -11,7 +11,7 @@ from sdxl_trainer.optimizers.shards import (
     StepsIfFinite, _entries_per_group, _sum_over_shards, factored_zeros, finish_statistics, fp32_zeros_like, move_statistic, normalised,
     stacked_runs, start_factored_step,
 )
-from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, store_run
+from sdxl_trainer.optimizers.stochastic_rounding import keys_by_first_tensor, store_run
 from sdxl_trainer.distributed.local_shard import local_shard
 
 
@@ -75,9 +75,7 @@ class Adafactor(StepsIfFinite, torch.optim.Optimizer):
             squares = torch.cat([run.sums_per_tensor(normalised(run.grads(), scales).square_()) for run, scales in zip(runs, moment_scales)])
             squares = _sum_over_shards(squares, shard_group).split([len(run) for run in runs])
 
-            keys = None  # bf16 weights: each run keyed by its first tensor's step count and number
-            if any(run.entries[0].weights.dtype == torch.bfloat16 for run in runs):
-                keys = rounding_keys(torch.stack([steps[run.entries[0].index] for run in runs]), [run.entries[0].index for run in runs])
+            keys = keys_by_first_tensor([run.entries for run in runs], steps)  # bf16 weights: the runs' rounding keys
             for number, (run, scales, run_squares) in enumerate(zip(runs, moment_scales, squares)):
                 update = normalised(run.grads(), scales)
                 update.div_(run.per_tensor(run.clip_divisors(run_squares, group["clip_threshold"]), update)).mul_(group["lr"])

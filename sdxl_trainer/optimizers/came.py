@@ -12,7 +12,7 @@ from sdxl_trainer.optimizers.shards import (
     StepsIfFinite, _entries_per_group, _sum_over_shards, factored_zeros, finish_statistics, fp32_zeros_like, move_statistic, normalised,
     stacked_runs, start_factored_step,
 )
-from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, store_run
+from sdxl_trainer.optimizers.stochastic_rounding import keys_by_first_tensor, store_run
 
 
 class CAME(StepsIfFinite, torch.optim.Optimizer):
@@ -98,9 +98,7 @@ class CAME(StepsIfFinite, torch.optim.Optimizer):
             instability_scales = finish_statistics(runs, moved, sums, shard_group, "exp_avg_res", [instability_weight] * len(runs))
 
             # Each weight moves by its momentum, divided by the root of its instability where it is factored.
-            keys = None  # bf16 weights: each run keyed by its first tensor's step count and number
-            if any(run.entries[0].weights.dtype == torch.bfloat16 for run in runs):
-                keys = rounding_keys(torch.stack([steps[run.entries[0].index] for run in runs]), [run.entries[0].index for run in runs])
+            keys = keys_by_first_tensor([run.entries for run in runs], steps)  # bf16 weights: the runs' rounding keys
             for number, (run, scales) in enumerate(zip(runs, instability_scales)):
                 direction = run.state("exp_avg")
                 if scales is not None:

@@ -12,7 +12,7 @@ from sdxl_trainer.optimizers.shards import (
     StepsIfFinite, _entries_per_group, device_step_counts, entries_by_kind, flatten_tensors, fp32_zeros_like, runs_of_at_most,
     unflatten_tensors,
 )
-from sdxl_trainer.optimizers.stochastic_rounding import rounding_keys, store_run
+from sdxl_trainer.optimizers.stochastic_rounding import keys_by_first_tensor, store_run
 
 # Values per chunk: the step's temporaries are a few fp32 copies of the values it updates at once, so it
 # updates the parameters in runs of at most this many values (64 MB each in fp32), not all at once.
@@ -60,9 +60,7 @@ class Lion(StepsIfFinite, torch.optim.Optimizer):
                 verdict = torch.ones((), dtype=torch.bool, device=device) if finite is None else finite.to(device)
                 steps = device_step_counts(kind_entries, verdict)
                 chunks = list(runs_of_at_most(kind_entries, [entry.weights.numel() for entry in kind_entries], CHUNK_VALUES))
-                keys = None  # bf16 weights: each chunk keyed by its first tensor's step count and number
-                if kind_entries[0].weights.dtype == torch.bfloat16:
-                    keys = rounding_keys(torch.stack([steps[chunk[0].index] for chunk in chunks]), [chunk[0].index for chunk in chunks])
+                keys = keys_by_first_tensor(chunks, steps)  # bf16 weights: the chunks' rounding keys
                 for number, chunk in enumerate(chunks):
                     momenta = [local_shard(entry.state["exp_avg"]) for entry in chunk]
                     weights = [entry.weights for entry in chunk]

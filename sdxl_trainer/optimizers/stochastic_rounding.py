@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 
-from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import host_values_to, unflatten_tensors
 
 _LOW_32_BITS = 0xFFFFFFFF
@@ -90,31 +89,22 @@ def round_to_bf16(values: torch.Tensor, key: int | torch.Tensor, index: int | No
     return round_fn(flat, torch.as_tensor(key, dtype=torch.int64, device=values.device), index).view(values.shape)
 
 
-def _rounds_into(weights: torch.Tensor) -> bool:
-    """Whether an optimizer's fp32 result is rounded into these weights (bf16 ones) or copied (fp32 ones);
-    other dtypes are refused."""
-    if weights.dtype == torch.float32:
-        return False
-    if weights.dtype != torch.bfloat16:
-        raise TypeError(f"weights of dtype {weights.dtype}: stochastic rounding is for bf16 weights")
-    return True
-
-
-def store_weights(weights: torch.Tensor, new_values: torch.Tensor, keys: torch.Tensor | None, index: int) -> None:
-    """Write an optimizer's fp32 result into one tensor's weights: as it is into fp32 weights, stochastically
-    rounded with key `keys[index]` (rounding_keys; None for fp32 weights) into bf16 ones. DTensors round
-    their local shards (the positions are the shard's own)."""
-    if _rounds_into(weights):
-        local_shard(weights).copy_(round_to_bf16(local_shard(new_values), keys, index))
-    else:
-        weights.copy_(new_values)
+def keys_by_first_tensor(runs: list[list], steps: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The keys of runs of entries (shards._Entry) rounded at once, each keyed by its first entry's step count
+    (`steps`, by entry number: shards.device_step_counts) and number; None where no run holds bf16 weights."""
+    if not any(run[0].weights.dtype == torch.bfloat16 for run in runs):
+        return None
+    return rounding_keys(torch.stack([steps[run[0].index] for run in runs]), [run[0].index for run in runs])
 
 
 def store_run(weights: list[torch.Tensor], new_values: torch.Tensor, keys: torch.Tensor | None, index: int) -> None:
     """Write an optimizer's flat fp32 result for a run of local tensors of one dtype into them: as it is into
     fp32 weights, into bf16 ones rounded once for the whole run with key `keys[index]` (rounding_keys; None
     for fp32 weights), the positions running through the run: no operator per tensor but the one copy that
-    writes them all."""
-    if _rounds_into(weights[0]):
+    writes them all. Other dtypes are refused."""
+    dtype = weights[0].dtype
+    if dtype == torch.bfloat16:
         new_values = round_to_bf16(new_values, keys, index)
+    elif dtype != torch.float32:
+        raise TypeError(f"weights of dtype {dtype}: stochastic rounding is for bf16 weights")
     torch._foreach_copy_(weights, unflatten_tensors(new_values, weights))
