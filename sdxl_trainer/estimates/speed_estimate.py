@@ -23,8 +23,8 @@ What it adds up, per FSDP2 unit of the UNet as distributed/fsdp.shard_unet wraps
   AdamW) at the GPU's bandwidth and the host time measured on the H200 for the 8-bit AdamW step (host-bound; the
   other optimizers' host time is not measured, and this floor stands in for it). Prodigy's all-reduce of two
   numbers per update is latency only, not counted. Adafactor's and CAME's steps have not run on a GPU: the
-  larger of their own memory traffic and their operators (counted per run of same-shaped tensors,
-  FACTORED_STEP_WORK) at the host time per kernel of the H200's host-bound batch-1 update (that update's time
+  larger of their own memory traffic and their operators (counted per run of same-shaped tensors, over
+  shards or whole tensors, FACTORED_STEP_WORK) at the host time per kernel of the H200's host-bound batch-1 update (that update's time
   over the kernels its profile counted, H200_PROFILES); their all-reduces of column statistics (a few MB) are
   left out.
 Nothing else (data loading, logging, saves) is counted: the battery's end-to-end part measures that.
@@ -260,14 +260,26 @@ class StepWork:
     bytes_per_value: float
 
 
-# Adafactor's and CAME's steps (optimizers/adafactor.py, came.py) per run of factored (2 or more dims) and
-# unfactored tensors, and the operators each update adds once, counted on the CPU
-# (tests/estimates/test_speed_estimate.py recounts them).
+@dataclass(frozen=True)
+class FactoredStepWork:
+    """Adafactor's or CAME's step (optimizers/adafactor.py, came.py): its work per run of factored (2 or more
+    dims) and of unfactored tensors, and the operators each update adds once."""
+
+    factored: StepWork
+    unfactored: StepWork
+    ops_per_update: int
+
+
+# Keyed by the optimizer and whether the rank's tensors are shards (FSDP2 over 2 or more ranks: each run's update
+# is worked out twice, for its RMS over every shard and then to be applied) or whole (once). Counted on the CPU,
+# fp32 weights (tests/estimates/test_speed_estimate.py recounts them, the shards' on 2 processes).
 FACTORED_STEP_WORK = {
-    "adafactor": {"factored": StepWork(35, 172), "unfactored": StepWork(23, 192)},
-    "came": {"factored": StepWork(59, 272), "unfactored": StepWork(28, 240)},
+    ("adafactor", False): FactoredStepWork(StepWork(31, 132), StepWork(20, 156), 14),
+    ("adafactor", True): FactoredStepWork(StepWork(34, 156), StepWork(22, 176), 15),
+    ("came", False): FactoredStepWork(StepWork(55, 240), StepWork(25, 212), 17),
+    ("came", True): FactoredStepWork(StepWork(58, 265), StepWork(27, 232), 18),
 }
-FACTORED_OPS_PER_UPDATE = {"adafactor": 15, "came": 18}
+FACTORED_OPTIMIZERS = {"adafactor": "Adafactor", "came": "CAME"}
 
 
 def factored_step_runs(shapes: list[tuple[int, ...]], shards: int) -> list[tuple[str, int]]:
@@ -295,14 +307,14 @@ def optimizer_seconds(settings: SpeedSettings, shapes: list[tuple[int, ...]]) ->
     same-shaped tensors (FACTORED_STEP_WORK), their kernels at host_seconds_per_kernel. The others: STEP_BYTES
     a value, the host time the H200 measured for the 8-bit AdamW step (the least of its rows)."""
     bandwidth = GPUS[settings.gpu].memory_bandwidth * 0.7
-    if settings.optimizer not in FACTORED_STEP_WORK:
+    if settings.optimizer not in FACTORED_OPTIMIZERS:
         values = sum(math.prod(shape) for shape in shapes)
         host = min(row["optimizer_seconds"] for row in _h200_trainer_rows() if row["optimizer_seconds"])
         return max(STEP_BYTES[settings.optimizer] * values / settings.shard_group / bandwidth, host)
-    work = FACTORED_STEP_WORK[settings.optimizer]
+    work = FACTORED_STEP_WORK[(settings.optimizer, settings.shard_group > 1)]
     runs = factored_step_runs(shapes, settings.shard_group)
-    traffic = sum(work[kind].bytes_per_value * values for kind, values in runs)
-    kernels = FACTORED_OPS_PER_UPDATE[settings.optimizer] + sum(work[kind].ops for kind, _ in runs)
+    traffic = sum(getattr(work, kind).bytes_per_value * values for kind, values in runs)
+    kernels = work.ops_per_update + sum(getattr(work, kind).ops for kind, _ in runs)
     return max(traffic / bandwidth, kernels * host_seconds_per_kernel())
 
 
@@ -358,8 +370,8 @@ class SpeedEstimate:
             lines.append(f"  {share:.0%} of the update waits for the link: try " + "; ".join(advice) + ".")
         lines.append(f"  compute from {self.compute_source} (per unit: by FLOP; a placeholder until the GPU battery measures units)"
                      + (f"; link {settings.interconnect}: {link.source}" if settings.gpus > 1 else ""))
-        if settings.optimizer in FACTORED_STEP_WORK:
-            name = "CAME" if settings.optimizer == "came" else "Adafactor"
+        if settings.optimizer in FACTORED_OPTIMIZERS:
+            name = FACTORED_OPTIMIZERS[settings.optimizer]
             lines.append(f"  optimizer: {name}'s step by its operators counted per run of same-shaped tensors, at the host time per kernel of "
                          f"{H200_PROFILES.name}'s update (likely an upper bound: that update's Python is heavier; {name} has not run on a GPU)")
         return "\n".join(lines)

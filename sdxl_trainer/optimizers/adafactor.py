@@ -8,8 +8,8 @@ from typing import Iterable
 import torch
 
 from sdxl_trainer.optimizers.shards import (
-    StepsIfFinite, _entries_per_group, _sum_over_shards, factored_zeros, finish_statistics, fp32_zeros_like, move_statistic, normalised,
-    stacked_runs, start_factored_step,
+    StepsIfFinite, _entries_per_group, factored_zeros, finish_statistics, fp32_zeros_like, move_statistic, stacked_runs, start_factored_step,
+    updates_and_clip_divisors,
 )
 from sdxl_trainer.optimizers.stochastic_rounding import keys_by_first_tensor, store_run
 from sdxl_trainer.distributed.local_shard import local_shard
@@ -31,9 +31,9 @@ class Adafactor(StepsIfFinite, torch.optim.Optimizer):
     StepsIfFinite) is selected there (its gradients count as zeros, its moments' weight of the new is 0, and
     the weights are kept).
     Same-shaped tensors step together, stacked in runs of up to 16 M values (StackedRun): 44 shapes among
-    SDXL's 1,680 tensors. A run's update is computed twice, before and after its RMS is known, so no more
-    than one run's update is held at a time; over bf16 weights a run is rounded at once, keyed by its first
-    tensor's step count and number."""
+    SDXL's 1,680 tensors. Sharded, a run's update is computed twice, before and after its RMS over every shard
+    is known, so no more than one run's update is held at a time (updates_and_clip_divisors); over bf16
+    weights a run is rounded at once, keyed by its first tensor's step count and number."""
 
     def __init__(
         self,
@@ -71,16 +71,12 @@ class Adafactor(StepsIfFinite, torch.optim.Optimizer):
             moved = [move_statistic(run, "exp_avg_sq", run.grads().square_().add_(group["eps"]), weight, sums) for run, weight in zip(runs, weights_of_new)]
             moment_scales = finish_statistics(runs, moved, sums, shard_group, "exp_avg_sq", weights_of_new)
 
-            # Each tensor's update's RMS over every shard: its clipping divisor.
-            squares = torch.cat([run.sums_per_tensor(normalised(run.grads(), scales).square_()) for run, scales in zip(runs, moment_scales)])
-            squares = _sum_over_shards(squares, shard_group).split([len(run) for run in runs])
-
             keys = keys_by_first_tensor([run.entries for run in runs], steps)  # bf16 weights: the runs' rounding keys
-            for number, (run, scales, run_squares) in enumerate(zip(runs, moment_scales, squares)):
-                update = normalised(run.grads(), scales)
-                update.div_(run.per_tensor(run.clip_divisors(run_squares, group["clip_threshold"]), update)).mul_(group["lr"])
+            updates = updates_and_clip_divisors(runs, moment_scales, shard_group, group["clip_threshold"])
+            for number, (run, update, divisors) in enumerate(updates):
                 weights = run.weights()
                 decayed = weights * (1 - group["lr"] * group["weight_decay"]) if group["weight_decay"] else weights
+                # Clipped, scaled by the learning rate and subtracted in one operator: a factor per tensor.
+                stepped = decayed.addcmul(update, run.per_tensor(torch.div(-group["lr"], divisors), update))
                 # A skipped update's moments may still hold zeros (skipped first updates), whose update is not finite.
-                new_weights = torch.where(verdict, decayed - update, weights)
-                store_run([entry.weights for entry in run.entries], new_weights.view(-1), keys, number)
+                store_run([entry.weights for entry in run.entries], torch.where(verdict, stepped, weights).view(-1), keys, number)

@@ -9,8 +9,8 @@ import torch
 
 from sdxl_trainer.distributed.local_shard import local_shard
 from sdxl_trainer.optimizers.shards import (
-    StepsIfFinite, _entries_per_group, _sum_over_shards, factored_zeros, finish_statistics, fp32_zeros_like, move_statistic, normalised,
-    stacked_runs, start_factored_step,
+    StepsIfFinite, _entries_per_group, factored_zeros, finish_statistics, fp32_zeros_like, move_statistic, normalised, stacked_runs,
+    start_factored_step, updates_and_clip_divisors,
 )
 from sdxl_trainer.optimizers.stochastic_rounding import keys_by_first_tensor, store_run
 
@@ -37,8 +37,8 @@ class CAME(StepsIfFinite, torch.optim.Optimizer):
     those sums. Nothing is read on the host: a skipped update (step(finite=...), StepsIfFinite) gives the new
     values a weight of 0 and keeps the weights; over bf16 weights a step count (the key of the stochastic
     rounding) joins the state. Same-shaped tensors step together, stacked in runs of up to 16 M values
-    (StackedRun), as Adafactor's do. A run's update is computed twice, before and after its RMS is known, so
-    no more than one run's update is held at a time."""
+    (StackedRun), as Adafactor's do. Sharded, a run's update is computed twice, before and after its RMS over
+    every shard is known, so no more than one run's update is held at a time (updates_and_clip_divisors)."""
 
     def __init__(
         self,
@@ -80,15 +80,10 @@ class CAME(StepsIfFinite, torch.optim.Optimizer):
             moved = [move_statistic(run, "exp_avg_sq", run.grads().square_().add_(eps_squared), square_weight, sums) for run in runs]
             moment_scales = finish_statistics(runs, moved, sums, shard_group, "exp_avg_sq", [square_weight] * len(runs))
 
-            # The normalised gradients' RMS over every shard: each one's clipping divisor.
-            squares = torch.cat([run.sums_per_tensor(normalised(run.grads(), scales).square_()) for run, scales in zip(runs, moment_scales)])
-            squares = _sum_over_shards(squares, shard_group).split([len(run) for run in runs])
-
             # The momentum, and the instability (its deviation from the clipped update) of factored weights.
             sums, moved = [], []
-            for run, scales, run_squares in zip(runs, moment_scales, squares):
-                update = normalised(run.grads(), scales)
-                update.div_(run.per_tensor(run.clip_divisors(run_squares, group["clip_threshold"]), update))
+            for run, update, divisors in updates_and_clip_divisors(runs, moment_scales, shard_group, group["clip_threshold"]):
+                update.div_(run.per_tensor(divisors, update))
                 momentum = run.state("exp_avg")
                 if finite is not None:  # a skipped first update's zero moments make it 0/0: weigh the momentum itself
                     update = torch.where(verdict, update, momentum)
@@ -106,5 +101,5 @@ class CAME(StepsIfFinite, torch.optim.Optimizer):
                 weights = run.weights()
                 decayed = weights * (1 - group["lr"] * group["weight_decay"]) if group["weight_decay"] else weights
                 # A skipped update's instability may still hold zeros (skipped first updates), whose update is not finite.
-                new_weights = torch.where(verdict, decayed - group["lr"] * direction, weights)
+                new_weights = torch.where(verdict, decayed.add(direction, alpha=-group["lr"]), weights)
                 store_run([entry.weights for entry in run.entries], new_weights.view(-1), keys, number)

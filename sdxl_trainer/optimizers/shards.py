@@ -5,7 +5,7 @@ tensors, their fp32 state, and the sums over shards that a factored optimizer ne
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -305,8 +305,9 @@ class StackedRun:
         """`values` (one per tensor of the run, or one for all) shaped to broadcast over `stacked`."""
         return values.view(-1, *[1] * (stacked.ndim - 1))
 
-    def sums_per_tensor(self, stacked: torch.Tensor) -> torch.Tensor:
-        return stacked.view(len(self.entries), -1).sum(1)
+    def sums_of_squares(self, stacked: torch.Tensor) -> torch.Tensor:
+        """Each tensor's sum of squares of `stacked` (one per tensor of the run)."""
+        return stacked.view(len(self.entries), -1).square().sum(1)
 
     def clip_divisors(self, sums_of_squares: torch.Tensor, clip_threshold: float) -> torch.Tensor:
         """What divides each tensor's update so its RMS (`sums_of_squares` over every shard, one per tensor) is at
@@ -341,6 +342,24 @@ def normalised(values: torch.Tensor, scales: torch.Tensor | FactoredScales) -> t
     if isinstance(scales, FactoredScales):
         return (values.flatten(2) * scales.rows * scales.columns).view_as(values)
     return values * scales
+
+
+def updates_and_clip_divisors(
+    runs: list[StackedRun], moment_scales: list[torch.Tensor | FactoredScales], shard_group: tuple, clip_threshold: float,
+) -> Iterator[tuple[StackedRun, torch.Tensor, torch.Tensor]]:
+    """Each run with its update (its gradients over the root of their second moments, normalised()) and what
+    divides each tensor's update so that its RMS over every shard is at most clip_threshold (clip_divisors).
+    Sharded, each tensor's sum of squares needs every shard's: all runs' are summed in one all-reduce before any
+    update is clipped, so an update is computed twice (for its squares, then to be applied) and one run's is held
+    at a time. Whole tensors (one process) need no other rank: each run's update is computed once."""
+    if not shard_group:
+        for run, scales in zip(runs, moment_scales):
+            update = normalised(run.grads(), scales)
+            yield run, update, run.clip_divisors(run.sums_of_squares(update), clip_threshold)
+        return
+    squares = torch.cat([run.sums_of_squares(normalised(run.grads(), scales)) for run, scales in zip(runs, moment_scales)])
+    for run, scales, run_squares in zip(runs, moment_scales, _sum_over_shards(squares, shard_group).split([len(run) for run in runs])):
+        yield run, normalised(run.grads(), scales), run.clip_divisors(run_squares, clip_threshold)
 
 
 def move_statistic(run: StackedRun, name: str, values: torch.Tensor, weight_of_new: torch.Tensor, sums: list[torch.Tensor]) -> torch.Tensor:

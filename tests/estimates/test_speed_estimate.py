@@ -1,7 +1,8 @@
 """The speed estimate (sdxl_trainer/estimates/speed_estimate.py): the bytes it says FSDP2's collectives move, against
 what the real collectives moved (2 and 4 gloo processes on the tiny UNet, full sharding and HSDP; the full-size
 UNet over the fake process group of --estimate_memory), its overlap of compute and communication on made-up
-units whose answer is worked out by hand, the work CAME's step does per tensor, and the figures README's hardware
+units whose answer is worked out by hand, the work Adafactor's and CAME's steps do per run of same-shaped
+tensors, and the figures README's hardware
 table gives for the shipped configs."""
 
 from __future__ import annotations
@@ -15,13 +16,10 @@ import torch
 from collective_bytes_worker import LAYOUTS
 from conftest import REPO_ROOT, run_processes
 from diffusers import UNet2DConditionModel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from factored_step_work import OPTIMIZERS, recount
 
 from sdxl_trainer.config import parse_config
-from sdxl_trainer.estimates.host_work import HostWork
 from sdxl_trainer.estimates.speed_estimate import (
-    FACTORED_OPS_PER_UPDATE,
     FACTORED_STEP_WORK,
     GPUS,
     LINKS,
@@ -36,8 +34,6 @@ from sdxl_trainer.estimates.speed_estimate import (
 )
 from sdxl_trainer.jobs.train_config import TrainConfig, speed_settings
 from sdxl_trainer.models.tiny import TINY_UNET_CONFIG
-from sdxl_trainer.optimizers.adafactor import Adafactor
-from sdxl_trainer.optimizers.came import CAME
 
 SHIPPED_CONFIGS = ("1x24gb_bf16.toml", "2x24gb_consumer.toml", "8x80gb_datacenter.toml", "multinode_4x8x80gb.toml")
 
@@ -210,49 +206,29 @@ def test_the_hardware_tables_predictions_are_the_estimates_of_the_shipped_config
         assert float(rows[name]["job"]) == round(estimate.images_per_second, 2), name
 
 
-class OperatorBytes(TorchDispatchMode):
-    """Bytes of every tensor each non-view operator under it reads or writes (its inputs and outputs)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            self.bytes += sum(tensor.numel() * tensor.element_size() for tensor in tree_leaves((args, kwargs, result)) if isinstance(tensor, torch.Tensor))
-        return result
+def stated(work) -> dict:
+    """FACTORED_STEP_WORK's entry as factored_step_work.recount reports it."""
+    return {
+        "ops_per_update": work.ops_per_update,
+        "ops_per_run": {"factored": work.factored.ops, "unfactored": work.unfactored.ops},
+        "bytes_per_value": {"factored": pytest.approx(work.factored.bytes_per_value, rel=0.02), "unfactored": pytest.approx(work.unfactored.bytes_per_value, rel=0.02)},
+        "ops_of_one_more_tensor_of_a_shape": 0,
+    }
 
 
-def factored_step_work(optimizer_class, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
-    """Operators and bytes of one step of Adafactor or CAME (as TrainStep calls it, with a verdict) over fp32
-    weights of these shapes, their state made by a first step."""
-    parameters = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
-    optimizer = optimizer_class(parameters, lr=1e-3)
-    for parameter in parameters:
-        parameter.grad = torch.randn(parameter.shape)
-    optimizer.step(finite=torch.tensor(True))
-    with HostWork(by_part=False) as counts, OperatorBytes() as traffic:
-        optimizer.step(finite=torch.tensor(True))
-    return counts.total_ops, traffic.bytes
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_factored_step_work_over_whole_tensors_is_what_the_step_does(name):
+    """FACTORED_STEP_WORK over whole tensors (one process), recounted: operators per update and per run of each
+    kind, none for one more tensor of a shape (it joins that shape's run), bytes per value of each kind."""
+    assert recount(OPTIMIZERS[name]) == stated(FACTORED_STEP_WORK[(name, False)])
 
 
-@pytest.mark.parametrize("name, optimizer_class", [("adafactor", Adafactor), ("came", CAME)])
-def test_factored_step_work_is_what_the_step_dispatches(name, optimizer_class):
-    """FACTORED_STEP_WORK, which prices Adafactor's and CAME's steps, recounted: the operators of a step over a
-    factored and an unfactored tensor; one more run of each kind (another shape) adds its kind's operators, one
-    more tensor of a shape none (it joins that shape's run); the bytes per value of a run of two large tensors
-    of a kind (the gradients of several tensors are concatenated for the NaN/inf selection)."""
-    work = FACTORED_STEP_WORK[name]
-    factored, unfactored = (512, 512), (1 << 18,)
-    ops, _ = factored_step_work(optimizer_class, [factored, unfactored])
-    assert ops == FACTORED_OPS_PER_UPDATE[name] + work["factored"].ops + work["unfactored"].ops
-    assert factored_step_work(optimizer_class, [factored, factored, unfactored, unfactored])[0] == ops
-    more_runs, _ = factored_step_work(optimizer_class, [factored, (256, 1024), unfactored, (1 << 17,)])
-    assert more_runs - ops == work["factored"].ops + work["unfactored"].ops
-    for shape, kind in ((factored, "factored"), (unfactored, "unfactored")):
-        _, traffic = factored_step_work(optimizer_class, [shape, shape])
-        assert traffic / (2 * math.prod(shape)) == pytest.approx(work[kind].bytes_per_value, rel=0.02)
+def test_factored_step_work_over_shards_is_what_the_step_does(tmp_path):
+    """The same over FSDP2's dim-0 shards on 2 processes, rank 0's: each run's update worked out twice."""
+    run_processes(2, REPO_ROOT / "tests" / "support" / "factored_step_work.py", [str(tmp_path)])
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    for name in OPTIMIZERS:
+        assert report[name] == stated(FACTORED_STEP_WORK[(name, True)]), name
 
 
 def test_the_runs_priced_are_the_runs_the_step_makes():
