@@ -7,8 +7,8 @@ agreement, checkpointer) on SDXL's UNet at a narrow width (models/sdxl.py NARROW
 block, layer and parameter tensor of the published architecture, 1,680 tensors) dropped into the tests'
 tiny pipeline, on sample_dataset/ cached at 256-320 px, 8-bit AdamW, EMA, gradient checkpointing, batch 2 x
 2 microbatches per rank, a log every 3 updates. What it counts does not depend on the width: operators
-dispatched outside compiled regions (the stand-in for kernel launches), host reads, and collectives by kind
-and process group (their bytes at full size: --estimate_speed). The exception is the optimizer's part, which
+dispatched outside compiled regions (the stand-in for kernel launches; the most dispatched by name too), host
+reads, and collectives by kind and process group (their bytes at full size: --estimate_speed). The exception is the optimizer's part, which
 is per chunk of up to 16 M values: the narrow UNet fills 2-3 of them, so the chunks the full-size UNet makes
 are printed beside it. Each update is counted from its step's start to the next one's, so its data fetch,
 logging, stop agreement and checkpointer's turn are in it; the first update (kernels compiled, the
@@ -42,6 +42,7 @@ from benchmarks.lib.results import write_json  # noqa: E402
 
 UPDATES = 8
 LOG_EVERY = 3
+OPERATORS_SHOWN = 12
 VARIANTS = {
     "eager_1": (1, ()), "compile_1": (1, ("--compile_unet",)), "eager_2": (2, ()), "compile_2": (2, ("--compile_unet",)),
     # One GPU's precision over fp32 weights (torch.autocast in bf16, as on an H200), counted on the CPU.
@@ -152,6 +153,7 @@ def rank_main(flags: list[str], output: Path) -> None:
             "update": number,
             "logs": number % LOG_EVERY == 0,
             "ops": dict(counts.ops),
+            "operators": dict(counts.operators.most_common()),
             "reads": {f"{file}:{function}": count for (file, function), count in counts.reads.items()},
             "collectives": {f"{kind} over {groups.get(group, group)}": [count, counts.collective_bytes[(kind, group)]]
                             for (kind, group), count in counts.collective_calls.items()},
@@ -192,6 +194,7 @@ def print_table(results: dict[str, list[dict]]) -> None:
             print(f"\n{name}, {kind} (update {update['update']}): {sum(ops.values())} operators dispatched, "
                   f"{sum(update['reads'].values())} host reads")  # fmt: skip
             print("  operators by part: " + ", ".join(f"{part} {ops[part]}" for part in parts if ops[part]))
+            print("  most dispatched: " + ", ".join(f"{operator} {count}" for operator, count in list(update["operators"].items())[:OPERATORS_SHOWN]))
             if update["reads"]:
                 print("  host reads: " + ", ".join(f"{place} x{count}" for place, count in sorted(update["reads"].items())))
             for collective, (calls, size) in sorted(update["collectives"].items()):

@@ -2,7 +2,7 @@
 waits for Python (docs/gpu_results.md).
 
 - ops: operators dispatched to a kernel outside compiled regions (views, which launch nothing, left out): a
-  stand-in for the kernel launches the host makes, by the part of the update that made them;
+  stand-in for the kernel launches the host makes, by the part of the update that made them, and by name;
 - reads: every read of a tensor's value on the host (.item(), .tolist(), a truth value, ...), by place: on a GPU
   each waits for the device to catch up; and every copy of host values to a device made by torch.tensor or
   torch.as_tensor with a `device` (a list, a number): on a GPU that copy is blocking, and torch waits for the
@@ -90,6 +90,7 @@ def _tensor_bytes(value) -> int:
 @dataclass
 class HostWorkCounts:
     ops: Counter = field(default_factory=Counter)  # part -> operators dispatched (views left out)
+    operators: Counter = field(default_factory=Counter)  # operator name (aten's, without overload) -> dispatched
     reads: Counter = field(default_factory=Counter)  # (file, function) -> host reads
     collective_calls: Counter = field(default_factory=Counter)  # (kind, group name) -> calls
     collective_bytes: Counter = field(default_factory=Counter)  # (kind, group name) -> bytes of the input
@@ -132,6 +133,7 @@ class _Dispatched(TorchDispatchMode):
             self.counts.collective_bytes[key] += _tensor_bytes(args[sent]) if args else 0
         elif not func.is_view:
             self.counts.ops[_part_of_caller() if self.by_part else "update"] += 1
+            self.counts.operators[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -1,4 +1,5 @@
-"""count_host_work.py's arithmetic of the 8-bit step's chunks, against the step's own layout, and of Adafactor's and CAME's runs."""
+"""count_host_work.py's arithmetic of the 8-bit step's chunks, against the step's own layout, and of Adafactor's and CAME's runs;
+its count by operator."""
 
 from __future__ import annotations
 
@@ -31,3 +32,21 @@ def test_the_narrow_unet_makes_one_factored_run_per_shape_and_the_full_size_one_
     assert len(shapes) == 44
     assert factored_runs(NARROW_SDXL_UNET_CONFIG, ranks=1) == 44
     assert [factored_runs(SDXL_UNET_CONFIG, ranks) for ranks in (1, 2, 8)] == [204, 118, 58]
+
+
+def test_operators_are_counted_by_name_without_views_or_what_compiled_code_fuses():
+    """The count's breakdown by operator (count_host_work.py prints the most dispatched): each operator
+    dispatched outside compiled code by its name; views launch nothing, and a compiled function's fused
+    kernel is not an operator the host dispatches."""
+    from sdxl_trainer.estimates.host_work import HostWork
+
+    fused = torch.compile(lambda values: (values * 2 + 1).sum(), fullgraph=True)
+    values = torch.ones(4, 4)
+    fused(values)  # compiled before the count
+    with HostWork(by_part=False) as counts:
+        product = values.mm(values).view(-1)
+        torch.add(product, 1)
+        product.add_(1)
+        fused(values)
+    assert counts.operators == {"mm": 1, "add": 1, "add_": 1}
+    assert counts.total_ops == 3
