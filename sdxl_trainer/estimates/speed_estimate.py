@@ -24,9 +24,9 @@ What it adds up, per FSDP2 unit of the UNet as distributed/fsdp.shard_unet wraps
   other optimizers' host time is not measured, and this floor stands in for it). Prodigy's all-reduce of two
   numbers per update is latency only, not counted. Adafactor's and CAME's steps have not run on a GPU: the
   larger of their own memory traffic and their operators (counted per run of same-shaped tensors, over
-  shards or whole tensors, FACTORED_STEP_WORK) at the host time per kernel of the H200's host-bound batch-1 update (that update's time
-  over the kernels its profile counted, H200_PROFILES); their all-reduces of column statistics (a few MB) are
-  left out.
+  shards or whole tensors, FACTORED_STEP_WORK) at the host time per kernel of the H200's host-bound batch-1
+  update (that update's time over the kernels its profile counted, H200_PROFILES); their all-reduces of
+  column statistics (a few MB) are left out.
 Nothing else (data loading, logging, saves) is counted: the battery's end-to-end part measures that.
 """
 

@@ -2,8 +2,7 @@
 what the real collectives moved (2 and 4 gloo processes on the tiny UNet, full sharding and HSDP; the full-size
 UNet over the fake process group of --estimate_memory), its overlap of compute and communication on made-up
 units whose answer is worked out by hand, the work Adafactor's and CAME's steps do per run of same-shaped
-tensors, and the figures README's hardware
-table gives for the shipped configs."""
+tensors, and the figures README's hardware table gives for the shipped configs."""
 
 from __future__ import annotations
 
