@@ -8,9 +8,9 @@ block, layer and parameter tensor of the published architecture, 1,680 tensors) 
 tiny pipeline, on sample_dataset/ cached at 256-320 px, 8-bit AdamW, EMA, gradient checkpointing, batch 2 x
 2 microbatches per rank, a log every 3 updates. What it counts does not depend on the width: operators
 dispatched outside compiled regions (the stand-in for kernel launches; the most dispatched by name too), host
-reads, and collectives by kind and process group (their bytes at full size: --estimate_speed). The exception is the optimizer's part, which
-is per chunk of up to 16 M values: the narrow UNet fills 2-3 of them, so the chunks the full-size UNet makes
-are printed beside it. Each update is counted from its step's start to the next one's, so its data fetch,
+reads, and collectives by kind and process group (their bytes at full size: --estimate_speed). The exception
+is the optimizer's part, which is per chunk of up to 16 M values: the narrow UNet fills 2-3 of them, so the
+chunks the full-size UNet makes are printed beside it. Each update is counted from its step's start to the next one's, so its data fetch,
 logging, stop agreement and checkpointer's turn are in it; the first update (kernels compiled, the
 optimizer's state made) and the last are left out.
 
